@@ -1,0 +1,40 @@
+"""stoker: train image classifiers on several devices at once and keep every device busy.
+
+    import stoker
+    summary = stoker.train(data="photos/", devices="cpu:2", epochs=3, out="runs/photos")
+
+`train` takes the same settings as `stoker train` (see `stoker.TrainConfig`) and returns the run summary.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stoker.config import TrainConfig
+
+__all__ = ["TrainConfig", "train"]
+
+
+def train(config: TrainConfig | None = None, *, show_progress: bool = True, **settings: Any) -> dict[str, Any]:
+    """Train with `config` (or the given settings) and return the summary written to RUN_DIR/summary.json.
+
+    Raises `stoker.config.ConfigError` for a bad setting before any process starts. The run's own failures are
+    reported in the summary (`status` "failed" with `error`), like on the command line.
+    """
+    from stoker.config import make_config
+    from stoker.controller import Controller
+
+    if config is None:
+        config = make_config(settings)
+    elif settings:
+        config = config.replace(**settings)
+    return Controller(config, show_progress=show_progress).run()
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: producers import stoker.producer, which must not pay for torch.
+    if name == "TrainConfig":
+        from stoker.config import TrainConfig
+        return TrainConfig
+    raise AttributeError(name)

@@ -1,0 +1,12 @@
+"""`stoker bench ...`: benchmarks that print a table and write --json FILE."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    from stoker.bench import pipeline  # noqa
+    getattr(pipeline, "add_parser", lambda k: None)(kinds)

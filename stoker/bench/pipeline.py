@@ -1,0 +1,1 @@
+"""`stoker bench pipeline`: placeholder replaced below."""

@@ -1,0 +1,131 @@
+"""Atomic, checksummed checkpoints that load with `torch.load(weights_only=True)`.
+
+A checkpoint is a folder `checkpoints/step_NNNNNNNN/`: `model.pt` (the averaged model, written by rank 0),
+`rank_R.pt` (each consumer's optimizer and RNG state: local SGD leaves them per replica) and `meta.json` (position
+and a SHA-256 of every file). Consumers write their files into a temporary folder; the controller commits it with
+an fsync and a rename once every rank has reported, so a crash at any moment leaves either the old or the new
+checkpoint, never half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model.pt"
+META_FILE = "meta.json"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, truncated, tampered with, or not loadable as plain weights."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training resumes: the next train step to run and the global step count so far."""
+
+    epoch: int
+    step: int
+    global_step: int
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def checkpoint_dir(run_dir: Path, global_step: int, temporary: bool = False) -> Path:
+    name = f"{PREFIX}{global_step:08d}"
+    return run_dir / "checkpoints" / (TMP_PREFIX + name if temporary else name)
+
+
+def write_atomic(path: Path, payload: bytes) -> str:
+    """Temporary file in the same folder, fsync, rename, fsync the folder. Returns the payload's SHA-256."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    try:
+        with open(temporary, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return hashlib.sha256(payload).hexdigest()
+
+
+def save_tensors(path: Path, state: dict[str, Any]) -> str:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return write_atomic(path, buffer.getvalue())
+
+
+def fsync_dir(path: Path) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def commit(temporary: Path, final: Path, meta: dict[str, Any], keep: int) -> None:
+    """Write meta.json with every file's checksum, then make the folder visible in one rename."""
+    write_atomic(temporary / META_FILE, json.dumps(meta, indent=1).encode())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(temporary, final)
+    fsync_dir(final.parent)
+    _prune(final.parent, keep)
+
+
+def _prune(folder: Path, keep: int) -> None:
+    for old in sorted(folder.glob(f"{PREFIX}*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_verified(path: Path) -> Any:
+    """Load one file with weights_only=True; anything that is not plain tensors and containers is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{path}: refused ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint whose files all exist and match their checksums."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{folder}: no readable {META_FILE} ({error})") from None
+    for name, expected in meta["files"].items():
+        try:
+            actual = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        except OSError as error:
+            raise CheckpointError(f"{folder / name}: unreadable ({error.strerror})") from None
+        if actual != expected:
+            raise CheckpointError(f"{folder / name}: checksum mismatch (truncated or modified)")
+    return meta
+
+
+def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint that verifies; each refused one is logged with its reason."""
+    candidates = sorted((run_dir / "checkpoints").glob(f"{PREFIX}*"), reverse=True)
+    for folder in candidates:
+        try:
+            return folder, verify(folder)
+        except CheckpointError as error:
+            log.warning("skipping checkpoint: %s", error)
+    raise CheckpointError(f"resume={str(run_dir)!r}: no valid checkpoint under {run_dir / 'checkpoints'}")

@@ -1,0 +1,91 @@
+"""The `stoker` command: parse, build, run, close. Every flag of `train` can also come from `--config FILE.toml`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from stoker.config import FIELD_NAMES, ConfigError, load_toml, make_config
+
+USAGE_ERROR = 2
+
+# (flag help, metavar) for each setting; the defaults and the checks live in stoker.config.TrainConfig.
+TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "data": ("ImageFolder root (a sub-folder per class); default: the built-in dataset", "DIR"),
+    "val": ("validation ImageFolder (default: hold out --val-fraction of --data)", "DIR"),
+    "val_fraction": ("share of each class held out for validation when --val is not given", "F"),
+    "model": ("resnet8 | resnet14 | resnet20 | resnet18 | module:function", "NAME"),
+    "image_size": ("training resolution (default 32 on the built-in data, else 224)", "PX"),
+    "augment": ("standard (random resized crop + flip) | noflip | none", "MODE"),
+    "devices": ("auto | cpu:N | cuda | cuda:0,1", "SPEC"),
+    "producers": ("auto (fork more when consumers wait) or a fixed count", "M"),
+    "min_producers": ("lower bound for --producers auto", "A"),
+    "max_producers": ("upper bound for --producers auto (default: cores not used by CPU consumers)", "B"),
+    "batch_size": ("samples per consumer per step", "B"),
+    "epochs": ("passes over the training set", "E"),
+    "lr": ("SGD learning rate (momentum 0.9)", "LR"),
+    "momentum": ("SGD momentum", "MU"),
+    "weight_decay": ("SGD weight decay", "WD"),
+    "sync_every": ("average replicas every H steps", "H"),
+    "seed": ("seed for initialization, sampling and augmentation", "S"),
+    "out": ("run folder for summary.json, metrics.jsonl and checkpoints (default runs/<time>)", "RUN_DIR"),
+    "resume": ("continue from the newest valid checkpoint of this run folder", "RUN_DIR"),
+    "slots_per_consumer": ("batch slots in shared memory per consumer", "K"),
+    "check_replicas_every": ("compare replica hashes every K steps (0: at the end only)", "K"),
+    "collective_timeout_s": ("seconds a consumer waits for its peers before the run fails", "S"),
+    "producer_timeout_s": ("seconds without progress on one file before a producer counts as hung", "S"),
+    "max_bad_fraction": ("stop when more than this share of files is unusable", "F"),
+    "log_every_s": ("seconds between progress lines when output is not a terminal", "S"),
+}
+assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stoker", description="Train image classifiers on several devices at "
+                                     "once, with producer processes that keep every device busy.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    train = commands.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS)
+    train.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below")
+    for name, (help_text, metavar) in TRAIN_FLAGS.items():
+        train.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, help=help_text)
+    train.add_argument("--quiet", action="store_true", help="no progress display")
+    from stoker.bench import add_bench_parser
+    add_bench_parser(commands)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(load_toml(Path(args.config)))
+    values.update({name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)})
+    return make_config(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return args.run(args)
+    return train_command(args)
+
+
+def train_command(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        from stoker.controller import Controller
+        controller = Controller(config, show_progress=not getattr(args, "quiet", False))
+    except ValueError as error:  # ConfigError and every other user error found before a process starts
+        print(f"stoker: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    summary = controller.run()
+    shown = {k: v for k, v in summary.items() if k not in ("skipped_files", "producers_timeline")}
+    print(json.dumps(shown, indent=2, default=str))
+    return {"completed": 0, "interrupted": 130}.get(summary["status"], 1)
+
+
+__all__ = ["main", "ConfigError"]

@@ -1,0 +1,149 @@
+"""Training configuration: one frozen, validated dataclass shared by the command line, TOML files and the API.
+
+Every user error is raised here as `ConfigError` (a `ValueError`) naming the setting, the value and what is
+allowed, before any process starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic.dataclasses import dataclass
+
+Augment = Literal["standard", "noflip", "none"]
+
+BUILTIN_IMAGE_SIZE = 32
+DEFAULT_IMAGE_SIZE = 224
+
+
+class ConfigError(ValueError):
+    """A setting the user gave is wrong; the message says which, what it was and what is allowed."""
+
+
+_DEVICES_PATTERN = re.compile(r"^(auto|cpu:[1-9][0-9]*|cuda|cuda:[0-9]+(,[0-9]+)*)$")
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=False))
+class TrainConfig:
+    data: Path | None = None
+    val: Path | None = None
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    model: str = "resnet8"
+    image_size: int | None = Field(None, ge=8, le=2048)
+    augment: Augment = "standard"
+    devices: str = "auto"
+    producers: int | Literal["auto"] = "auto"
+    min_producers: int = Field(1, ge=1)
+    max_producers: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1, le=65536)
+    epochs: int = Field(8, ge=1)
+    lr: float = Field(0.05, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(5e-4, ge=0.0)
+    sync_every: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0)
+    out: Path | None = None
+    resume: Path | None = None
+    slots_per_consumer: int = Field(4, ge=2, le=64)
+    check_replicas_every: int = Field(0, ge=0)
+    collective_timeout_s: float = Field(60.0, gt=0)
+    producer_timeout_s: float = Field(60.0, gt=0)
+    max_bad_fraction: float = Field(0.1, ge=0.0, le=1.0)
+    log_every_s: float = Field(10.0, gt=0)
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_form(cls, value: str) -> str:
+        if not _DEVICES_PATTERN.match(value):
+            raise ValueError("expected 'auto', 'cpu:N', 'cuda' or 'cuda:I,J,...'")
+        return value
+
+    @field_validator("producers")
+    @classmethod
+    def _producers_positive(cls, value: int | str) -> int | str:
+        if value != "auto" and value < 1:
+            raise ValueError("expected 'auto' or a positive number of producer processes")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.max_producers is not None and self.max_producers < self.min_producers:
+            raise ValueError(f"max_producers={self.max_producers} is below min_producers={self.min_producers}")
+        for name in ("data", "val"):
+            folder = getattr(self, name)
+            if folder is not None and not folder.is_dir():
+                raise ValueError(f"{name}={str(folder)!r} is not a folder (expected an ImageFolder root)")
+        if self.resume is not None and not self.resume.is_dir():
+            raise ValueError(f"resume={str(self.resume)!r} is not a run folder")
+        return self
+
+    @property
+    def resolved_image_size(self) -> int:
+        if self.image_size is not None:
+            return self.image_size
+        return BUILTIN_IMAGE_SIZE if self.data is None else DEFAULT_IMAGE_SIZE
+
+    @property
+    def producer_budget(self) -> int:
+        """Most producers the controller may run: the cores not needed by CPU consumers, never fewer than 1."""
+        if self.max_producers is not None:
+            return self.max_producers
+        cores = os.cpu_count() or 1
+        cpu_consumers = int(self.devices.split(":")[1]) if self.devices.startswith("cpu:") else 0
+        return max(1, cores - cpu_consumers, self.min_producers)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return make_config({**self.as_dict(), **changes})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def as_json(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in self.as_dict().items()}
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
+
+
+def make_config(values: dict[str, Any]) -> TrainConfig:
+    """Build a TrainConfig, turning pydantic's report into one `ConfigError` that names every bad setting."""
+    unknown = sorted(set(values) - set(FIELD_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(FIELD_NAMES)}")
+    try:
+        return TrainConfig(**values)
+    except pydantic.ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+
+
+def _describe(error: pydantic.ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        where = ".".join(str(part) for part in problem["loc"] if not isinstance(part, int)) or "config"
+        where = where.split(".")[0]
+        value = problem.get("input")
+        shown = f"={value!r}" if not isinstance(value, (dict, pydantic.BaseModel)) and where != "config" else ""
+        lines.append(f"{where}{shown}: {problem['msg']}")
+    return "invalid configuration: " + "; ".join(dict.fromkeys(lines))
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """Read settings from a TOML file: top-level keys or a [train] table, named like the command-line flags."""
+    try:
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config={str(path)!r}: file not found") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config={str(path)!r}: not valid TOML ({error})") from None
+    table = raw.get("train", raw)
+    if not isinstance(table, dict):
+        raise ConfigError(f"config={str(path)!r}: [train] must be a table")
+    return {key.replace("-", "_"): value for key, value in table.items()}

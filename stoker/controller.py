@@ -1,0 +1,480 @@
+"""The controller: validates, indexes the data, owns the slot ring and the queues, runs the processes, decides
+when to fork or retire producers, commits checkpoints and writes the run summary. It never touches pixels or
+gradients.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import queue
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from stoker import checkpoint
+from stoker.autoscale import Autoscaler, Window
+from stoker.builtin_data import builtin_dataset
+from stoker.checkpoint import Position
+from stoker.config import TrainConfig
+from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
+                             StepReport, ValReport, consumer_main)
+from stoker.dataset import ImageIndex, scan_image_folder, split_validation
+from stoker.devices import resolve_devices, threads_per_consumer
+from stoker.metrics import MetricsLog, RunStats
+from stoker.models import check_model
+from stoker.plan import EpochPlan
+from stoker.pool import ProducerPool
+from stoker.procs import CONTEXT, POLL_S, StokerRunError, describe_exit, name_process, start, stop_processes
+from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
+from stoker.progress import ProgressView, Snapshot
+from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
+from stoker.scheduler import Issue, Scheduler
+
+log = logging.getLogger(__name__)
+
+SCALE_WINDOW_S = 2.0
+KEEP_CHECKPOINTS = 3
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM: checkpoint, write the summary with status 'interrupted', exit."""
+
+
+@dataclass(frozen=True)
+class Data:
+    train: ImageIndex
+    val: ImageIndex | None
+
+
+class Controller:
+    """`Controller(config)` validates everything and starts nothing; `run()` trains and returns the summary."""
+
+    def __init__(self, config: TrainConfig, show_progress: bool = True) -> None:
+        self.config = config
+        self.show_progress = show_progress
+        self.devices = resolve_devices(config.devices)
+        self.num_consumers = len(self.devices)
+        self.data = load_data(config)
+        self.image_size = config.resolved_image_size
+        check_model(config.model, len(self.data.train.classes), self.image_size)
+        if config.batch_size > len(self.data.train):
+            raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
+                             f"({len(self.data.train)} images)")
+        self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
+                              self.num_consumers, config.seed)
+        self.num_slots = config.slots_per_consumer * self.num_consumers
+        self.budget = config.producers if config.producers != "auto" else config.producer_budget
+        self.run_dir = Path(config.out or default_run_dir())
+        self.start_at, self.resume_from = self._resume_point()
+        self._ring_bytes_check()
+        self._reset_state()
+
+    def _resume_point(self) -> tuple[Position, Path | None]:
+        if self.config.resume is None:
+            return Position(0, 0, 0), None
+        folder, meta = checkpoint.newest_valid(self.config.resume)
+        if meta["num_consumers"] != self.num_consumers:
+            raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {meta['num_consumers']} "
+                             f"consumers, this run {self.num_consumers}; resume with the same devices")
+        return Position(**meta["position"]), folder
+
+    def _ring_bytes_check(self) -> None:
+        spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
+        check_shm_space(spec.nbytes)
+
+    def _reset_state(self) -> None:
+        self.ring: SlotRing | None = None
+        self.pool: ProducerPool | None = None
+        self.consumers: list = []
+        self.ready_queues: list = []
+        self.store = None
+        self.stop = CONTEXT.Event()
+        self.inbox = CONTEXT.Queue()
+        self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch)
+        self.tasks: dict[int, Issue] = {}
+        self.task_ids = iter(range(1 << 62))
+        self.slot_owner: dict[int, int] = {}
+        self.delivered = [0] * self.num_consumers  # batches handed over and not yet taken, per consumer
+        self.pending_saves: dict[int, dict[int, dict[str, str]]] = {}
+        self.last_checkpoint: Path | None = None
+        self.finished: dict[int, Finished] = {}
+        self.val_reports: list[ValReport] = []
+        self.producers_initial = 0
+        self.timeline: list[dict[str, Any]] = []
+        self.interrupted = False
+        self.finishing = False
+        self.closed = False
+
+    # ---- the run -----------------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        name_process("stoker controller")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.started = time.monotonic()
+        status, error = "completed", None
+        previous = _install_signal_handlers(self._on_signal)
+        try:
+            self._start()
+            self._loop()
+            if self.interrupted:
+                status = "interrupted"
+        except Interrupted:
+            status = "interrupted"
+        except (StokerRunError, OSError) as failure:
+            status, error = "failed", str(failure)
+            log.error("run failed: %s", failure)
+        finally:
+            _restore_signal_handlers(previous)
+            self.close()
+        summary = self.summary(status, error)
+        write_json(self.run_dir / "summary.json", summary)
+        self.metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
+        self.metrics.close()
+        return summary
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if self.interrupted:
+            raise Interrupted  # a second signal: stop now, the last committed checkpoint stands
+        log.warning("%s: finishing the current step, saving a checkpoint and stopping (again to force)",
+                    signal.Signals(signum).name)
+        self.interrupted = True
+
+    def _start(self) -> None:
+        sweep_dead_segments()
+        self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
+        self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
+                                   self.data.val is not None, 0, self.run_dir)
+        self.pool = ProducerPool(self._producer_setup(), self.ring, self.inbox, self.stop, self.budget,
+                                 self.config.producer_timeout_s)
+        initial = self.budget if self.config.producers != "auto" else min(self.config.min_producers, self.budget)
+        for _ in range(initial):
+            self.pool.grow()
+        self.producers_initial = initial
+        self._record_producers("start")
+        self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if self.config.producers == "auto" else None
+        self._start_consumers()
+        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.config.log_every_s,
+                                 self.show_progress)
+        self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
+                           resume_from=self.resume_from)
+
+    def _producer_setup(self) -> ProducerSetup:
+        val = self.data.val
+        return ProducerSetup(self.ring.spec, Source(self.data.train.paths, self.data.train.labels),
+                             Source(val.paths, val.labels) if val else None, self.config.augment, self.config.seed)
+
+    def _start_consumers(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, self.num_consumers + 1, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+        threads = threads_per_consumer(self.devices)
+        for rank, device in enumerate(self.devices):
+            setup = ConsumerSetup(rank, self.num_consumers, device, "127.0.0.1", self.store.port, self.ring.spec,
+                                  self.config.model, len(self.data.train.classes), self.config.lr,
+                                  self.config.momentum, self.config.weight_decay, self.config.sync_every,
+                                  self.config.seed, threads, self.config.collective_timeout_s,
+                                  self.config.check_replicas_every, self.resume_from)
+            ready = CONTEXT.Queue()
+            self.ready_queues.append(ready)
+            self.consumers.append(start(consumer_main, (setup, ready, self.inbox, self.stop),
+                                        f"stoker consumer {rank}"))
+
+    def _loop(self) -> None:
+        window_started = time.monotonic()
+        window = _WindowTotals()
+        while len(self.finished) < self.num_consumers:
+            if self.interrupted and not self.finishing:
+                self.scheduler.cut()
+            self._dispatch()
+            self._deliver(window)
+            self._handle_next_message(window)
+            self._check_processes()
+            if time.monotonic() - window_started >= SCALE_WINDOW_S:
+                self._scale(window, time.monotonic() - window_started)
+                window_started, window = time.monotonic(), _WindowTotals()
+            self._show()
+
+    def _dispatch(self) -> None:
+        while self.pool.can_take():
+            issued = self.scheduler.issue_one()
+            if issued is None:
+                break
+            self._assign(issued)
+
+    def _assign(self, issued: Issue, skip: dict[int, str] | None = None) -> None:
+        task = Task(next(self.task_ids), issued.work, issued.slot, skip or {})
+        self.tasks[task.task_id] = issued
+        self.slot_owner[issued.slot] = issued.rank
+        if issued.work.kind == "train":
+            self.stats.expect(issued.work.epoch, issued.work.sample_ids)
+        self.pool.assign(task)
+
+    def _deliver(self, window: _WindowTotals) -> None:
+        for rank, message in self.scheduler.deliverable():
+            if getattr(message, "slot", None) is not None:
+                self.delivered[rank] += 1
+            self.ready_queues[rank].put(message)
+        if not self.finishing and self.scheduler.exhausted():
+            self._finish()
+        window.queue_samples += 1
+        window.queue_fill += sum(self.delivered) / max(1, self.num_slots)
+
+    def _finish(self) -> None:
+        """Every consumer got its last batch: save where an interrupt stopped us, then write the final model."""
+        self.finishing = True
+        position = self.scheduler.position
+        if self.interrupted and (self.last_checkpoint is None or _step_of(self.last_checkpoint) != position.global_step):
+            folder = checkpoint.checkpoint_dir(self.run_dir, position.global_step, temporary=True)
+            for ready in self.ready_queues:
+                ready.put(Save(folder, position.global_step))
+            self.pending_saves[position.global_step] = {}
+        for ready in self.ready_queues:
+            ready.put(Finish(self.run_dir / "model.pt"))
+
+    def _handle_next_message(self, window: _WindowTotals) -> None:
+        try:
+            message = self.inbox.get(timeout=POLL_S)
+        except queue.Empty:
+            return
+        now = time.monotonic()
+        if isinstance(message, SlotFree):
+            self.delivered[self.slot_owner[message.slot]] -= 1
+            self.scheduler.release(message.slot, self.slot_owner.pop(message.slot))
+        elif isinstance(message, TaskDone):
+            self._task_done(message)
+        elif isinstance(message, StepReport):
+            self.stats.record_step(message, now)
+            window.add(message)
+            self.metrics.write("step", **_step_fields(message))
+        elif isinstance(message, ValReport):
+            self.val_reports.append(message)
+            self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
+                               count=message.count)
+            log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
+                     message.loss)
+        elif isinstance(message, Saved):
+            self._saved(message)
+        elif isinstance(message, Finished):
+            self.finished[message.rank] = message
+        elif isinstance(message, ConsumerFailed | ProducerFailed):
+            log.debug("%s", message.error.trace)
+            raise StokerRunError(f"{message.error}\n{message.error.trace}")
+
+    def _task_done(self, done: TaskDone) -> None:
+        task = self.pool.finished(done)
+        if task is None:
+            return
+        issued = self.tasks.pop(done.task_id)
+        if done.skipped:
+            paths = {p: i for i, p in enumerate(self.data.train.paths)} if issued.work.kind == "train" else {}
+            ids = [paths[s.path] for s in done.skipped if s.path in paths]
+            self.stats.record_skipped(issued.work.epoch if issued.work.kind == "train" else None, done.skipped, ids)
+            for item in done.skipped:
+                log.warning("skipped %s: %s", item.path, item.reason)
+                self.metrics.write("skipped", path=item.path, reason=item.reason)
+            self._check_bad_fraction()
+        self.scheduler.complete(issued)
+
+    def _check_bad_fraction(self) -> None:
+        bad = len(self.stats.skipped)
+        total = len(self.data.train) + len(self.data.val or ())
+        if bad > self.config.max_bad_fraction * total:
+            raise StokerRunError(f"{bad} of {total} files are unusable, more than max_bad_fraction="
+                                 f"{self.config.max_bad_fraction}; see skipped_files in summary.json")
+
+    def _saved(self, message: Saved) -> None:
+        parts = self.pending_saves.setdefault(message.global_step, {})
+        parts[message.rank] = message.files
+        if len(parts) < self.num_consumers:
+            return
+        del self.pending_saves[message.global_step]
+        files = {name: digest for rank_files in parts.values() for name, digest in rank_files.items()}
+        steps = self.plan.steps_per_epoch
+        position = Position(message.global_step // steps, message.global_step % steps, message.global_step)
+        meta = {"position": position.__dict__, "files": files, "num_consumers": self.num_consumers,
+                "config": self.config.as_json(), "classes": list(self.data.train.classes)}
+        final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
+        checkpoint.commit(checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True), final,
+                          meta, KEEP_CHECKPOINTS)
+        self.last_checkpoint = final
+        self.metrics.write("checkpoint", path=final, step=message.global_step)
+
+    def _check_processes(self) -> None:
+        for rank, process in enumerate(self.consumers):
+            if not process.is_alive() and rank not in self.finished:
+                self._drain_failures()
+                raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
+        for loss in self.pool.check():
+            log.warning("%s; starting a replacement and re-issuing its %d batch(es)", loss.message,
+                        len(loss.reissue))
+            self.metrics.write("producer_lost", message=loss.message, reissued=len(loss.reissue))
+            self.pool.grow()
+            for task in loss.reissue:
+                issued = self.tasks.get(task.task_id)
+                if issued is not None:
+                    del self.tasks[task.task_id]
+                    self._assign(issued, task.skip)
+
+    def _drain_failures(self) -> None:
+        """A consumer died: if another one reported why (a collective error, say), say that first."""
+        try:
+            while True:
+                message = self.inbox.get(timeout=0.5)
+                if isinstance(message, ConsumerFailed):
+                    log.error("%s", message.error)
+        except queue.Empty:
+            pass
+
+    def _scale(self, window: _WindowTotals, elapsed_s: float) -> None:
+        if self.autoscaler is None or window.steps == 0 or self.finishing:
+            return
+        decision = self.autoscaler.decide(Window(
+            stall=window.wait_s / max(1e-9, elapsed_s * self.num_consumers),
+            queue_fill=window.queue_fill / max(1, window.queue_samples),
+            utilization=self.pool.take_utilization(elapsed_s),
+            producers=len(self.pool.active)))
+        if decision.change > 0:
+            self.pool.grow()
+        elif decision.change < 0:
+            self.pool.shrink()
+        if decision.change:
+            self._record_producers(decision.reason)
+
+    def _record_producers(self, reason: str) -> None:
+        count = len(self.pool.active)
+        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason})
+        self.metrics.write("producers", count=count, reason=reason)
+
+    def _show(self) -> None:
+        now = time.monotonic()
+        reports = self.stats.consumers[0]
+        epoch = min(self.config.epochs - 1, self.start_at.epoch + reports.steps // max(1, self.plan.steps_per_epoch))
+        self.view.update(Snapshot(
+            epoch, self.config.epochs, self.start_at.global_step + reports.steps,
+            self.plan.steps_per_epoch * self.config.epochs, self.stats.rate(now),
+            self.stats.train_loss(max(self.stats.epochs, default=0)),
+            sum(self.stats.stall_fractions()) / self.num_consumers, len(self.pool.active),
+            self.val_reports[-1].accuracy if self.val_reports else None))
+
+    # ---- the end ------------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Idempotent. Stop event, join with timeout, terminate, then release shared memory."""
+        if self.closed:
+            return
+        self.closed = True
+        if hasattr(self, "view"):
+            self.view.close()
+        self.stop.set()
+        if self.pool is not None:
+            self.pool.close()
+        stop_processes(self.consumers, timeout_s=10.0)
+        for channel in [*self.ready_queues, self.inbox]:
+            channel.cancel_join_thread()
+            channel.close()
+        if self.ring is not None:
+            self.ring.close()
+        self.store = None
+
+    def summary(self, status: str, error: str | None) -> dict[str, Any]:
+        last_epoch = max(self.stats.epochs, default=None)
+        last_val = self.val_reports[-1] if self.val_reports else None
+        digests = {rank: f.digest for rank, f in self.finished.items()}
+        completed_epochs = sum(1 for e, a in self.stats.epochs.items()
+                               if e in {v.epoch for v in self.val_reports} or self.data.val is None)
+        summary = {
+            "status": status,
+            **({"error": error} if error else {}),
+            "epochs": completed_epochs if status != "completed" else self.config.epochs - self.start_at.epoch,
+            "steps": self.stats.consumers[0].steps,
+            "num_consumers": self.num_consumers,
+            "devices": self.devices,
+            "producers_initial": self.producers_initial,
+            "producers_final": self.timeline[-1]["producers"] if self.timeline else 0,
+            "producers_max": self.pool.max_alive if self.pool else 0,
+            "producers_timeline": self.timeline,
+            "samples_expected": self.plan.samples_per_epoch,
+            "samples_consumed": [a.consumed() for _, a in sorted(self.stats.epochs.items())],
+            **self.stats.accounting(),
+            "skipped_files": [{"path": p, "reason": r} for p, r in self.stats.skipped.items()],
+            "input_stall_fraction": self.stats.stall_fractions(),
+            "averaging_fraction": self.stats.averaging_fractions(),
+            "throughput_samples_per_s": round(self.stats.throughput(), 2),
+            "val_accuracy": last_val.accuracy if last_val else None,
+            "val_loss": last_val.loss if last_val else None,
+            "train_loss": self.stats.train_loss(last_epoch) if last_epoch is not None else None,
+            "replicas_identical": bool(digests) and len(digests) == self.num_consumers
+                                  and self.stats.replicas_identical(digests),
+            "replica_mismatch_steps": self.stats.mismatched_steps(),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "model": str(self.run_dir / "model.pt") if status == "completed" else None,
+            "classes": list(self.data.train.classes),
+            "start_step": self.start_at.global_step,
+            "wall_s": round(time.monotonic() - self.started, 3),
+        }
+        return summary
+
+
+@dataclass
+class _WindowTotals:
+    """What the autoscaler sees of one window."""
+
+    wait_s: float = 0.0
+    steps: int = 0
+    queue_fill: float = 0.0
+    queue_samples: int = 0
+
+    def add(self, report: StepReport) -> None:
+        self.wait_s += report.wait_s
+        self.steps += 1
+
+
+def _step_fields(report: StepReport) -> dict[str, Any]:
+    return {"rank": report.rank, "epoch": report.epoch, "step": report.step, "global_step": report.global_step,
+            "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
+            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6)}
+
+
+def _step_of(folder: Path) -> int:
+    return int(folder.name.rsplit("_", 1)[1])
+
+
+def load_data(config: TrainConfig) -> Data:
+    train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
+    train = scan_image_folder(train_root)
+    if val_root is not None:
+        return Data(train, scan_image_folder(val_root, classes=train.classes))
+    train, val = split_validation(train, config.val_fraction, config.seed)
+    return Data(train, val)
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    os.replace(temporary, path)
+
+
+def _install_signal_handlers(handler) -> dict[int, Any]:
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[signum] = signal.signal(signum, handler)
+        except ValueError:  # not the main thread: the caller handles signals
+            pass
+    return previous
+
+
+def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)

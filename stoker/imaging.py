@@ -1,0 +1,184 @@
+"""Decode and augment one image straight into a preallocated uint8 HWC array.
+
+The crop box is chosen from the header's dimensions first; JPEGs are then decoded by libjpeg-turbo at the
+smallest 1/2, 1/4 or 1/8 scale that keeps the box at least as large as the output (so nothing is upsampled that a
+full decode would not), and OpenCV resizes the box into the destination. Other formats go through Pillow with an
+explicit format list; every mode (grayscale, palette, RGBA, CMYK, 16-bit) becomes 3-channel RGB.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Literal
+
+import cv2
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+Augment = Literal["standard", "noflip", "none"]
+
+# Pillow decodes only these; most Pillow CVEs are in formats it would otherwise auto-detect.
+PILLOW_FORMATS = ("JPEG", "PNG", "BMP", "WEBP", "TIFF", "PPM")
+MAX_IMAGE_PIXELS = 64_000_000
+CENTER_CROP_FRACTION = 0.875  # resize short side to size/0.875, then center-crop: the usual validation recipe
+SCALE_RANGE = (0.08, 1.0)
+RATIO_RANGE = (3 / 4, 4 / 3)
+JPEG_MAGIC = b"\xff\xd8"
+
+cv2.setNumThreads(1)  # producers are processes; OpenCV's own thread pool would oversubscribe the cores
+
+
+class UnusableImage(Exception):
+    """The file cannot be turned into a training image; the message says why."""
+
+
+def make_decode_warnings_errors() -> None:
+    """Pillow only warns between MAX_IMAGE_PIXELS and twice that; a bomb must fail. Filters are per process."""
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
+
+
+@dataclass(frozen=True)
+class Box:
+    """A crop in source pixel coordinates."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+
+
+def random_resized_crop_box(height: int, width: int, rng: np.random.Generator) -> Box:
+    """torchvision's RandomResizedCrop.get_params: 10 tries at area and log-uniform ratio, then a center crop."""
+    area = height * width
+    log_ratio = (math.log(RATIO_RANGE[0]), math.log(RATIO_RANGE[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*SCALE_RANGE)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return Box(top, left, h, w)
+    in_ratio = width / height
+    if in_ratio < RATIO_RANGE[0]:
+        w, h = width, int(round(width / RATIO_RANGE[0]))
+    elif in_ratio > RATIO_RANGE[1]:
+        h, w = height, int(round(height * RATIO_RANGE[1]))
+    else:
+        w, h = width, height
+    return Box((height - h) // 2, (width - w) // 2, h, w)
+
+
+def center_crop_box(height: int, width: int) -> Box:
+    side = max(1, int(round(min(height, width) * CENTER_CROP_FRACTION)))
+    return Box((height - side) // 2, (width - side) // 2, side, side)
+
+
+def choose_box(height: int, width: int, augment: Augment, rng: np.random.Generator) -> tuple[Box, bool]:
+    """The crop box and whether to flip it horizontally."""
+    if augment == "none":
+        return center_crop_box(height, width), False
+    box = random_resized_crop_box(height, width, rng)
+    return box, augment == "standard" and bool(rng.integers(0, 2))
+
+
+def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
+    """Decode `data`, crop and resize into `out` (H, W, 3 uint8). Raises UnusableImage for bad files."""
+    if not data:
+        raise UnusableImage("empty file")
+    if data[:2] == JPEG_MAGIC:
+        try:
+            _jpeg_into(data, out, augment, rng)
+            return
+        except _NeedsPillow:
+            pass
+    _pillow_into(data, out, augment, rng)
+
+
+class _NeedsPillow(Exception):
+    """A valid JPEG that libjpeg-turbo's RGB path does not take (CMYK/YCCK): Pillow converts it."""
+
+
+def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError as error:
+        raise UnusableImage(f"bad JPEG header: {error}") from None
+    if colorspace in ("CMYK", "YCCK"):
+        raise _NeedsPillow
+    _check_pixels(height, width)
+    box, flip = choose_box(height, width, augment, rng)
+    out_h, out_w = out.shape[:2]
+    # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor.
+    min_h = math.ceil(height * out_h / box.height)
+    min_w = math.ceil(width * out_w / box.width)
+    try:
+        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=False)
+    except ValueError as error:
+        raise UnusableImage(f"corrupt JPEG: {error}") from None
+    scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
+    scaled = Box(int(box.top * scale_y), int(box.left * scale_x),
+                 max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
+    resize_box_into(image, scaled, flip, out)
+
+
+def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
+    try:
+        with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
+            _check_pixels(image.height, image.width)
+            box, flip = choose_box(image.height, image.width, augment, rng)
+            pixels = to_rgb_array(image)
+    except UnusableImage:
+        raise
+    except Image.DecompressionBombError as error:
+        raise UnusableImage(f"decompression bomb: {error}") from None
+    except Image.DecompressionBombWarning as error:
+        raise UnusableImage(f"decompression bomb: {error}") from None
+    except Image.UnidentifiedImageError:
+        raise UnusableImage(f"not an image in a supported format ({', '.join(PILLOW_FORMATS)})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as error:
+        raise UnusableImage(f"corrupt image: {error}") from None
+    resize_box_into(pixels, box, flip, out)
+
+
+def _check_pixels(height: int, width: int) -> None:
+    if height <= 0 or width <= 0:
+        raise UnusableImage(f"empty image ({width}x{height})")
+    if height * width > MAX_IMAGE_PIXELS:
+        raise UnusableImage(f"decompression bomb: {width}x{height} exceeds {MAX_IMAGE_PIXELS} pixels")
+
+
+def to_rgb_array(image: Image.Image) -> np.ndarray:
+    """Any Pillow mode as an (H, W, 3) uint8 array; 16-bit and 32-bit integer images are scaled, not clipped."""
+    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
+        wide = np.asarray(image, dtype=np.float64)
+        peak = 65535.0 if image.mode.startswith("I;16") or wide.max(initial=0) > 255 else 255.0
+        gray = np.clip(wide * (255.0 / peak) + 0.5, 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if image.mode == "F":
+        gray = np.clip(np.asarray(image, dtype=np.float64), 0, 255).astype(np.uint8)
+        return np.repeat(gray[:, :, None], 3, axis=2)
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        # Transparent areas become white, as a viewer shows them, not whatever colour hides under alpha 0.
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return np.asarray(Image.alpha_composite(background, rgba).convert("RGB"))
+    return np.asarray(image.convert("RGB"))
+
+
+def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) -> None:
+    """Resize the box of `image` into `out` without an intermediate copy of the result."""
+    top = min(max(box.top, 0), image.shape[0] - 1)
+    left = min(max(box.left, 0), image.shape[1] - 1)
+    crop = image[top:top + box.height, left:left + box.width]
+    shrinking = crop.shape[0] > out.shape[0] and crop.shape[1] > out.shape[1]
+    interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
+    cv2.resize(crop, (out.shape[1], out.shape[0]), dst=out, interpolation=interpolation)
+    if flip:
+        cv2.flip(out, 1, dst=out)

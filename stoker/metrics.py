@@ -1,0 +1,163 @@
+"""What the run measured: per-consumer time split, exactly-once accounting, losses, and `metrics.jsonl`."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from stoker.consumer import StepReport, ValReport
+from stoker.dataset import Skipped
+
+
+class MetricsLog:
+    """One JSON object per line: every step report and every event, with the time since the run started."""
+
+    def __init__(self, path: Path) -> None:
+        self._started = time.monotonic()
+        self._handle: IO[str] | None = open(path, "a", buffering=1)
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self._handle is not None:
+            record = {"event": event, "t": round(time.monotonic() - self._started, 4), **fields}
+            self._handle.write(json.dumps(record, default=_plain) + "\n")
+
+    def close(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+@dataclass
+class ConsumerTimes:
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    averaging_s: float = 0.0
+    steps: int = 0
+    samples: int = 0
+    first_step_at: float | None = None
+    last_step_at: float | None = None
+
+    def wall_s(self) -> float:
+        if self.first_step_at is None or self.last_step_at is None:
+            return 0.0
+        return self.last_step_at - self.first_step_at
+
+
+@dataclass
+class EpochAccount:
+    """Acknowledged sample ids of one epoch: exactly once means every count is 1, except skipped files."""
+
+    counts: np.ndarray
+    expected: np.ndarray  # bool: scheduled in this run (all of it, unless the run resumed or stopped mid-epoch)
+    skipped_ids: set[int] = field(default_factory=set)
+    loss_sum: float = 0.0
+
+    def consumed(self) -> int:
+        return int(self.counts.sum())
+
+    def duplicates(self) -> int:
+        return int(np.maximum(self.counts - 1, 0).sum())
+
+    def missing_ids(self) -> np.ndarray:
+        return np.flatnonzero(self.expected & (self.counts == 0))
+
+
+class RunStats:
+    def __init__(self, num_consumers: int, samples_per_epoch: int) -> None:
+        self.samples_per_epoch = samples_per_epoch
+        self.consumers = [ConsumerTimes() for _ in range(num_consumers)]
+        self.epochs: dict[int, EpochAccount] = {}
+        self.val: dict[int, ValReport] = {}
+        self.skipped: dict[str, str] = {}
+        self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # global step -> rank -> digest
+        self.recent: list[tuple[float, int]] = []  # (time, samples) for the progress rate
+
+    def record_step(self, report: StepReport, now: float) -> None:
+        times = self.consumers[report.rank]
+        if times.first_step_at is None:
+            times.first_step_at = now - report.compute_s - report.averaging_s
+        else:
+            times.wait_s += report.wait_s
+        times.last_step_at = now
+        times.compute_s += report.compute_s
+        times.averaging_s += report.averaging_s
+        times.steps += 1
+        times.samples += report.count
+        account = self._account(report.epoch)
+        np.add.at(account.counts, report.sample_ids, 1)
+        account.loss_sum += report.loss * report.count
+        if report.digest is not None:
+            self.digests[report.global_step][report.rank] = report.digest
+        self.recent.append((now, report.count))
+
+    def record_skipped(self, epoch: int | None, skipped: tuple[Skipped, ...], ids: list[int]) -> None:
+        for item in skipped:
+            self.skipped.setdefault(item.path, item.reason)
+        if epoch is not None:
+            self._account(epoch).skipped_ids.update(ids)
+
+    def expect(self, epoch: int, sample_ids: np.ndarray) -> None:
+        self._account(epoch).expected[sample_ids] = True
+
+    def _account(self, epoch: int) -> EpochAccount:
+        if epoch not in self.epochs:
+            size = self.samples_per_epoch
+            self.epochs[epoch] = EpochAccount(np.zeros(size, np.int32), np.zeros(size, bool))
+        return self.epochs[epoch]
+
+    def rate(self, now: float, window_s: float = 5.0) -> float:
+        self.recent = [(t, n) for t, n in self.recent if now - t <= window_s]
+        if len(self.recent) < 2:
+            return 0.0
+        span = max(1e-6, self.recent[-1][0] - self.recent[0][0])
+        return sum(n for _, n in self.recent[1:]) / span
+
+    def replicas_identical(self, final: dict[int, str]) -> bool:
+        checks = [*self.digests.values(), final]
+        return all(len(set(check.values())) == 1 for check in checks if check)
+
+    def mismatched_steps(self) -> list[int]:
+        return [step for step, check in self.digests.items() if len(set(check.values())) > 1]
+
+    def train_loss(self, epoch: int) -> float | None:
+        account = self.epochs.get(epoch)
+        if account is None or not account.consumed():
+            return None
+        return account.loss_sum / account.consumed()
+
+    def stall_fractions(self) -> list[float]:
+        return [round(c.wait_s / c.wall_s(), 4) if c.wall_s() > 0 else 0.0 for c in self.consumers]
+
+    def averaging_fractions(self) -> list[float]:
+        return [round(c.averaging_s / c.wall_s(), 4) if c.wall_s() > 0 else 0.0 for c in self.consumers]
+
+    def throughput(self) -> float:
+        walls = [c.wall_s() for c in self.consumers if c.wall_s() > 0]
+        if not walls:
+            return 0.0
+        return sum(c.samples for c in self.consumers) / max(walls)
+
+    def accounting(self) -> dict[str, Any]:
+        """Duplicates and missing samples over the run, and how many of the missing were skipped as unusable."""
+        duplicates = missing = unexplained = 0
+        for account in self.epochs.values():
+            duplicates += account.duplicates()
+            never = account.missing_ids()
+            missing += len(never)
+            unexplained += len(set(never.tolist()) - account.skipped_ids)
+        return {"duplicate_samples": duplicates, "missing_samples": missing,
+                "missing_samples_skipped_as_unusable": missing - unexplained}

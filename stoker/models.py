@@ -1,0 +1,120 @@
+"""Built-in ResNet-style classifiers (no torchvision) and loading of user model factories (`module:function`)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                                          nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """Stem, stages of basic blocks (the first of each later stage halves the resolution), global pool, linear.
+
+    `imagenet_stem` uses the 7x7/2 convolution and max-pool of ResNet-18 for large inputs; otherwise a 3x3 stem
+    keeps small images (32-64 px) at full resolution, as CIFAR ResNets do.
+    """
+
+    def __init__(self, blocks: tuple[int, ...], widths: tuple[int, ...], num_classes: int,
+                 imagenet_stem: bool = False) -> None:
+        super().__init__()
+        if imagenet_stem:
+            self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]),
+                                      nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1))
+        else:
+            self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]),
+                                      nn.ReLU(inplace=True))
+        stages = []
+        in_channels = widths[0]
+        for index, (count, width) in enumerate(zip(blocks, widths)):
+            for block in range(count):
+                stride = 2 if index > 0 and block == 0 else 1
+                stages.append(BasicBlock(in_channels, width, stride))
+                in_channels = width
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(in_channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.stages(self.stem(x))
+        return self.head(torch.flatten(nn.functional.adaptive_avg_pool2d(features, 1), 1))
+
+
+def resnet8(num_classes: int) -> ResNet:
+    return ResNet((1, 1, 1), (16, 32, 64), num_classes)
+
+
+def resnet14(num_classes: int) -> ResNet:
+    return ResNet((2, 2, 2), (16, 32, 64), num_classes)
+
+
+def resnet20(num_classes: int) -> ResNet:
+    return ResNet((3, 3, 3), (16, 32, 64), num_classes)
+
+
+def resnet18(num_classes: int) -> ResNet:
+    return ResNet((2, 2, 2, 2), (64, 128, 256, 512), num_classes, imagenet_stem=True)
+
+
+BUILTIN: dict[str, Callable[[int], nn.Module]] = {
+    "resnet8": resnet8, "resnet14": resnet14, "resnet20": resnet20, "resnet18": resnet18,
+}
+
+
+def resolve_factory(name: str) -> Callable[..., nn.Module]:
+    """A built-in name, or `module:function` imported from the working directory or PYTHONPATH."""
+    if name in BUILTIN:
+        return BUILTIN[name]
+    if ":" not in name:
+        raise ValueError(f"model={name!r}: expected one of {sorted(BUILTIN)} or 'module:function'")
+    module_name, function_name = name.split(":", 1)
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model={name!r}: cannot import module {module_name!r} ({error})") from None
+    factory = getattr(module, function_name, None)
+    if not callable(factory):
+        raise ValueError(f"model={name!r}: module {module_name!r} has no function {function_name!r}")
+    return factory
+
+
+def build_model(name: str, num_classes: int) -> nn.Module:
+    model = resolve_factory(name)(num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={name!r}: the factory returned {type(model).__name__}, expected a torch nn.Module")
+    return model
+
+
+def check_model(name: str, num_classes: int, image_size: int) -> None:
+    """Build the model once and run one tiny input through it, so a bad factory fails before processes start."""
+    model = build_model(name, num_classes)
+    model.eval()
+    with torch.no_grad():
+        try:
+            output = model(torch.zeros(1, 3, image_size, image_size))
+        except Exception as error:
+            raise ValueError(f"model={name!r}: forward on a (1, 3, {image_size}, {image_size}) input failed: "
+                             f"{type(error).__name__}: {error}") from None
+    if tuple(output.shape) != (1, num_classes):
+        raise ValueError(f"model={name!r}: output shape {tuple(output.shape)}, expected (1, {num_classes})")

@@ -1,0 +1,95 @@
+"""What every stoker process shares: its title, the parent-death check, errors carried as values, shutdown."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+import setproctitle
+
+log = logging.getLogger(__name__)
+
+# spawn, not fork: children start clean (no copied torch threads or locks) on every platform.
+CONTEXT = mp.get_context("spawn")
+POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1
+
+
+def name_process(title: str) -> None:
+    """`ps` and `top` show who is who: 'stoker controller', 'stoker producer 3', 'stoker consumer 1'."""
+    setproctitle.setproctitle(title)
+
+
+def exit_with_parent() -> None:
+    """Ask the kernel for SIGTERM when the controller dies, on Linux; `ParentWatch` covers the rest."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+class ParentWatch:
+    """True once the process that started us is gone (the parent pid changes when we are re-parented)."""
+
+    def __init__(self) -> None:
+        self._parent = os.getppid()
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self._parent
+
+
+@dataclass(frozen=True)
+class ChildError:
+    """An exception carried as a value from a child to the controller, with where it happened."""
+
+    role: str
+    pid: int
+    where: str
+    error: str
+    trace: str
+
+    @classmethod
+    def capture(cls, role: str, where: str, error: BaseException) -> ChildError:
+        return cls(role, os.getpid(), where, f"{type(error).__name__}: {error}", traceback.format_exc())
+
+    def __str__(self) -> str:
+        return f"{self.role} (pid {self.pid}) failed while {self.where}: {self.error}"
+
+
+class StokerRunError(RuntimeError):
+    """The run could not finish; the message says which process, what it was doing and why."""
+
+
+def start(target, args: tuple, title: str) -> BaseProcess:
+    process = CONTEXT.Process(target=target, args=args, name=title, daemon=True)
+    process.start()
+    return process
+
+
+def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:
+    """Join with a shared deadline, then terminate, then kill: no child outlives this call."""
+    for process in processes:
+        process.join(timeout=max(0.0, timeout_s / max(1, len(processes))))
+    for process in processes:
+        if process.is_alive():
+            log.warning("%s (pid %s) did not stop in time; terminating it", process.name, process.pid)
+            process.terminate()
+    for process in processes:
+        process.join(timeout=2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=2.0)
+
+
+def describe_exit(process: BaseProcess) -> str:
+    code = process.exitcode
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"

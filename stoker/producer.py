@@ -1,0 +1,133 @@
+"""Producer process: reads, decodes and augments the batches it is given, straight into shared-memory slots.
+
+A producer decides nothing: the controller says which samples go into which slot; the augmentation of each sample
+is a pure function of (seed, epoch, sample id). It keeps no state across batches, so any producer can rebuild any
+batch, and a bad image costs one sample, never the producer.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stoker import faults
+from stoker.dataset import Skipped
+from stoker.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
+from stoker.plan import Work, sample_rng
+from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.ring import RingSpec, SlotRing
+
+
+@dataclass(frozen=True)
+class Source:
+    """The files of one split and their labels; a sample id is a position in `paths`."""
+
+    paths: tuple[str, ...]
+    labels: np.ndarray
+
+
+@dataclass(frozen=True)
+class ProducerSetup:
+    ring: RingSpec
+    train: Source
+    val: Source | None
+    augment: Augment
+    seed: int
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: int
+    work: Work
+    slot: int
+    skip: dict[int, str] = field(default_factory=dict)  # sample id -> why: a previous producer died on it
+
+
+@dataclass(frozen=True)
+class TaskDone:
+    producer: int
+    task_id: int
+    count: int
+    skipped: tuple[Skipped, ...]
+    busy_s: float
+
+
+@dataclass(frozen=True)
+class ProducerFailed:
+    producer: int
+    error: ChildError
+
+
+STATUS_IDLE = -1
+
+
+def producer_main(producer: int, setup: ProducerSetup, tasks, inbox, stop) -> None:
+    """Process entry point: build batches until told to stop, retired (a None task) or orphaned."""
+    name_process(f"stoker producer {producer}")
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the controller decides
+    make_decode_warnings_errors()
+    ring = SlotRing.attach(setup.ring)
+    try:
+        _serve(producer, setup, ring, tasks, inbox, stop)
+    except BaseException as error:  # carried to the controller as a value, never lost
+        inbox.put(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
+    finally:
+        ring.close()
+
+
+def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, inbox, stop) -> None:
+    watch = ParentWatch()
+    status = ring.status[producer]
+    while not stop.is_set() and not watch.parent_gone():
+        status[:] = (STATUS_IDLE, 0, time.monotonic_ns())
+        try:
+            task = tasks.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if task is None:
+            return
+        started = time.perf_counter()
+        count, skipped = build_batch(task, setup, ring, status)
+        inbox.put(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started))
+
+
+def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing, status: np.ndarray) -> tuple[int, tuple]:
+    """Write the task's samples into its slot, compacting over unusable files; returns (count, skipped)."""
+    work = task.work
+    source = setup.train if work.kind == "train" else setup.val
+    augment = setup.augment if work.kind == "train" else "none"
+    images, labels, ids = ring.images[task.slot], ring.labels[task.slot], ring.ids[task.slot]
+    count = 0
+    skipped: list[Skipped] = []
+    for position, sample_id in enumerate(work.sample_ids.tolist()):
+        status[:] = (task.task_id, position, time.monotonic_ns())
+        path = source.paths[sample_id]
+        if sample_id in task.skip:
+            skipped.append(Skipped(path, task.skip[sample_id]))
+            continue
+        faults.maybe_inject("producer", path)
+        try:
+            load_into(_read(path), images[count], augment, sample_rng(setup.seed, work.kind, work.epoch, sample_id))
+        except UnusableImage as error:
+            skipped.append(Skipped(path, str(error)))
+            continue
+        labels[count] = source.labels[sample_id]
+        ids[count] = sample_id
+        count += 1
+    ring.counts[task.slot] = count
+    return count, tuple(skipped)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise UnusableImage("file vanished (deleted during the run)") from None
+    except OSError as error:
+        raise UnusableImage(f"unreadable: {error.strerror or error}") from None

@@ -1,0 +1,158 @@
+"""A fixed ring of preallocated batch slots in one shared-memory segment.
+
+Producers write a batch into a slot and send only its id; consumers read it and hand it back. Nothing image-sized
+is pickled, and the ring bounds memory. Only the controller creates and unlinks the segment; its name carries the
+controller's pid so that a later start can remove segments of controllers that died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+NAME_PREFIX = "stoker_"
+_NAME_PATTERN = re.compile(rf"^{NAME_PREFIX}(\d+)_[0-9a-f]+$")
+_ALIGN = 64
+STATUS_FIELDS = 3  # per producer: task id being built, position in the batch, heartbeat (monotonic ns)
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Everything a child needs to attach: picklable and small."""
+
+    name: str
+    num_slots: int
+    batch_size: int
+    image_size: int
+    num_status: int
+
+    def _layout(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
+        s, b, px = self.num_slots, self.batch_size, self.image_size
+        return [
+            ("images", (s, b, px, px, 3), np.dtype(np.uint8)),
+            ("labels", (s, b), np.dtype(np.int64)),
+            ("ids", (s, b), np.dtype(np.int64)),
+            ("counts", (s,), np.dtype(np.int64)),
+            ("status", (self.num_status, STATUS_FIELDS), np.dtype(np.int64)),
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_aligned(int(np.prod(shape)) * dtype.itemsize) for _, shape, dtype in self._layout())
+
+
+def _aligned(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
+class SlotRing:
+    """Numpy views over the segment: `images[slot, i]` is sample i of the batch in `slot`."""
+
+    def __init__(self, spec: RingSpec, segment: shared_memory.SharedMemory, owner: bool) -> None:
+        self.spec = spec
+        self._segment: shared_memory.SharedMemory | None = segment
+        self._owner = owner
+        offset = 0
+        for name, shape, dtype in spec._layout():
+            size = int(np.prod(shape)) * dtype.itemsize
+            setattr(self, name, np.ndarray(shape, dtype=dtype, buffer=segment.buf, offset=offset))
+            offset += _aligned(size)
+        self.images: np.ndarray
+        self.labels: np.ndarray
+        self.ids: np.ndarray
+        self.counts: np.ndarray
+        self.status: np.ndarray
+
+    @classmethod
+    def create(cls, num_slots: int, batch_size: int, image_size: int, num_status: int) -> SlotRing:
+        name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+        spec = RingSpec(name, num_slots, batch_size, image_size, num_status)
+        check_shm_space(spec.nbytes)
+        segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
+        ring = cls(spec, segment, owner=True)
+        ring.status[:] = -1
+        return ring
+
+    @classmethod
+    def attach(cls, spec: RingSpec) -> SlotRing:
+        return cls(spec, shared_memory.SharedMemory(name=spec.name, create=False), owner=False)
+
+    def close(self) -> None:
+        """Idempotent. Views are dropped before the mapping is closed; the owner also unlinks."""
+        segment, self._segment = self._segment, None
+        if segment is None:
+            return
+        for name, _, _ in self.spec._layout():
+            setattr(self, name, None)
+        segment.close()
+        if self._owner:
+            try:
+                segment.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def check_shm_space(needed: int) -> None:
+    """A clear error instead of a bus error when /dev/shm (Docker's default is 64 MB) cannot hold the ring."""
+    if not os.path.isdir(SHM_DIR):
+        return
+    free = shutil.disk_usage(SHM_DIR).free
+    if free < needed:
+        raise ValueError(
+            f"the batch slot ring needs {needed / 2**20:.0f} MiB of shared memory but {SHM_DIR} has "
+            f"{free / 2**20:.0f} MiB free; raise it (docker run --shm-size={_suggest(needed)} or --ipc=host) "
+            "or lower --batch-size, --image-size or slots_per_consumer"
+        )
+
+
+def _suggest(needed: int) -> str:
+    return f"{max(1, -(-needed * 2 // 2**30))}g"
+
+
+def sweep_dead_segments() -> list[str]:
+    """Remove segments whose controller no longer runs (a SIGKILL of the process group kills the tracker too)."""
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return removed
+    for name in names:
+        match = _NAME_PATTERN.match(name)
+        if match and not _alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except OSError as error:
+                log.warning("could not remove stale shared memory %s: %s", name, error)
+    if removed:
+        log.info("removed %d shared-memory segment(s) of dead runs: %s", len(removed), ", ".join(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live_segments(pid: int | None = None) -> list[str]:
+    """Names of stoker segments in /dev/shm (of one controller when `pid` is given): used by tests and checks."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    return sorted(n for n in names if (m := _NAME_PATTERN.match(n)) and (pid is None or int(m.group(1)) == pid))
