@@ -253,6 +253,8 @@ class Controller:
             self.stats.record_step(message, now)
             window.add(message)
             self.metrics.write("step", **_step_fields(message))
+            if message.digest is not None:
+                self._compare_replicas(message)
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
@@ -266,6 +268,13 @@ class Controller:
         elif isinstance(message, ConsumerFailed | ProducerFailed):
             log.debug("%s", message.error.trace)
             raise StokerRunError(f"{message.error}\n{message.error.trace}")
+
+    def _compare_replicas(self, report: StepReport) -> None:
+        identical = self.stats.record_digest(report)
+        if identical is not None:
+            self.metrics.write("replica_check", global_step=report.global_step, identical=identical)
+            if not identical:
+                log.error("replicas differ after the averaging of step %d", report.global_step)
 
     def _task_done(self, done: TaskDone) -> None:
         task = self.pool.finished(done)

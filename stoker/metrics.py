@@ -100,9 +100,13 @@ class RunStats:
         account = self._account(report.epoch)
         np.add.at(account.counts, report.sample_ids, 1)
         account.loss_sum += report.loss * report.count
-        if report.digest is not None:
-            self.digests[report.global_step][report.rank] = report.digest
         self.recent.append((now, report.count))
+
+    def record_digest(self, report: StepReport) -> bool | None:
+        """Keep a replica's hash; once every replica reported for that step, whether they are all equal."""
+        check = self.digests[report.global_step]
+        check[report.rank] = report.digest
+        return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
 
     def record_skipped(self, epoch: int | None, skipped: tuple[Skipped, ...], ids: list[int]) -> None:
         for item in skipped:

@@ -1,0 +1,94 @@
+"""Shared fixtures: real image folders made on the fly, and the leave-no-trace check every test gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stoker import builtin_data
+from stoker.ring import live_segments
+
+ROOT = Path(__file__).resolve().parent.parent
+HELPERS = Path(__file__).resolve().parent / "helpers"
+
+
+def stoker_processes() -> list[tuple[int, str]]:
+    """Processes whose title says they are stoker's (setproctitle rewrites /proc/PID/cmdline)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                title = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if title.startswith(("stoker producer", "stoker consumer", "stoker controller")) and int(entry) != os.getpid():
+            found.append((int(entry), title))
+    return found
+
+
+def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        processes, segments = stoker_processes(), live_segments()
+        if (not processes and not segments) or time.monotonic() > deadline:
+            return processes, segments
+        time.sleep(0.1)
+
+
+@pytest.fixture(autouse=True)
+def leaves_no_trace():
+    """Every test ends with no stoker process alive and no stoker segment in /dev/shm."""
+    yield
+    processes, segments = wait_for_no_trace()
+    assert not processes, f"stoker processes left behind: {processes}"
+    assert not segments, f"shared-memory segments left behind: {segments}"
+
+
+@pytest.fixture(scope="session")
+def textures(tmp_path_factory) -> tuple[Path, Path]:
+    """A small copy of the built-in texture dataset: 10 classes, 12 train and 4 val JPEGs each, 64x64."""
+    folder = tmp_path_factory.mktemp("textures") / "data"
+    builtin_data.generate(folder, train_per_class=12, val_per_class=4)
+    return folder / "train", folder / "val"
+
+
+@pytest.fixture(scope="session")
+def digits(tmp_path_factory) -> tuple[Path, Path]:
+    """scikit-learn's handwritten digits written out as PNG files in ImageFolder layout (train and val)."""
+    from sklearn.datasets import load_digits
+
+    folder = tmp_path_factory.mktemp("digits")
+    bunch = load_digits()
+    order = np.random.default_rng(0).permutation(len(bunch.target))
+    for position, index in enumerate(order):
+        split = "val" if position < len(order) // 5 else "train"
+        pixels = (bunch.images[index] * (255 / 16)).round().astype(np.uint8)
+        target = folder / split / str(bunch.target[index])
+        target.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels, mode="L").resize((32, 32), Image.NEAREST).save(target / f"{index:04d}.png")
+    return folder / "train", folder / "val"
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True
+            ) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   **(env or {})}
+    result = subprocess.run([sys.executable, "-m", "stoker", *args], capture_output=True, text=True,
+                            timeout=timeout, env=environment)
+    if check and result.returncode != 0:
+        raise AssertionError(f"stoker {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
+    return result
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())

@@ -1,0 +1,134 @@
+"""The real CLI and the Python API, with real processes, shared memory, gloo and JPEG/PNG files."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import stoker
+from stoker.consumer import DeviceLoader
+from stoker.imaging import make_decode_warnings_errors
+from stoker.models import build_model
+from stoker.plan import EpochPlan
+from stoker.producer import ProducerSetup, Source, Task, build_batch
+from stoker.ring import SlotRing
+from tests.conftest import HELPERS, read_summary, run_cli
+
+DESIGN_FIELDS = {
+    "status", "epochs", "steps", "num_consumers", "devices", "producers_initial", "producers_final",
+    "producers_max", "samples_expected", "samples_consumed", "duplicate_samples", "missing_samples",
+    "skipped_files", "input_stall_fraction", "averaging_fraction", "throughput_samples_per_s", "val_accuracy",
+    "val_loss", "train_loss", "replicas_identical", "checkpoint", "wall_s",
+}
+
+
+@pytest.mark.parametrize("producers,consumers", [(1, 1), (3, 1), (1, 2), (3, 2)])
+def test_every_sample_exactly_once(textures, tmp_path, producers, consumers):
+    train, val = textures
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", f"cpu:{consumers}",
+            "--producers", str(producers), "--batch-size", "16", "--epochs", "2", "--out", str(tmp_path),
+            "--quiet")
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed"
+    assert summary["samples_expected"] == 120
+    assert summary["samples_consumed"] == [120, 120]
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert summary["producers_initial"] == producers and summary["num_consumers"] == consumers
+    assert DESIGN_FIELDS <= set(summary)
+
+
+def test_same_seed_same_weights_whatever_the_number_of_producers(textures, tmp_path):
+    train, val = textures
+    weights = []
+    for producers in (1, 3):
+        out = tmp_path / f"m{producers}"
+        run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers",
+                str(producers), "--batch-size", "8", "--epochs", "1", "--seed", "7", "--out", str(out), "--quiet")
+        weights.append(torch.load(out / "model.pt", weights_only=True))
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        assert torch.equal(weights[0][name], weights[1][name]), name
+
+
+def test_replicas_identical_after_every_averaging(textures, tmp_path):
+    train, val = textures
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
+            "--epochs", "1", "--check-replicas-every", "1", "--out", str(tmp_path), "--quiet")
+    summary = read_summary(tmp_path)
+    checks = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"replica_check"' in line]
+    assert summary["replicas_identical"] is True
+    assert summary["replica_mismatch_steps"] == []
+    assert len(checks) == summary["steps"]  # compared after each of the steps, not assumed
+
+
+def test_averaging_equals_training_on_the_concatenated_batches(textures, tmp_path):
+    """N=2, sync every step, SGD with momentum, no BatchNorm: the average is single-process training on both
+    batches concatenated (mean loss)."""
+    train, val = textures
+    batch, seed, size = 8, 3, 32
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--model", "nobn:small_cnn",
+            "--batch-size", str(batch), "--epochs", "1", "--seed", str(seed), "--lr", "0.05",
+            "--weight-decay", "0.0005", "--image-size", str(size), "--out", str(tmp_path), "--quiet")
+    distributed = torch.load(tmp_path / "model.pt", weights_only=True)
+
+    sys.path.insert(0, str(HELPERS))
+    torch.manual_seed(seed)
+    model = build_model("nobn:small_cnn", 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.0005)
+    plan = EpochPlan(120, 40, batch, 2, seed)
+    for step in range(plan.steps_per_epoch):
+        images, labels = _concatenated_batch(train, plan, step, seed, size)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+    assert plan.steps_per_epoch == 8  # the last step is short (4 + 4 samples): weighting matters
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(distributed[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _concatenated_batch(train, plan, step, seed, size):
+    """Both ranks' batches of `step`, built by the producer's own code into a local ring."""
+    from stoker.dataset import scan_image_folder
+
+    make_decode_warnings_errors()
+    index = scan_image_folder(train)
+    ring = SlotRing.create(2, plan.batch_size, size, 1)
+    try:
+        setup = ProducerSetup(ring.spec, Source(index.paths, index.labels), None, "standard", seed)
+        parts = []
+        loader = DeviceLoader(ring, torch.device("cpu"))
+        for rank in range(2):
+            build_batch(Task(rank, plan.train_work(0, step, rank), rank), setup, ring, ring.status[0])
+            images, labels, _ = loader.take(rank, _NoInbox())
+            parts.append((images, labels))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    finally:
+        ring.close()
+
+
+class _NoInbox:
+    def put(self, _message):
+        pass
+
+
+def test_learns_handwritten_digits(digits, tmp_path):
+    train, val = digits
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers", "1",
+            "--augment", "none", "--image-size", "32", "--batch-size", "32", "--epochs", "6", "--out", str(tmp_path),
+            "--quiet")
+    summary = read_summary(tmp_path)
+    assert summary["val_accuracy"] >= 0.95, summary["val_accuracy"]
+    assert summary["replicas_identical"] is True
+
+
+def test_python_api_trains_and_checkpoint_loads_into_the_model(textures, tmp_path):
+    train, val = textures
+    summary = stoker.train(data=train, val=val, devices="cpu:1", producers=2, epochs=1, batch_size=16,
+                           out=tmp_path, show_progress=False)
+    assert summary["status"] == "completed"
+    model = build_model("resnet8", 10)
+    model.load_state_dict(torch.load(summary["model"], weights_only=True))
+    assert np.isfinite(summary["train_loss"])
