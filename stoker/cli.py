@@ -28,6 +28,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "batch_size": ("samples per consumer per step", "B"),
     "epochs": ("passes over the training set", "E"),
     "lr": ("SGD learning rate (momentum 0.9)", "LR"),
+    "schedule": ("learning rate over the run: cosine (decays to 0 at the last step) | constant", "NAME"),
     "momentum": ("SGD momentum", "MU"),
     "weight_decay": ("SGD weight decay", "WD"),
     "sync_every": ("average replicas every H steps", "H"),

@@ -43,8 +43,9 @@ class TrainConfig:
     min_producers: int = Field(1, ge=1)
     max_producers: int | None = Field(None, ge=1)
     batch_size: int = Field(64, ge=1, le=65536)
-    epochs: int = Field(8, ge=1)
+    epochs: int = Field(10, ge=1)
     lr: float = Field(0.05, gt=0.0)
+    schedule: Literal["cosine", "constant"] = "cosine"
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(5e-4, ge=0.0)
     sync_every: int = Field(1, ge=1)

@@ -6,6 +6,7 @@ normalizes on the device, runs forward, backward and the optimizer step, and joi
 
 from __future__ import annotations
 
+import math
 import queue
 import signal
 import time
@@ -40,6 +41,8 @@ class ConsumerSetup:
     model: str
     num_classes: int
     lr: float
+    schedule: str
+    total_steps: int
     momentum: float
     weight_decay: float
     sync_every: int
@@ -199,6 +202,7 @@ class Replica:
         images, labels, ids = self.loader.take(batch.slot, self.inbox)
         loss_value = 0.0
         if len(ids):
+            self._set_learning_rate(batch.global_step)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(self.model(images), labels)
@@ -214,6 +218,13 @@ class Replica:
             digest = self.averager.digest()
         self.inbox.put(StepReport(self.setup.rank, batch.epoch, batch.step, batch.global_step, len(ids), loss_value,
                                   wait_s, compute_s, averaging_s or 0.0, ids, digest))
+
+    def _set_learning_rate(self, global_step: int) -> None:
+        lr = self.setup.lr
+        if self.setup.schedule == "cosine":
+            lr *= 0.5 * (1 + math.cos(math.pi * global_step / self.setup.total_steps))
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def val_batch(self, batch: Batch) -> None:
         images, labels, _ = self.loader.take(batch.slot, self.inbox)

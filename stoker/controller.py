@@ -178,6 +178,7 @@ class Controller:
         for rank, device in enumerate(self.devices):
             setup = ConsumerSetup(rank, self.num_consumers, device, "127.0.0.1", self.store.port, self.ring.spec,
                                   self.config.model, len(self.data.train.classes), self.config.lr,
+                                  self.config.schedule, self.plan.steps_per_epoch * self.config.epochs,
                                   self.config.momentum, self.config.weight_decay, self.config.sync_every,
                                   self.config.seed, threads, self.config.collective_timeout_s,
                                   self.config.check_replicas_every, self.resume_from)

@@ -70,7 +70,7 @@ def test_averaging_equals_training_on_the_concatenated_batches(textures, tmp_pat
     train, val = textures
     batch, seed, size = 8, 3, 32
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--model", "nobn:small_cnn",
-            "--batch-size", str(batch), "--epochs", "1", "--seed", str(seed), "--lr", "0.05",
+            "--batch-size", str(batch), "--epochs", "1", "--seed", str(seed), "--lr", "0.05", "--schedule", "constant",
             "--weight-decay", "0.0005", "--image-size", str(size), "--out", str(tmp_path), "--quiet")
     distributed = torch.load(tmp_path / "model.pt", weights_only=True)
 
