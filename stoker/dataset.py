@@ -84,18 +84,30 @@ def _walk_files(top: str, root_real: str, skipped: list[Skipped]) -> list[str]:
         visited.add((stat.st_dev, stat.st_ino))
         files = []
         for entry in entries:
-            real = os.path.realpath(entry.path)
-            if not _inside(real, root_real):
-                skipped.append(Skipped(entry.path, "symlink leaves the data root"))
-            elif entry.is_dir():
+            kind = _classify(entry, root_real)
+            if kind == "dir":
                 pending.append(entry.path)
-            elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
-                if os.path.exists(real):
-                    files.append(entry.path)
-                else:
-                    skipped.append(Skipped(entry.path, "broken symlink or symlink loop"))
+            elif kind == "image":
+                files.append(entry.path)
+            elif kind:
+                skipped.append(Skipped(entry.path, kind))
         found.extend(reversed(files))
     return found
+
+
+def _classify(entry: os.DirEntry, root_real: str) -> str:
+    """'dir', 'image', '' for a file to ignore, or why the entry is refused."""
+    if not _inside(os.path.realpath(entry.path), root_real):
+        return "symlink leaves the data root"
+    try:
+        if entry.is_dir():
+            return "dir"
+        is_image = os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS
+        if is_image and not os.path.exists(entry.path):
+            return "broken symlink"
+    except OSError:
+        return "symlink loop"
+    return "image" if is_image else ""
 
 
 def split_validation(index: ImageIndex, fraction: float, seed: int) -> tuple[ImageIndex, ImageIndex | None]:

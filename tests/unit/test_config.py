@@ -1,0 +1,65 @@
+"""Bad settings fail before any process starts, naming the setting, the value and what is allowed."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoker.config import ConfigError, load_toml, make_config
+from tests.conftest import run_cli, stoker_processes
+
+
+@pytest.mark.parametrize("settings,named", [
+    ({"producers": 0}, "producers"),
+    ({"batch_size": "lots"}, "batch_size"),
+    ({"epochs": -1}, "epochs"),
+    ({"devices": "tpu:3"}, "devices"),
+    ({"augment": "mixup"}, "augment"),
+    ({"val_fraction": 1.5}, "val_fraction"),
+    ({"data": "/no/such/folder"}, "data"),
+    ({"min_producers": 4, "max_producers": 2}, "max_producers"),
+    ({"colour": "blue"}, "colour"),
+])
+def test_bad_setting_is_named(settings, named):
+    with pytest.raises(ConfigError, match=named):
+        make_config(settings)
+
+
+def test_config_is_frozen():
+    config = make_config({})
+    with pytest.raises(Exception):
+        config.epochs = 3
+
+
+def test_toml_syntax_error_names_the_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("epochs = = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(path)
+
+
+def test_toml_values_are_validated_like_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\nbatch-size = 32\nsync-every = 4\n')
+    config = make_config(load_toml(path))
+    assert (config.batch_size, config.sync_every) == (32, 4)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--producers", "0"], "producers"),
+    (["--devices", "cuda:0"], "no CUDA device"),
+    (["--batch-size", "100000"], "batch_size"),
+    (["--bogus", "1"], "unrecognized arguments"),
+])
+def test_cli_user_error_exits_2_before_any_process(args, message, textures):
+    train, val = textures
+    result = run_cli("train", "--data", str(train), "--val", str(val), *args, check=False)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not stoker_processes()
+
+
+def test_batch_larger_than_dataset_is_refused(textures):
+    train, val = textures
+    result = run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "500", check=False)
+    assert result.returncode == 2 and "larger than the training set" in result.stderr

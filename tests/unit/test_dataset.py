@@ -1,0 +1,56 @@
+"""The ImageFolder scan never leaves its root and always ends."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from stoker.dataset import scan_image_folder, split_validation
+
+
+def make_tree(root):
+    for label in ("cat", "dog"):
+        (root / label / "nested").mkdir(parents=True)
+        for i in range(3):
+            (root / label / f"{i}.jpg").write_bytes(b"x")
+        (root / label / "nested" / "deep.png").write_bytes(b"x")
+        (root / label / "notes.txt").write_text("not an image")
+
+
+def test_scan_finds_images_with_labels(tmp_path):
+    make_tree(tmp_path)
+    index = scan_image_folder(tmp_path)
+    assert index.classes == ("cat", "dog")
+    assert len(index) == 8 and list(index.labels).count(1) == 4
+
+
+def test_symlinks_leaving_the_root_and_loops_are_refused(tmp_path):
+    root = tmp_path / "data"
+    make_tree(root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.jpg").write_bytes(b"x")
+    os.symlink(outside / "secret.jpg", root / "cat" / "escape.jpg")
+    os.symlink(outside, root / "cat" / "escape_dir")
+    os.symlink(root / "cat", root / "cat" / "nested" / "loop")
+    os.symlink(root / "dog" / "self.jpg", root / "dog" / "self.jpg")
+    index = scan_image_folder(root)
+    reasons = {os.path.basename(s.path): s.reason for s in index.skipped}
+    assert "leaves the data root" in reasons["escape.jpg"]
+    assert "leaves the data root" in reasons["escape_dir"]
+    assert "loop" in reasons["loop"] and "loop" in reasons["self.jpg"]
+    assert not any("secret" in p for p in index.paths)
+    assert len(index) == 8
+
+
+def test_empty_root_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no class sub-folders"):
+        scan_image_folder(tmp_path)
+
+
+def test_validation_split_is_stratified_and_disjoint(tmp_path):
+    make_tree(tmp_path)
+    train, val = split_validation(scan_image_folder(tmp_path), 0.25, seed=0)
+    assert set(train.paths).isdisjoint(val.paths)
+    assert sorted(val.labels.tolist()) == [0, 1]

@@ -1,0 +1,158 @@
+"""Decoding and augmentation: every mode becomes RGB, bad files raise UnusableImage, the crop distribution is
+torchvision's, and the reduced-size decode looks like the full decode."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import zlib
+
+import cv2
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image
+from scipy import stats
+
+from stoker.imaging import (Box, UnusableImage, center_crop_box, load_into, make_decode_warnings_errors,
+                            random_resized_crop_box, resize_box_into)
+
+make_decode_warnings_errors()
+
+
+def encode(image: Image.Image, fmt: str, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def photo_like(height: int, width: int, seed: int) -> np.ndarray:
+    """Smooth shapes, gradients and mild noise: decodes like a photograph, unlike flat colour or pure noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    image = np.zeros((height, width, 3))
+    for _ in range(12):
+        cx, cy, radius = rng.uniform(0, 1), rng.uniform(0, 0.8), rng.uniform(0.05, 0.4)
+        blob = np.exp(-((x - cx) ** 2 + (y - cy) ** 2) / radius ** 2)
+        image += blob[:, :, None] * rng.uniform(-120, 120, 3)
+    image += 128 + 40 * np.sin(6 * x + rng.uniform(0, 6))[:, :, None] + rng.normal(0, 3, image.shape)
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+RGB = photo_like(60, 80, 0)
+
+
+@pytest.mark.parametrize("mode,fmt", [("L", "PNG"), ("P", "PNG"), ("RGBA", "PNG"), ("CMYK", "JPEG"),
+                                      ("LA", "PNG"), ("RGB", "BMP"), ("RGB", "WEBP"), ("RGB", "TIFF")])
+def test_every_mode_becomes_rgb(mode, fmt):
+    out = np.zeros((24, 24, 3), np.uint8)
+    load_into(encode(Image.fromarray(RGB).convert(mode), fmt), out, "none", np.random.default_rng(0))
+    assert out.std() > 5  # real content arrived in all three channels
+    if mode in ("L", "LA"):
+        assert np.array_equal(out[:, :, 0], out[:, :, 1])
+
+
+def test_16_bit_png_is_scaled_not_clipped():
+    wide = (np.linspace(0, 65535, 40 * 40).reshape(40, 40)).astype(np.uint16)
+    out = np.zeros((16, 16, 3), np.uint8)
+    load_into(encode(Image.fromarray(wide), "PNG"), out, "none", np.random.default_rng(0))
+    assert out.max() > 200 and out.min() < 50  # a full range of greys, not all 255
+
+
+def test_transparent_pixels_become_white():
+    rgba = np.zeros((20, 20, 4), np.uint8)
+    out = np.zeros((8, 8, 3), np.uint8)
+    load_into(encode(Image.fromarray(rgba, "RGBA"), "PNG"), out, "none", np.random.default_rng(0))
+    assert (out == 255).all()
+
+
+JPEG = encode(Image.fromarray(RGB), "JPEG", quality=90)
+PNG = encode(Image.fromarray(RGB), "PNG")
+
+
+@pytest.mark.parametrize("data,reason", [
+    (b"", "empty"),
+    (JPEG[: len(JPEG) // 3], "JPEG"),
+    (PNG[: len(PNG) // 2], "corrupt"),
+    (np.random.default_rng(1).bytes(5000), "not an image"),
+    (encode(Image.fromarray(RGB), "GIF"), "not an image"),
+    (b"%PDF-1.4\n1 0 obj << >> endobj\n", "not an image"),
+    (b"8BPS\x00\x01" + bytes(40), "not an image"),
+])
+def test_unusable_files_raise_with_a_reason(data, reason):
+    with pytest.raises(UnusableImage, match=reason):
+        load_into(data, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
+
+
+def test_decompression_bomb_is_refused_from_the_header():
+    bomb = bytearray(encode(Image.new("L", (10, 10)), "PNG"))
+    bomb[16:24] = (30000).to_bytes(4, "big") * 2  # IHDR width and height claim 30000 x 30000
+    bomb[29:33] = zlib.crc32(bytes(bomb[12:29])).to_bytes(4, "big")  # with a valid checksum
+    with pytest.raises(UnusableImage, match="bomb"):
+        load_into(bytes(bomb), np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
+
+
+def torchvision_crop(height: int, width: int) -> tuple[int, int, int, int]:
+    """torchvision.transforms.RandomResizedCrop.get_params, transcribed with Python's own RNG."""
+    area = height * width
+    log_ratio = (math.log(3 / 4), math.log(4 / 3))
+    for _ in range(10):
+        target_area = area * random.uniform(0.08, 1.0)
+        aspect = math.exp(random.uniform(*log_ratio))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return random.randint(0, height - h), random.randint(0, width - w), h, w
+    side = min(height, width)
+    return (height - side) // 2, (width - side) // 2, side, side
+
+
+def test_crop_boxes_follow_torchvisions_distribution():
+    random.seed(0)
+    rng = np.random.default_rng(0)
+    height, width, draws = 375, 500, 20000
+    ours = np.array([[b.top, b.left, b.height, b.width] for b in
+                     (random_resized_crop_box(height, width, rng) for _ in range(draws))], dtype=float)
+    theirs = np.array([torchvision_crop(height, width) for _ in range(draws)], dtype=float)
+    features = {
+        "area": lambda a: a[:, 2] * a[:, 3] / (height * width),
+        "ratio": lambda a: a[:, 3] / a[:, 2],
+        "centre_y": lambda a: (a[:, 0] + a[:, 2] / 2) / height,
+        "centre_x": lambda a: (a[:, 1] + a[:, 3] / 2) / width,
+    }
+    for name, feature in features.items():
+        assert stats.ks_2samp(feature(ours), feature(theirs)).pvalue > 1e-3, name
+    assert 0.08 * 0.99 <= features["area"](ours).min() and features["area"](ours).max() <= 1.0
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * math.log10(255 ** 2 / mse)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reduced_size_decode_matches_full_decode(seed):
+    size = (1500, 2000) if seed % 2 else (375, 500)
+    data = encode(Image.fromarray(photo_like(*size, seed)), "JPEG", quality=90)
+    full = simplejpeg.decode_jpeg(data, colorspace="RGB")
+    for draw in range(10):
+        rng = np.random.default_rng([seed, draw])
+        reduced = np.zeros((224, 224, 3), np.uint8)
+        load_into(data, reduced, "noflip", rng)
+        box = random_resized_crop_box(*size, np.random.default_rng([seed, draw]))
+        reference = np.zeros_like(reduced)
+        resize_box_into(full, box, False, reference)
+        assert psnr(reduced, reference) >= 30, (seed, draw, box)
+
+
+def test_center_crop_is_centred_and_square():
+    box = center_crop_box(300, 400)
+    assert box == Box(19, 69, 262, 262)
+
+
+def test_resize_writes_into_the_given_array():
+    out = np.zeros((10, 10, 3), np.uint8)
+    resize_box_into(np.full((40, 40, 3), 7, np.uint8), Box(0, 0, 40, 40), True, out)
+    assert (out == 7).all()
+    assert cv2.getNumThreads() == 1
