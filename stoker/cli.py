@@ -35,6 +35,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "seed": ("seed for initialization, sampling and augmentation", "S"),
     "out": ("run folder for summary.json, metrics.jsonl and checkpoints (default runs/<time>)", "RUN_DIR"),
     "resume": ("continue from the newest valid checkpoint of this run folder", "RUN_DIR"),
+    "checkpoint_every": ("also checkpoint every STEPS steps (always at the end of each epoch)", "STEPS"),
     "slots_per_consumer": ("batch slots in shared memory per consumer", "K"),
     "check_replicas_every": ("compare replica hashes every K steps (0: at the end only)", "K"),
     "collective_timeout_s": ("seconds a consumer waits for its peers before the run fails", "S"),

@@ -7,6 +7,7 @@ allowed, before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import tomllib
@@ -52,6 +53,7 @@ class TrainConfig:
     seed: int = Field(0, ge=0)
     out: Path | None = None
     resume: Path | None = None
+    checkpoint_every: int = Field(0, ge=0)
     slots_per_consumer: int = Field(4, ge=2, le=64)
     check_replicas_every: int = Field(0, ge=0)
     collective_timeout_s: float = Field(60.0, gt=0)
@@ -113,8 +115,16 @@ class TrainConfig:
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
 
 
+RUN_CONFIG_FILE = "config.json"
+
+
 def make_config(values: dict[str, Any]) -> TrainConfig:
-    """Build a TrainConfig, turning pydantic's report into one `ConfigError` that names every bad setting."""
+    """Build a TrainConfig, turning pydantic's report into one `ConfigError` that names every bad setting.
+
+    With `resume`, the resumed run's own settings are the defaults: `--resume RUN_DIR` alone continues it.
+    """
+    if values.get("resume") is not None:
+        values = {**_saved_settings(Path(values["resume"])), **values}
     unknown = sorted(set(values) - set(FIELD_NAMES))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(FIELD_NAMES)}")
@@ -122,6 +132,16 @@ def make_config(values: dict[str, Any]) -> TrainConfig:
         return TrainConfig(**values)
     except pydantic.ValidationError as error:
         raise ConfigError(_describe(error)) from None
+
+
+def _saved_settings(run_dir: Path) -> dict[str, Any]:
+    try:
+        saved = json.loads((run_dir / RUN_CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"resume={str(run_dir)!r}: no {RUN_CONFIG_FILE}; is this a stoker run folder?") from None
+    except ValueError as error:
+        raise ConfigError(f"resume={str(run_dir)!r}: unreadable {RUN_CONFIG_FILE} ({error})") from None
+    return {k: v for k, v in saved.items() if k in FIELD_NAMES and k not in ("resume", "out")}
 
 
 def _describe(error: pydantic.ValidationError) -> str:

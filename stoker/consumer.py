@@ -210,7 +210,7 @@ class Replica:
             self.optimizer.step()
             loss_value = loss.item()
         compute_s = time.perf_counter() - started
-        faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step}")
+        faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaging_s = self.averager.after_step(batch.global_step, len(ids), batch.step_samples)
         digest = None
         every = self.setup.check_replicas_every

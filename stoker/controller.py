@@ -22,7 +22,7 @@ from stoker import checkpoint
 from stoker.autoscale import Autoscaler, Window
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
-from stoker.config import TrainConfig
+from stoker.config import RUN_CONFIG_FILE, TrainConfig
 from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
                              StepReport, ValReport, consumer_main)
 from stoker.dataset import ImageIndex, scan_image_folder, split_validation
@@ -63,7 +63,6 @@ class Controller:
         self.num_consumers = len(self.devices)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
-        check_model(config.model, len(self.data.train.classes), self.image_size)
         if config.batch_size > len(self.data.train):
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
@@ -71,9 +70,10 @@ class Controller:
                               self.num_consumers, config.seed)
         self.num_slots = config.slots_per_consumer * self.num_consumers
         self.budget = config.producers if config.producers != "auto" else config.producer_budget
-        self.run_dir = Path(config.out or default_run_dir())
-        self.start_at, self.resume_from = self._resume_point()
         self._ring_bytes_check()
+        check_model(config.model, len(self.data.train.classes), self.image_size)
+        self.run_dir = Path(config.out or config.resume or default_run_dir())
+        self.start_at, self.resume_from = self._resume_point()
         self._reset_state()
 
     def _resume_point(self) -> tuple[Position, Path | None]:
@@ -117,6 +117,7 @@ class Controller:
     def run(self) -> dict[str, Any]:
         name_process("stoker controller")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.started = time.monotonic()
         status, error = "completed", None
@@ -151,7 +152,7 @@ class Controller:
         sweep_dead_segments()
         self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
-                                   self.data.val is not None, 0, self.run_dir)
+                                   self.data.val is not None, self.config.checkpoint_every, self.run_dir)
         self.pool = ProducerPool(self._producer_setup(), self.ring, self.inbox, self.stop, self.budget,
                                  self.config.producer_timeout_s)
         initial = self.budget if self.config.producers != "auto" else min(self.config.min_producers, self.budget)
@@ -266,8 +267,10 @@ class Controller:
             self._saved(message)
         elif isinstance(message, Finished):
             self.finished[message.rank] = message
-        elif isinstance(message, ConsumerFailed | ProducerFailed):
-            log.debug("%s", message.error.trace)
+        elif isinstance(message, ConsumerFailed):
+            raise StokerRunError("; ".join([*self._dead_peers(message.rank), str(message.error)])
+                                 + f"\n{message.error.trace}")
+        elif isinstance(message, ProducerFailed):
             raise StokerRunError(f"{message.error}\n{message.error.trace}")
 
     def _compare_replicas(self, report: StepReport) -> None:
@@ -331,6 +334,15 @@ class Controller:
                 if issued is not None:
                     del self.tasks[task.task_id]
                     self._assign(issued, task.skip)
+
+    def _dead_peers(self, reporter: int) -> list[str]:
+        """A collective error usually means a peer died: name it first, it is the cause."""
+        dead = []
+        for rank, process in enumerate(self.consumers):
+            process.join(timeout=1.0 if rank != reporter else 0)
+            if rank != reporter and process.exitcode not in (None, 0):
+                dead.append(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
+        return dead
 
     def _drain_failures(self) -> None:
         """A consumer died: if another one reported why (a collective error, say), say that first."""

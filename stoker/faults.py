@@ -1,8 +1,9 @@
 """Fault injection for the fault tests: explicit, driven by one environment variable, never by timing luck.
 
 STOKER_FAULT="ROLE:ACTION:MATCH", for example "producer:segfault:broken_7.jpg" (a producer segfaults when it
-reaches a file whose path contains broken_7.jpg) or "consumer:sigkill:rank=1,step=5" (consumer 1 is killed at
-step 5, inside the averaging collective). Unset, every hook is a dictionary lookup and nothing more.
+reaches a file whose path contains broken_7.jpg) or "consumer:sigkill:rank=1,step=5;" (consumer 1 is killed at
+step 5, just before the averaging collective). With STOKER_FAULT_ONCE=FILE the fault fires in the first process
+that reaches it only (the one that creates FILE). Unset, every hook is a dictionary lookup and nothing more.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import signal
 import time
 
 ENV = "STOKER_FAULT"
-ACTIONS = ("segfault", "sigkill", "hang", "raise")
+ONCE_ENV = "STOKER_FAULT_ONCE"
+ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent")
 
 
 def maybe_inject(role: str, where: str) -> None:
@@ -20,8 +22,19 @@ def maybe_inject(role: str, where: str) -> None:
     if not spec:
         return
     fault_role, action, match = spec.split(":", 2)
-    if fault_role == role and match in where:
+    if fault_role == role and match in where and _first_time():
         _act(action, where)
+
+
+def _first_time() -> bool:
+    marker = os.environ.get(ONCE_ENV)
+    if not marker:
+        return True
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _act(action: str, where: str) -> None:
@@ -32,6 +45,11 @@ def _act(action: str, where: str) -> None:
     elif action == "hang":
         while True:
             time.sleep(3600)
+    elif action == "interrupt-parent":
+        os.kill(os.getppid(), signal.SIGINT)
+    elif action == "kill-parent":
+        os.kill(os.getppid(), signal.SIGKILL)
     elif action == "raise":
         raise RuntimeError(f"injected fault at {where}")
-    raise ValueError(f"{ENV}: unknown action {action!r}; expected one of {ACTIONS}")
+    else:
+        raise ValueError(f"{ENV}: unknown action {action!r}; expected one of {ACTIONS}")

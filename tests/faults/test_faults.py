@@ -1,0 +1,151 @@
+"""Fault injection: nothing lost, nothing hung, a clear message, no process or segment left (the autouse
+fixture checks the last two after every test). Faults are driven by STOKER_FAULT, not by timing luck."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+
+import pytest
+import torch
+
+from stoker.ring import NAME_PREFIX, SHM_DIR, live_segments
+from tests.conftest import read_summary, run_cli, stoker_processes, wait_for_no_trace
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def train_args(textures, out, *extra):
+    train, val = textures
+    return ["train", "--data", str(train), "--val", str(val), "--batch-size", "8", "--out", str(out),
+            "--quiet", *extra]
+
+
+def fault(spec, once_dir=None):
+    env = {"STOKER_FAULT": spec}
+    if once_dir is not None:
+        env["STOKER_FAULT_ONCE"] = str(once_dir / "fired")
+    return env
+
+
+def events(run_dir, name):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["event"] == name]
+
+
+def test_producer_killed_mid_epoch_is_replaced_and_nothing_is_lost(textures, tmp_path):
+    victim = "train/3_checker/00005.jpg"
+    run_cli(*train_args(textures, tmp_path / "run", "--devices", "cpu:2", "--producers", "2", "--epochs", "2"),
+            env=fault(f"producer:sigkill:{victim}", once_dir=tmp_path))
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed"
+    assert summary["samples_consumed"] == [120, 120]
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    lost = events(tmp_path / "run", "producer_lost")
+    assert len(lost) == 1 and "SIGKILL" in lost[0]["message"] and victim in lost[0]["message"]
+    assert summary["skipped_files"] == []
+
+
+def test_producer_segfault_names_pid_and_file_and_the_file_is_skipped(textures, tmp_path):
+    victim = "train/5_rings/00002.jpg"
+    run_cli(*train_args(textures, tmp_path, "--producers", "2", "--epochs", "1"),
+            env=fault(f"producer:segfault:{victim}"))
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed"
+    [skipped] = summary["skipped_files"]
+    assert skipped["path"].endswith(victim)
+    assert "SIGSEGV" in skipped["reason"] and "pid" in skipped["reason"]
+    assert summary["missing_samples"] == summary["missing_samples_skipped_as_unusable"] == 1
+    assert summary["samples_consumed"] == [119]
+
+
+def test_hung_producer_is_killed_and_the_file_skipped(textures, tmp_path):
+    victim = "train/7_blobs/00001.jpg"
+    run_cli(*train_args(textures, tmp_path, "--producers", "1", "--epochs", "1", "--producer-timeout-s", "3"),
+            env=fault(f"producer:hang:{victim}"))
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed"
+    [skipped] = summary["skipped_files"]
+    assert skipped["path"].endswith(victim) and "hung" in skipped["reason"]
+
+
+def test_consumer_killed_before_averaging_fails_cleanly_and_resume_continues(textures, tmp_path):
+    run_dir = tmp_path / "run"
+    args = train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "2", "--collective-timeout-s", "20")
+    started = time.monotonic()
+    result = run_cli(*args, env=fault("consumer:sigkill:rank=1,step=11;"), check=False)
+    assert time.monotonic() - started < 60
+    summary = read_summary(run_dir)
+    assert result.returncode == 1 and summary["status"] == "failed"
+    assert "consumer 1" in summary["error"] and "SIGKILL" in summary["error"]
+    assert summary["checkpoint"].endswith("step_00000008")  # the end of epoch 1 (8 steps of 2 x 8 samples)
+    run_cli("train", "--resume", str(run_dir), "--devices", "cpu:2", "--quiet")
+    resumed = read_summary(run_dir)
+    assert resumed["status"] == "completed" and resumed["start_step"] == 8
+    assert resumed["samples_consumed"] == [120]
+
+
+def test_controller_killed_children_exit_and_next_start_sweeps_its_segment(textures, tmp_path):
+    result = run_cli(*train_args(textures, tmp_path, "--devices", "cpu:2", "--epochs", "3"),
+                     env=fault("consumer:kill-parent:rank=0,step=4;"), check=False)
+    assert result.returncode == -9
+    processes, _ = wait_for_no_trace(timeout_s=15)
+    assert not processes  # producers and consumers noticed on their own
+    stale = os.path.join(SHM_DIR, f"{NAME_PREFIX}999999_deadbeef")
+    with open(stale, "wb") as handle:
+        handle.write(b"\0" * 4096)
+    run_cli(*train_args(textures, tmp_path / "again", "--epochs", "1"))
+    assert not os.path.exists(stale)
+
+
+def test_interrupt_checkpoints_and_resume_is_bitwise_exact_across_an_epoch_boundary(textures, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = ("--devices", "cpu:2", "--epochs", "2", "--seed", "5")
+    run_cli(*train_args(textures, straight, *common))
+    result = run_cli(*train_args(textures, split, *common), env=fault("consumer:interrupt-parent:rank=0,step=5;"),
+                     check=False)
+    interrupted = read_summary(split)
+    assert result.returncode == 130 and interrupted["status"] == "interrupted"
+    assert interrupted["checkpoint"] is not None
+    stopped_at = int(interrupted["checkpoint"].rsplit("_", 1)[1])
+    assert 5 < stopped_at < 16  # in epoch 1, before its end: the resume crosses the boundary
+    run_cli("train", "--resume", str(split), "--devices", "cpu:2", "--quiet")
+    assert read_summary(split)["start_step"] == stopped_at
+    a = torch.load(straight / "model.pt", weights_only=True)
+    b = torch.load(split / "model.pt", weights_only=True)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['EXPLOIT_MARKER']}",))
+
+
+def test_tampered_or_malicious_checkpoint_is_refused_and_the_previous_used(textures, tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    run_cli(*train_args(textures, run_dir, "--epochs", "2", "--checkpoint-every", "4"))
+    checkpoints = sorted((run_dir / "checkpoints").glob("step_*"))
+    newest, previous = checkpoints[-1], checkpoints[-2]
+    marker = tmp_path / "exploited"
+    monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    payload = pickle.dumps(_Exploit())
+    (newest / "model.pt").write_bytes(payload)
+    meta = json.loads((newest / "meta.json").read_text())
+    import hashlib
+    meta["files"]["model.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksum
+    (newest / "meta.json").write_text(json.dumps(meta))
+    (previous / "rank_0.pt").write_bytes((previous / "rank_0.pt").read_bytes()[:100])  # truncated
+    result = run_cli("train", "--resume", str(run_dir), "--epochs", "3", "--quiet", check=False)
+    assert not marker.exists()
+    assert result.returncode == 1
+    assert "refused" in read_summary(run_dir)["error"] or "refused" in result.stderr
+
+
+def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, tmp_path):
+    result = run_cli(*train_args(textures, tmp_path, "--image-size", "2048", "--batch-size", "100"), check=False)
+    assert result.returncode == 2
+    assert "MiB of shared memory" in result.stderr and "--shm-size" in result.stderr
+    assert not stoker_processes() and not live_segments()
