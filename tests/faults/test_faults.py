@@ -145,7 +145,8 @@ def test_tampered_or_malicious_checkpoint_is_refused_and_the_previous_used(textu
 
 
 def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, tmp_path):
-    result = run_cli(*train_args(textures, tmp_path, "--image-size", "2048", "--batch-size", "100"), check=False)
+    result = run_cli(*train_args(textures, tmp_path, "--image-size", "2048", "--batch-size", "100",
+                                    "--slots-per-consumer", "64"), check=False)
     assert result.returncode == 2
     assert "MiB of shared memory" in result.stderr and "--shm-size" in result.stderr
     assert not stoker_processes() and not live_segments()
