@@ -1,0 +1,93 @@
+"""Bad images in a real run: odd-but-valid modes are used, unusable files are skipped and listed, the epoch
+accounting stays exact, and too many bad files stop the run with a clear error."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import read_summary, run_cli
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def picture(seed: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (40, 48, 3), dtype=np.uint8))
+
+
+def encoded(image: Image.Image, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def bomb_png() -> bytes:
+    data = bytearray(encoded(Image.new("L", (10, 10)), "PNG"))
+    data[16:24] = (30000).to_bytes(4, "big") * 2
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
+
+
+ODD_BUT_VALID = {
+    "cmyk.jpg": lambda: encoded(picture(1).convert("CMYK"), "JPEG"),
+    "gray.png": lambda: encoded(picture(2).convert("L"), "PNG"),
+    "palette.png": lambda: encoded(picture(3).convert("P"), "PNG"),
+    "rgba.png": lambda: encoded(picture(4).convert("RGBA"), "PNG"),
+    "wide.png": lambda: encoded(Image.fromarray(np.full((30, 30), 40000, np.uint16)), "PNG"),
+}
+UNUSABLE = {
+    "truncated.jpg": lambda: encoded(picture(5), "JPEG")[:200],
+    "truncated.png": lambda: encoded(picture(6), "PNG")[:300],
+    "empty.jpg": lambda: b"",
+    "noise.jpg": lambda: np.random.default_rng(7).bytes(3000),
+    "really_gif.jpg": lambda: encoded(picture(8), "GIF"),
+    "really_psd.jpg": lambda: b"8BPS\x00\x01" + bytes(100),
+    "really_pdf.jpg": lambda: b"%PDF-1.4\n%\xe2\xe3\n1 0 obj<<>>endobj\n",
+    "bomb.png": bomb_png,
+}
+
+
+@pytest.fixture()
+def messy(textures, tmp_path):
+    train, val = textures
+    root = tmp_path / "train"
+    shutil.copytree(train, root)
+    target = root / "0_horizontal"
+    for name, make in {**ODD_BUT_VALID, **UNUSABLE}.items():
+        (target / name).write_bytes(make())
+    (target / "unreadable.jpg").write_bytes(encoded(picture(9), "JPEG"))
+    os.chmod(target / "unreadable.jpg", 0)
+    return root, val
+
+
+def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path):
+    train, val = messy
+    unreadable_expected = os.geteuid() != 0  # root reads a mode-000 file anyway
+    run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--epochs", "2",
+            "--out", str(tmp_path / "run"), "--quiet")
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed"
+    skipped = {os.path.basename(s["path"]): s["reason"] for s in summary["skipped_files"]}
+    expected = set(UNUSABLE) | ({"unreadable.jpg"} if unreadable_expected else set())
+    assert set(skipped) == expected
+    assert "bomb" in skipped["bomb.png"] and "not an image" in skipped["really_pdf.jpg"]
+    total = 120 + len(ODD_BUT_VALID) + len(UNUSABLE) + 1
+    assert summary["samples_expected"] == total
+    assert summary["samples_consumed"] == [total - len(expected)] * 2
+    assert summary["duplicate_samples"] == 0
+    assert summary["missing_samples"] == summary["missing_samples_skipped_as_unusable"] == 2 * len(expected)
+
+
+def test_too_many_bad_files_stop_the_run_with_a_clear_error(messy, tmp_path):
+    train, val = messy
+    result = run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--epochs", "1",
+                     "--max-bad-fraction", "0.01", "--out", str(tmp_path / "run"), "--quiet", check=False)
+    summary = read_summary(tmp_path / "run")
+    assert result.returncode == 1 and summary["status"] == "failed"
+    assert "max_bad_fraction=0.01" in summary["error"]
