@@ -24,6 +24,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "devices": ("auto | cpu:N | cuda | cuda:0,1", "SPEC"),
     "producers": ("auto (fork more when consumers wait) or a fixed count", "M"),
     "min_producers": ("lower bound for --producers auto", "A"),
+    "initial_producers": ("where --producers auto starts (default: --min-producers)", "M"),
     "max_producers": ("upper bound for --producers auto (default: cores not used by CPU consumers)", "B"),
     "batch_size": ("samples per consumer per step", "B"),
     "epochs": ("passes over the training set", "E"),

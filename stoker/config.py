@@ -42,6 +42,7 @@ class TrainConfig:
     devices: str = "auto"
     producers: int | Literal["auto"] = "auto"
     min_producers: int = Field(1, ge=1)
+    initial_producers: int | None = Field(None, ge=1)
     max_producers: int | None = Field(None, ge=1)
     batch_size: int = Field(64, ge=1, le=65536)
     epochs: int = Field(10, ge=1)
@@ -77,6 +78,10 @@ class TrainConfig:
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        if self.initial_producers is not None and not (
+                self.min_producers <= self.initial_producers <= (self.max_producers or self.initial_producers)):
+            raise ValueError(f"initial_producers={self.initial_producers} is outside min_producers.."
+                             f"max_producers ({self.min_producers}..{self.max_producers})")
         if self.max_producers is not None and self.max_producers < self.min_producers:
             raise ValueError(f"max_producers={self.max_producers} is below min_producers={self.min_producers}")
         for name in ("data", "val"):

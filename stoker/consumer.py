@@ -209,6 +209,7 @@ class Replica:
             loss.backward()
             self.optimizer.step()
             loss_value = loss.item()
+            faults.simulated_delay(faults.STEP_TIME_ENV)
         compute_s = time.perf_counter() - started
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaging_s = self.averager.after_step(batch.global_step, len(ids), batch.step_samples)

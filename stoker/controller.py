@@ -39,7 +39,7 @@ from stoker.scheduler import Issue, Scheduler
 
 log = logging.getLogger(__name__)
 
-SCALE_WINDOW_S = 2.0
+SCALE_WINDOW_S = 1.0
 KEEP_CHECKPOINTS = 3
 
 
@@ -155,7 +155,8 @@ class Controller:
                                    self.data.val is not None, self.config.checkpoint_every, self.run_dir)
         self.pool = ProducerPool(self._producer_setup(), self.ring, self.inbox, self.stop, self.budget,
                                  self.config.producer_timeout_s)
-        initial = self.budget if self.config.producers != "auto" else min(self.config.min_producers, self.budget)
+        initial = self.budget if self.config.producers != "auto" else min(
+            self.config.initial_producers or self.config.min_producers, self.budget)
         for _ in range(initial):
             self.pool.grow()
         self.producers_initial = initial
@@ -232,7 +233,7 @@ class Controller:
         """Every consumer got its last batch: save where an interrupt stopped us, then write the final model."""
         self.finishing = True
         position = self.scheduler.position
-        if self.interrupted and (self.last_checkpoint is None or _step_of(self.last_checkpoint) != position.global_step):
+        if self.interrupted and position.global_step not in self.scheduler.saves_issued:
             folder = checkpoint.checkpoint_dir(self.run_dir, position.global_step, temporary=True)
             for ready in self.ready_queues:
                 ready.put(Save(folder, position.global_step))
@@ -462,10 +463,6 @@ def _step_fields(report: StepReport) -> dict[str, Any]:
     return {"rank": report.rank, "epoch": report.epoch, "step": report.step, "global_step": report.global_step,
             "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
             "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6)}
-
-
-def _step_of(folder: Path) -> int:
-    return int(folder.name.rsplit("_", 1)[1])
 
 
 def load_data(config: TrainConfig) -> Data:

@@ -17,6 +17,16 @@ ONCE_ENV = "STOKER_FAULT_ONCE"
 ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent")
 
 
+READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
+STEP_TIME_ENV = "STOKER_STEP_TIME_MS"  # every training step holds its consumer this long, like a slow device
+
+
+def simulated_delay(env: str) -> None:
+    milliseconds = float(os.environ.get(env) or 0)
+    if milliseconds > 0:
+        time.sleep(milliseconds / 1000)
+
+
 def maybe_inject(role: str, where: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:

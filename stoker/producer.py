@@ -124,6 +124,7 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing, status: np.nda
 
 
 def _read(path: str) -> bytes:
+    faults.simulated_delay(faults.READ_LATENCY_ENV)
     try:
         with open(path, "rb") as handle:
             return handle.read()

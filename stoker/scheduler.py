@@ -56,6 +56,7 @@ class Scheduler:
         self._next_delivery = [0] * self.num_ranks
         self._limit_row: int | None = None
         self.position = start
+        self.saves_issued: set[int] = set()  # global steps a Save was handed out for
 
     def _stream(self, rank: int, epochs: int, start: Position, has_val: bool, checkpoint_every: int,
                 run_dir: Path) -> Iterator[Item]:
@@ -132,6 +133,8 @@ class Scheduler:
                 item = self._items[rank].pop(seq)
                 if item.resume_at is not None and rank == 0:
                     self.position = item.resume_at
+                if isinstance(item.message, Save):
+                    self.saves_issued.add(item.message.global_step)
                 self._next_delivery[rank] += 1
                 yield rank, ready.pop(seq)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -132,3 +133,16 @@ def test_python_api_trains_and_checkpoint_loads_into_the_model(textures, tmp_pat
     model = build_model("resnet8", 10)
     model.load_state_dict(torch.load(summary["model"], weights_only=True))
     assert np.isfinite(summary["train_loss"])
+
+
+def test_local_sgd_every_h_steps_ends_with_identical_replicas(textures, tmp_path):
+    train, val = textures
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
+            "--epochs", "1", "--sync-every", "3", "--check-replicas-every", "3", "--out", str(tmp_path), "--quiet")
+    summary = read_summary(tmp_path)
+    checks = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"replica_check"' in line]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    averaged = [r for r in records if r["event"] == "step" and r["averaging_s"] > 0]
+    assert summary["replicas_identical"] is True
+    assert len(checks) == summary["steps"] // 3
+    assert len(averaged) == 2 * (summary["steps"] // 3)  # both consumers averaged only every third step

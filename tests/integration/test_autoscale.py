@@ -1,0 +1,64 @@
+"""Fork more producers when consumers wait, retire them when they don't; results never depend on it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from stoker.autoscale import Autoscaler, Window
+from tests.conftest import read_summary, run_cli
+
+pytestmark = pytest.mark.timeout(240)
+SLOW_INPUT = {"STOKER_READ_LATENCY_MS": "40", "STOKER_STEP_TIME_MS": "100"}  # ~25 img/s per producer, 80 needed
+
+
+def steps(run_dir):
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r for r in records if r["event"] == "step"]
+
+
+def run(textures, out, *extra, env):
+    train, val = textures
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:1", "--batch-size", "8",
+            "--image-size", "32", "--seed", "11", "--out", str(out), "--quiet", *extra, env=env)
+    return read_summary(out)
+
+
+def test_slow_input_adds_producers_until_consumers_stop_waiting(textures, tmp_path):
+    summary = run(textures, tmp_path / "auto", "--epochs", "14", "--producers", "auto", "--max-producers", "6",
+                  env=SLOW_INPUT)
+    assert summary["producers_initial"] == 1
+    assert 4 <= summary["producers_final"] <= summary["producers_max"] <= 6
+    late = steps(tmp_path / "auto")[-60:]  # after warm-up
+    stall = sum(s["wait_s"] for s in late) / sum(s["wait_s"] + s["compute_s"] + s["averaging_s"] for s in late)
+    assert stall < 0.05, stall
+    assert all("wait" in change["reason"] for change in summary["producers_timeline"][1:4])
+
+    fixed = run(textures, tmp_path / "fixed", "--epochs", "14", "--producers", "3", env=SLOW_INPUT)
+    assert fixed["producers_max"] == 3
+    a = torch.load(tmp_path / "auto" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "fixed" / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # scaling decisions never change the results
+
+
+def test_over_provisioned_producers_are_retired(textures, tmp_path):
+    summary = run(textures, tmp_path, "--epochs", "10", "--producers", "auto", "--initial-producers", "5",
+                  "--max-producers", "5", env={"STOKER_STEP_TIME_MS": "150"})
+    assert summary["producers_initial"] == 5
+    assert summary["producers_final"] < 5
+    assert any("idle" in change["reason"] for change in summary["producers_timeline"])
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+
+
+def test_policy_is_damped_and_bounded():
+    scaler = Autoscaler(minimum=1, maximum=3)
+    starving = Window(stall=0.5, queue_fill=0.0, utilization=1.0, producers=1)
+    assert scaler.decide(starving).change == 1
+    assert scaler.decide(starving).change == 0  # cooldown after a change
+    assert scaler.decide(Window(0.5, 0.0, 1.0, producers=3)).change == 0  # at the budget
+    calm = Window(stall=0.0, queue_fill=1.0, utilization=0.1, producers=3)
+    assert scaler.decide(calm).change == 0  # one calm window is not enough
+    assert scaler.decide(calm).change == -1
+    assert scaler.decide(Window(0.0, 1.0, 0.1, producers=1)).change == 0  # never below the minimum
