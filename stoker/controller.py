@@ -97,7 +97,7 @@ class Controller:
         self.store = None
         self.stop = CONTEXT.Event()
         self.inbox = CONTEXT.Queue()
-        self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch)
+        self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch)
         self.tasks: dict[int, Issue] = {}
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}
@@ -410,12 +410,10 @@ class Controller:
         last_epoch = max(self.stats.epochs, default=None)
         last_val = self.val_reports[-1] if self.val_reports else None
         digests = {rank: f.digest for rank, f in self.finished.items()}
-        completed_epochs = sum(1 for e, a in self.stats.epochs.items()
-                               if e in {v.epoch for v in self.val_reports} or self.data.val is None)
         summary = {
             "status": status,
             **({"error": error} if error else {}),
-            "epochs": completed_epochs if status != "completed" else self.config.epochs - self.start_at.epoch,
+            "epochs": len(self.stats.completed_epochs),
             "steps": self.stats.consumers[0].steps,
             "num_consumers": self.num_consumers,
             "devices": self.devices,

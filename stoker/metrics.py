@@ -77,8 +77,10 @@ class EpochAccount:
 
 
 class RunStats:
-    def __init__(self, num_consumers: int, samples_per_epoch: int) -> None:
+    def __init__(self, num_consumers: int, samples_per_epoch: int, steps_per_epoch: int) -> None:
         self.samples_per_epoch = samples_per_epoch
+        self.steps_per_epoch = steps_per_epoch
+        self._finished_last_step: dict[int, set[int]] = defaultdict(set)  # epoch -> ranks done with its last step
         self.consumers = [ConsumerTimes() for _ in range(num_consumers)]
         self.epochs: dict[int, EpochAccount] = {}
         self.val: dict[int, ValReport] = {}
@@ -100,6 +102,8 @@ class RunStats:
         account = self._account(report.epoch)
         np.add.at(account.counts, report.sample_ids, 1)
         account.loss_sum += report.loss * report.count
+        if report.step == self.steps_per_epoch - 1:
+            self._finished_last_step[report.epoch].add(report.rank)
         self.recent.append((now, report.count))
 
     def record_digest(self, report: StepReport) -> bool | None:
@@ -107,6 +111,12 @@ class RunStats:
         check = self.digests[report.global_step]
         check[report.rank] = report.digest
         return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
+
+    @property
+    def completed_epochs(self) -> list[int]:
+        """Epochs whose last step every consumer finished in this run."""
+        done = self._finished_last_step
+        return sorted(e for e, ranks in done.items() if len(ranks) == len(self.consumers))
 
     def record_skipped(self, epoch: int | None, skipped: tuple[Skipped, ...], ids: list[int]) -> None:
         for item in skipped:

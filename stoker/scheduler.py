@@ -147,10 +147,6 @@ class Scheduler:
         return all(self._peek(rank) is None and self._next_delivery[rank] == self._next_seq[rank]
                    for rank in range(self.num_ranks))
 
-    def queued(self, rank: int) -> int:
-        """Batches handed to `rank` or ready for it that it has not yet taken: the ready-queue depth."""
-        return self._outstanding[rank]
-
 
 def _needs_slot(item: Item) -> bool:
     return item.work is not None and len(item.work.sample_ids) > 0

@@ -6,7 +6,8 @@ import argparse
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    from stoker.bench import autoscale
+
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
-    from stoker.bench import pipeline  # noqa
-    getattr(pipeline, "add_parser", lambda k: None)(kinds)
+    autoscale.add_parser(kinds)

@@ -1,1 +1,0 @@
-"""`stoker bench pipeline`: placeholder replaced below."""
