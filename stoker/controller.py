@@ -287,9 +287,8 @@ class Controller:
             return
         issued = self.tasks.pop(done.task_id)
         if done.skipped:
-            paths = {p: i for i, p in enumerate(self.data.train.paths)} if issued.work.kind == "train" else {}
-            ids = [paths[s.path] for s in done.skipped if s.path in paths]
-            self.stats.record_skipped(issued.work.epoch if issued.work.kind == "train" else None, done.skipped, ids)
+            epoch = issued.work.epoch if issued.work.kind == "train" else None
+            self.stats.record_skipped(epoch, done.skipped, list(done.skipped_ids))
             for item in done.skipped:
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.metrics.write("skipped", path=item.path, reason=item.reason)
