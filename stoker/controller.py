@@ -288,8 +288,8 @@ class Controller:
         issued = self.tasks.pop(done.task_id)
         if done.skipped:
             epoch = issued.work.epoch if issued.work.kind == "train" else None
-            self.stats.record_skipped(epoch, done.skipped, list(done.skipped_ids))
-            for item in done.skipped:
+            self.stats.record_skipped(epoch, done.skipped)
+            for item in done.skipped.values():
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.metrics.write("skipped", path=item.path, reason=item.reason)
             self._check_bad_fraction()
@@ -339,8 +339,10 @@ class Controller:
         """A collective error usually means a peer died: name it first, it is the cause."""
         dead = []
         for rank, process in enumerate(self.consumers):
-            process.join(timeout=1.0 if rank != reporter else 0)
-            if rank != reporter and process.exitcode not in (None, 0):
+            if rank == reporter:
+                continue
+            process.join(timeout=1.0)
+            if process.exitcode not in (None, 0):
                 dead.append(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
         return dead
 

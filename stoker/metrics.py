@@ -11,7 +11,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from stoker.consumer import StepReport, ValReport
+from stoker.consumer import StepReport
 from stoker.dataset import Skipped
 
 
@@ -83,7 +83,6 @@ class RunStats:
         self._finished_last_step: dict[int, set[int]] = defaultdict(set)  # epoch -> ranks done with its last step
         self.consumers = [ConsumerTimes() for _ in range(num_consumers)]
         self.epochs: dict[int, EpochAccount] = {}
-        self.val: dict[int, ValReport] = {}
         self.skipped: dict[str, str] = {}
         self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # global step -> rank -> digest
         self.recent: list[tuple[float, int]] = []  # (time, samples) for the progress rate
@@ -118,11 +117,11 @@ class RunStats:
         done = self._finished_last_step
         return sorted(e for e, ranks in done.items() if len(ranks) == len(self.consumers))
 
-    def record_skipped(self, epoch: int | None, skipped: tuple[Skipped, ...], ids: list[int]) -> None:
-        for item in skipped:
+    def record_skipped(self, epoch: int | None, skipped: dict[int, Skipped]) -> None:
+        for item in skipped.values():
             self.skipped.setdefault(item.path, item.reason)
         if epoch is not None:
-            self._account(epoch).skipped_ids.update(ids)
+            self._account(epoch).skipped_ids.update(skipped)
 
     def expect(self, epoch: int, sample_ids: np.ndarray) -> None:
         self._account(epoch).expected[sample_ids] = True

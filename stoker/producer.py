@@ -52,8 +52,7 @@ class TaskDone:
     producer: int
     task_id: int
     count: int
-    skipped: tuple[Skipped, ...]
-    skipped_ids: tuple[int, ...]
+    skipped: dict[int, Skipped]  # sample id -> the file and why it could not be used
     busy_s: float
 
 
@@ -93,38 +92,36 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, inbox, st
         if task is None:
             return
         started = time.perf_counter()
-        count, skipped, skipped_ids = build_batch(task, setup, ring, status)
-        inbox.put(TaskDone(producer, task.task_id, count, skipped, skipped_ids, time.perf_counter() - started))
+        count, skipped = build_batch(task, setup, ring, status)
+        inbox.put(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started))
 
 
-def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing, status: np.ndarray) -> tuple[int, tuple, tuple]:
-    """Write the task's samples into its slot, compacting over unusable files; returns (count, skipped, their ids)."""
+def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
+                status: np.ndarray) -> tuple[int, dict[int, Skipped]]:
+    """Write the task's samples into its slot, compacting over unusable files; returns (count, skipped by id)."""
     work = task.work
     source = setup.train if work.kind == "train" else setup.val
     augment = setup.augment if work.kind == "train" else "none"
     images, labels, ids = ring.images[task.slot], ring.labels[task.slot], ring.ids[task.slot]
     count = 0
-    skipped: list[Skipped] = []
-    skipped_ids: list[int] = []
+    skipped: dict[int, Skipped] = {}
     for position, sample_id in enumerate(work.sample_ids.tolist()):
         status[:] = (task.task_id, position, time.monotonic_ns())
         path = source.paths[sample_id]
         if sample_id in task.skip:
-            skipped.append(Skipped(path, task.skip[sample_id]))
-            skipped_ids.append(sample_id)
+            skipped[sample_id] = Skipped(path, task.skip[sample_id])
             continue
         faults.maybe_inject("producer", path)
         try:
             load_into(_read(path), images[count], augment, sample_rng(setup.seed, work.kind, work.epoch, sample_id))
         except UnusableImage as error:
-            skipped.append(Skipped(path, str(error)))
-            skipped_ids.append(sample_id)
+            skipped[sample_id] = Skipped(path, str(error))
             continue
         labels[count] = source.labels[sample_id]
         ids[count] = sample_id
         count += 1
     ring.counts[task.slot] = count
-    return count, tuple(skipped), tuple(skipped_ids)
+    return count, skipped
 
 
 def _read(path: str) -> bytes:

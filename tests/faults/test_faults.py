@@ -3,6 +3,7 @@ fixture checks the last two after every test). Faults are driven by STOKER_FAULT
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -134,7 +135,6 @@ def test_tampered_or_malicious_checkpoint_is_refused_and_the_previous_used(textu
     payload = pickle.dumps(_Exploit())
     (newest / "model.pt").write_bytes(payload)
     meta = json.loads((newest / "meta.json").read_text())
-    import hashlib
     meta["files"]["model.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksum
     (newest / "meta.json").write_text(json.dumps(meta))
     (previous / "rank_0.pt").write_bytes((previous / "rank_0.pt").read_bytes()[:100])  # truncated
