@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from stoker import faults
+
 log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
@@ -57,6 +59,7 @@ def write_atomic(path: Path, payload: bytes) -> str:
     temporary = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
+            faults.maybe_inject("checkpoint", str(path))
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
@@ -89,6 +92,12 @@ def commit(temporary: Path, final: Path, meta: dict[str, Any], keep: int) -> Non
     os.replace(temporary, final)
     fsync_dir(final.parent)
     _prune(final.parent, keep)
+
+
+def discard_incomplete(run_dir: Path) -> None:
+    """Remove temporary folders of checkpoints that were never committed (a crash or a failed write)."""
+    for folder in (run_dir / "checkpoints").glob(f"{TMP_PREFIX}{PREFIX}*"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _prune(folder: Path, keep: int) -> None:

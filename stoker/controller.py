@@ -405,6 +405,7 @@ class Controller:
             channel.close()
         if self.ring is not None:
             self.ring.close()
+        checkpoint.discard_incomplete(self.run_dir)
         self.store = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
@@ -425,6 +426,7 @@ class Controller:
             "samples_expected": self.plan.samples_per_epoch,
             "samples_consumed": [a.consumed() for _, a in sorted(self.stats.epochs.items())],
             **self.stats.accounting(),
+            "epoch_accounting": self.stats.epoch_accounting(),
             "skipped_files": [{"path": p, "reason": r} for p, r in self.stats.skipped.items()],
             "input_stall_fraction": self.stats.stall_fractions(),
             "averaging_fraction": self.stats.averaging_fractions(),

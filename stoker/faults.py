@@ -2,19 +2,22 @@
 
 STOKER_FAULT="ROLE:ACTION:MATCH", for example "producer:segfault:broken_7.jpg" (a producer segfaults when it
 reaches a file whose path contains broken_7.jpg) or "consumer:sigkill:rank=1,step=5;" (consumer 1 is killed at
-step 5, just before the averaging collective). With STOKER_FAULT_ONCE=FILE the fault fires in the first process
+step 5, just before the averaging collective), "producer:delete:cat_3.jpg" (the file is deleted just before it
+is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
+full disk). With STOKER_FAULT_ONCE=FILE the fault fires in the first process
 that reaches it only (the one that creates FILE). Unset, every hook is a dictionary lookup and nothing more.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
-ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent")
+ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc")
 
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
@@ -59,6 +62,11 @@ def _act(action: str, where: str) -> None:
         os.kill(os.getppid(), signal.SIGINT)
     elif action == "kill-parent":
         os.kill(os.getppid(), signal.SIGKILL)
+    elif action == "delete":
+        if os.path.exists(where):
+            os.unlink(where)
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
     elif action == "raise":
         raise RuntimeError(f"injected fault at {where}")
     else:

@@ -164,13 +164,19 @@ class RunStats:
             return 0.0
         return sum(c.samples for c in self.consumers) / max(walls)
 
+    def epoch_accounting(self) -> list[dict[str, int]]:
+        """Exactly-once per epoch: what was consumed, twice, or never (and of that, how much was unusable)."""
+        rows = []
+        for epoch, account in sorted(self.epochs.items()):
+            never = account.missing_ids()
+            rows.append({"epoch": epoch, "consumed": account.consumed(), "duplicates": account.duplicates(),
+                         "missing": len(never),
+                         "missing_unusable": len(set(never.tolist()) & account.skipped_ids)})
+        return rows
+
     def accounting(self) -> dict[str, Any]:
         """Duplicates and missing samples over the run, and how many of the missing were skipped as unusable."""
-        duplicates = missing = unexplained = 0
-        for account in self.epochs.values():
-            duplicates += account.duplicates()
-            never = account.missing_ids()
-            missing += len(never)
-            unexplained += len(set(never.tolist()) - account.skipped_ids)
-        return {"duplicate_samples": duplicates, "missing_samples": missing,
-                "missing_samples_skipped_as_unusable": missing - unexplained}
+        rows = self.epoch_accounting()
+        return {"duplicate_samples": sum(r["duplicates"] for r in rows),
+                "missing_samples": sum(r["missing"] for r in rows),
+                "missing_samples_skipped_as_unusable": sum(r["missing_unusable"] for r in rows)}

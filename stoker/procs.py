@@ -26,6 +26,22 @@ def name_process(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
+def stoker_processes() -> list[tuple[int, str]]:
+    """(pid, title) of every live stoker process on this machine, found by the titles `name_process` sets."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                title = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if title.startswith(("stoker producer", "stoker consumer", "stoker controller")):
+            found.append((int(entry), title))
+    return found
+
+
 def exit_with_parent() -> None:
     """Ask the kernel for SIGTERM when the controller dies, on Linux; `ParentWatch` covers the rest."""
     try:

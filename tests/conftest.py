@@ -14,26 +14,11 @@ import pytest
 from PIL import Image
 
 from stoker import builtin_data
+from stoker.procs import stoker_processes
 from stoker.ring import live_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
-
-
-def stoker_processes() -> list[tuple[int, str]]:
-    """Processes whose title says they are stoker's (setproctitle rewrites /proc/PID/cmdline)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                title = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        if title.startswith(("stoker producer", "stoker consumer", "stoker controller")) and int(entry) != os.getpid():
-            found.append((int(entry), title))
-    return found
 
 
 def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:

@@ -6,8 +6,9 @@ import argparse
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from stoker.bench import autoscale
+    from stoker.bench import autoscale, soak
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     autoscale.add_parser(kinds)
+    soak.add_parser(kinds)

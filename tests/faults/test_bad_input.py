@@ -40,6 +40,7 @@ ODD_BUT_VALID = {
     "palette.png": lambda: encoded(picture(3).convert("P"), "PNG"),
     "rgba.png": lambda: encoded(picture(4).convert("RGBA"), "PNG"),
     "wide.png": lambda: encoded(Image.fromarray(np.full((30, 30), 40000, np.uint16)), "PNG"),
+    "really_tiff.jpg": lambda: encoded(picture(10), "TIFF"),
 }
 UNUSABLE = {
     "truncated.jpg": lambda: encoded(picture(5), "JPEG")[:200],
@@ -53,6 +54,9 @@ UNUSABLE = {
 }
 
 
+DELETED = {"STOKER_FAULT": "producer:delete:deleted.jpg"}  # deleted just before its first read
+
+
 @pytest.fixture()
 def messy(textures, tmp_path):
     train, val = textures
@@ -61,6 +65,7 @@ def messy(textures, tmp_path):
     target = root / "0_horizontal"
     for name, make in {**ODD_BUT_VALID, **UNUSABLE}.items():
         (target / name).write_bytes(make())
+    (target / "deleted.jpg").write_bytes(encoded(picture(11), "JPEG"))  # removed after indexing: see DELETED
     (target / "unreadable.jpg").write_bytes(encoded(picture(9), "JPEG"))
     os.chmod(target / "unreadable.jpg", 0)
     return root, val
@@ -70,14 +75,15 @@ def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path
     train, val = messy
     unreadable_expected = os.geteuid() != 0  # root reads a mode-000 file anyway
     run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--epochs", "2",
-            "--out", str(tmp_path / "run"), "--quiet")
+            "--out", str(tmp_path / "run"), "--quiet", env=DELETED)
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed"
     skipped = {os.path.basename(s["path"]): s["reason"] for s in summary["skipped_files"]}
-    expected = set(UNUSABLE) | ({"unreadable.jpg"} if unreadable_expected else set())
+    expected = set(UNUSABLE) | {"deleted.jpg"} | ({"unreadable.jpg"} if unreadable_expected else set())
     assert set(skipped) == expected
     assert "bomb" in skipped["bomb.png"] and "not an image" in skipped["really_pdf.jpg"]
-    total = 120 + len(ODD_BUT_VALID) + len(UNUSABLE) + 1
+    assert "deleted during the run" in skipped["deleted.jpg"]
+    total = 120 + len(ODD_BUT_VALID) + len(UNUSABLE) + 2
     assert summary["samples_expected"] == total
     assert summary["samples_consumed"] == [total - len(expected)] * 2
     assert summary["duplicate_samples"] == 0

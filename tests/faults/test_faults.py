@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from stoker import checkpoint
 from stoker.ring import NAME_PREFIX, SHM_DIR, live_segments
 from tests.conftest import read_summary, run_cli, stoker_processes, wait_for_no_trace
 
@@ -150,3 +151,38 @@ def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, t
     assert result.returncode == 2
     assert "MiB of shared memory" in result.stderr and "--shm-size" in result.stderr
     assert not stoker_processes() and not live_segments()
+
+
+def test_disk_full_while_checkpointing_is_a_clear_error_and_the_previous_checkpoint_stands(textures, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(*train_args(textures, run_dir, "--epochs", "2", "--checkpoint-every", "4"),
+                     env=fault("checkpoint:enospc:step_00000008"), check=False)
+    summary = read_summary(run_dir)
+    assert result.returncode == 1 and summary["status"] == "failed"
+    assert "No space left on device" in summary["error"] and "step_00000008" in summary["error"]
+    assert summary["checkpoint"].endswith("step_00000004")
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000004"]  # no half-written folder
+    run_cli("train", "--resume", str(run_dir), "--quiet")
+    assert read_summary(run_dir)["start_step"] == 4
+
+
+@pytest.mark.parametrize("signal_action", ["interrupt-parent", "kill-parent"])
+def test_signal_while_a_checkpoint_is_written_leaves_a_checkpoint_that_loads(textures, tmp_path, signal_action):
+    """The controller gets SIGINT (or SIGKILL) while a consumer is writing the step-8 checkpoint."""
+    run_dir = tmp_path / "run"
+    result = run_cli(*train_args(textures, run_dir, "--epochs", "2", "--checkpoint-every", "4"),
+                     env=fault(f"checkpoint:{signal_action}:step_00000008/rank_0.pt"), check=False)
+    if signal_action == "interrupt-parent":
+        interrupted = read_summary(run_dir)
+        assert result.returncode == 130 and interrupted["status"] == "interrupted"
+        checkpoint.verify(run_dir / "checkpoints" / "step_00000008")  # the write under way completed
+        expected_start = int(interrupted["checkpoint"].rsplit("_", 1)[1])  # then where the stop fell
+        assert expected_start >= 8
+    else:
+        assert result.returncode == -9
+        assert wait_for_no_trace(timeout_s=15) == ([], [])
+        expected_start = 4  # the half-written one is ignored; the previous one loads
+    run_cli("train", "--resume", str(run_dir), "--quiet")
+    resumed = read_summary(run_dir)
+    assert resumed["status"] == "completed" and resumed["start_step"] == expected_start
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))

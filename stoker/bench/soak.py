@@ -1,0 +1,192 @@
+"""`stoker bench soak`: a long run with producers SIGKILLed at random moments, watched from outside.
+
+Every half second it samples the resident memory of every process of the run and the bytes the run holds in
+/dev/shm. At the end it interrupts the run and checks: memory stays flat after warm-up (growth under
+`--max-rss-growth`), /dev/shm stays flat, every killed producer was replaced, every epoch had every sample exactly
+once, and nothing is left behind. Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from stoker import builtin_data
+from stoker.procs import stoker_processes
+from stoker.ring import SHM_DIR, live_segments
+
+SAMPLE_EVERY_S = 0.5
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("soak", help="long run with producers killed at random; memory and /dev/shm flat")
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long to run")
+    parser.add_argument("--kill-every-s", type=float, default=5.0,
+                        help="mean time between producer kills (uniform between half and 1.5x)")
+    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--devices", default="cpu:1")
+    parser.add_argument("--warmup-fraction", type=float, default=0.25, help="share of the run not judged")
+    parser.add_argument("--max-rss-growth", type=float, default=0.10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="stoker-soak-") as scratch:
+        root = Path(scratch)
+        builtin_data.generate(root / "data", train_per_class=12, val_per_class=2)
+        command = [sys.executable, "-m", "stoker", "train", "--data", str(root / "data" / "train"),
+                   "--val", str(root / "data" / "val"), "--image-size", "32", "--batch-size", "8",
+                   "--epochs", "100000", "--producers", str(args.producers), "--devices", args.devices,
+                   "--out", str(root / "run"), "--quiet"]
+        run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng)
+            run_process.send_signal(signal.SIGINT)
+            _, stderr = run_process.communicate(timeout=120)
+        finally:
+            if run_process.poll() is None:
+                run_process.kill()
+                run_process.wait()
+        left = _left_behind(run_process.pid)
+        summary = json.loads((root / "run" / "summary.json").read_text())
+        replaced = _count_events(root / "run" / "metrics.jsonl", "producer_lost")
+    result = _judge(samples, kills, replaced, summary, left, args)
+    _print(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if not result["passed"]:
+        print(stderr[-4000:], file=sys.stderr)
+    return 0 if result["passed"] else 1
+
+
+def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
+           rng: random.Random) -> tuple[list[dict[str, Any]], int]:
+    """Sample memory and /dev/shm until the deadline, SIGKILLing a random producer now and then."""
+    started = time.monotonic()
+    next_kill = started + rng.uniform(0.5, 1.5) * kill_every_s
+    samples, kills = [], 0
+    while (now := time.monotonic()) - started < seconds:
+        if run_process.poll() is not None:
+            raise RuntimeError(f"the soak run ended early with exit status {run_process.returncode}")
+        family = _family(run_process.pid)
+        samples.append({"t": now - started, "rss": {title: _rss_bytes(pid) for pid, title in family.items()},
+                        "shm_bytes": _shm_bytes(run_process.pid)})
+        producers = [pid for pid, title in family.items() if title.startswith("stoker producer")]
+        if now >= next_kill and producers:
+            os.kill(rng.choice(producers), signal.SIGKILL)
+            kills += 1
+            next_kill = now + rng.uniform(0.5, 1.5) * kill_every_s
+        time.sleep(SAMPLE_EVERY_S)
+    return samples, kills
+
+
+def _family(controller_pid: int) -> dict[int, str]:
+    """The run's processes: the controller and its children, by title."""
+    return {pid: title for pid, title in stoker_processes() if pid == controller_pid or _parent(pid) == controller_pid}
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as handle:
+            return int(handle.read().split()[1]) * PAGE_BYTES
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _shm_bytes(controller_pid: int) -> int:
+    total = 0
+    for name in live_segments(controller_pid):
+        try:
+            total += os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
+def _left_behind(controller_pid: int) -> dict[str, list]:
+    deadline = time.monotonic() + 15
+    while True:
+        processes = [p for p in stoker_processes() if p[0] == controller_pid or _parent(p[0]) in (controller_pid, 1)]
+        segments = live_segments(controller_pid)
+        if (not processes and not segments) or time.monotonic() > deadline:
+            return {"processes": processes, "segments": segments}
+        time.sleep(0.2)
+
+
+def _count_events(metrics: Path, name: str) -> int:
+    return sum(json.loads(line)["event"] == name for line in metrics.read_text().splitlines())
+
+
+def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: dict[str, Any],
+           left: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
+    judged = [s for s in samples if s["t"] >= args.warmup_fraction * args.minutes * 60]
+    memory = _rss_growth(judged)
+    shm = [s["shm_bytes"] for s in judged]
+    epochs = summary["epoch_accounting"]
+    exact = [row["epoch"] for row in epochs if row["duplicates"] == 0 and row["missing"] == 0]
+    checks = {
+        "rss_flat": all(row["growth"] < args.max_rss_growth for row in memory.values()),
+        "shm_flat": bool(shm) and max(shm) == min(shm),
+        "killed_producers_replaced": kills > 0 and replaced == kills,
+        "exactly_once_every_epoch": bool(epochs) and len(exact) == len(epochs),
+        "interrupted_cleanly": summary["status"] == "interrupted",
+        "nothing_left_behind": not left["processes"] and not left["segments"],
+    }
+    return {"minutes": args.minutes, "kills": kills, "producers_replaced": replaced,
+            "epochs": len(epochs), "epochs_exactly_once": len(exact), "samples_per_s":
+            summary["throughput_samples_per_s"], "rss": memory, "shm_bytes": {"min": min(shm, default=0),
+            "max": max(shm, default=0)}, "left_behind": left, "checks": checks, "passed": all(checks.values())}
+
+
+def _rss_growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per process title: median RSS over the first and last tenth of the judged samples.
+
+    Producers are replaced when killed, so their title stands for a sequence of processes; the median over
+    several samples keeps one young replacement from reading as a change."""
+    series: dict[str, list[int]] = defaultdict(list)
+    for sample in samples:
+        for title, rss in sample["rss"].items():
+            if rss:
+                series[title].append(rss)
+    rows = {}
+    for title, values in sorted(series.items()):
+        tenth = max(1, len(values) // 10)
+        first, last = statistics.median(values[:tenth]), statistics.median(values[-tenth:])
+        rows[title] = {"first_mb": round(first / 2**20, 1), "last_mb": round(last / 2**20, 1),
+                       "growth": round(last / first - 1, 4)}
+    return rows
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"{'process':<22} {'RSS first MB':>12} {'RSS last MB':>12} {'growth':>8}")
+    for title, row in result["rss"].items():
+        print(f"{title:<22} {row['first_mb']:>12.1f} {row['last_mb']:>12.1f} {row['growth']:>8.1%}")
+    shm = result["shm_bytes"]
+    print(f"/dev/shm: {shm['min'] / 2**20:.1f}-{shm['max'] / 2**20:.1f} MiB; producers killed {result['kills']}, "
+          f"replaced {result['producers_replaced']}; epochs {result['epochs']}, exactly once "
+          f"{result['epochs_exactly_once']}; {result['samples_per_s']} samples/s")
+    for name, ok in result["checks"].items():
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}")
