@@ -2,8 +2,12 @@
 
 All floating-point parameters and buffers (BatchNorm running statistics included) are re-pointed into one flat
 tensor per dtype at start, so averaging is one all_reduce per dtype with no copy in or out: the model *is* the
-bucket. Integer buffers (BatchNorm's batch counters) are reconciled with a MAX. The collective doubles as the
+bucket. Integer buffers (BatchNorm's batch counters) advance alike on every replica while every step is full;
+after a short step, where a replica may have had no samples, they are reconciled with a MAX. The collective doubles as the
 barrier that makes every replica continue from the same average at the same time.
+
+With an outer optimizer (DiLoCo), the averaged change of the parameters since the last averaging is a
+pseudo-gradient: SGD or Nesterov momentum applies it to the parameters as they were at the last averaging.
 """
 
 from __future__ import annotations
@@ -11,42 +15,64 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
+@dataclass(frozen=True)
+class OuterSpec:
+    kind: Literal["sgd", "nesterov"]
+    lr: float
+    momentum: float
+
+
 class Averager:
     """Averages a model's state every `sync_every` steps, weighted by the samples each replica trained on."""
 
-    def __init__(self, model: nn.Module, sync_every: int, world_size: int) -> None:
+    def __init__(self, model: nn.Module, sync_every: int, world_size: int, batch_size: int,
+                 outer: OuterSpec | None = None) -> None:
         self.sync_every = sync_every
         self.world_size = world_size
-        self.float_buckets = flatten_float_state(model)
+        self.full_step_samples = batch_size * world_size
+        self.float_buckets, parameters = flatten_float_state(model)
         self.int_tensors = [t for t in _state_tensors(model) if not t.is_floating_point()]
-        self.pending = (0, 0)  # samples since the last averaging: (this replica's, all replicas')
+        # Since the last averaging: (this replica's samples, all replicas' samples, steps that were not full).
+        self.pending = (0, 0, 0)
+        self.outer = OuterOptimizer(outer, parameters) if outer is not None else None
 
     def after_step(self, step: int, local_samples: int, global_samples: int) -> float | None:
         """Count this step's samples; average when `step` closes a window of `sync_every`. Returns seconds spent."""
-        self.pending = (self.pending[0] + local_samples, self.pending[1] + global_samples)
+        local, total, short = self.pending
+        self.pending = (local + local_samples, total + global_samples,
+                        short + (global_samples < self.full_step_samples))
         if (step + 1) % self.sync_every:
             return None
         return self.average()
 
     def average(self) -> float:
         started = time.perf_counter()
-        local, total = self.pending
+        if self.world_size > 1:
+            self._reduce()
+        if self.outer is not None:
+            self.outer.step()
+        self.pending = (0, 0, 0)
+        return time.perf_counter() - started
+
+    def _reduce(self) -> None:
+        local, total, short = self.pending
         uniform = local * self.world_size == total
         for bucket in self.float_buckets:
             if not uniform:  # a short last batch: weight each replica by its share of the samples
                 bucket.mul_(local * self.world_size / max(1, total))
             dist.all_reduce(bucket)
             bucket.div_(self.world_size)
-        for tensor in self.int_tensors:
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        self.pending = (0, 0)
-        return time.perf_counter() - started
+        if short:  # a replica without samples skipped its forward pass: counters (BatchNorm's) may differ
+            for tensor in self.int_tensors:
+                dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
     def digest(self) -> str:
         """A hash of every state byte: replicas are compared by it, not assumed equal."""
@@ -60,15 +86,21 @@ def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers()]
 
 
-def flatten_float_state(model: nn.Module) -> list[torch.Tensor]:
-    """Move every floating parameter and buffer into one contiguous tensor per (device, dtype), as views."""
+def flatten_float_state(model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Move every floating parameter and buffer into one contiguous tensor per (device, dtype), as views.
+
+    Returns the buckets and, per bucket, the view of its leading part that holds the parameters (buffers follow)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for tensor in _state_tensors(model):
+    parameter_counts: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
+    for tensor in model.parameters():
+        if tensor.is_floating_point():
+            parameter_counts[(tensor.device, tensor.dtype)] += tensor.numel()
+    for tensor in _state_tensors(model):  # parameters first, so they lead every bucket
         if tensor.is_floating_point():
             groups[(tensor.device, tensor.dtype)].append(tensor)
-    buckets = []
-    for (device, dtype), tensors in groups.items():
-        flat = torch.empty(sum(t.numel() for t in tensors), device=device, dtype=dtype)
+    buckets, parameters = [], []
+    for key, tensors in groups.items():
+        flat = torch.empty(sum(t.numel() for t in tensors), device=key[0], dtype=key[1])
         offset = 0
         for tensor in tensors:
             view = flat[offset:offset + tensor.numel()].view_as(tensor)
@@ -76,4 +108,38 @@ def flatten_float_state(model: nn.Module) -> list[torch.Tensor]:
             tensor.data = view
             offset += tensor.numel()
         buckets.append(flat)
-    return buckets
+        parameters.append(flat[:parameter_counts[key]])
+    return buckets, parameters
+
+
+class OuterOptimizer:
+    """SGD or Nesterov on the averaged parameter change since the last averaging (DiLoCo's outer step).
+
+    Every replica holds the same anchor and velocity and applies the same update to the same average, so replicas
+    stay identical. With lr 1 and momentum 0 the result is the plain average."""
+
+    def __init__(self, spec: OuterSpec, parameters: list[torch.Tensor]) -> None:
+        self.spec = spec
+        self.parameters = parameters
+        self.anchor = [p.detach().clone() for p in parameters]
+        self.velocity = [torch.zeros_like(p) for p in parameters]
+
+    def reset_anchor(self) -> None:
+        for anchor, parameters in zip(self.anchor, self.parameters):
+            anchor.copy_(parameters)
+
+    def step(self) -> None:
+        lr, momentum = self.spec.lr, self.spec.momentum
+        for parameters, anchor, velocity in zip(self.parameters, self.anchor, self.velocity):
+            change = anchor - parameters  # the pseudo-gradient: the average's step, with a gradient's sign
+            velocity.mul_(momentum).add_(change)
+            update = change.add_(velocity, alpha=momentum) if self.spec.kind == "nesterov" else velocity
+            anchor.sub_(update, alpha=lr)
+            parameters.copy_(anchor)
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {"anchor": self.anchor, "velocity": self.velocity}
+
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        for mine, saved in [*zip(self.anchor, state["anchor"]), *zip(self.velocity, state["velocity"])]:
+            mine.copy_(saved)

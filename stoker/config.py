@@ -46,11 +46,15 @@ class TrainConfig:
     max_producers: int | None = Field(None, ge=1)
     batch_size: int = Field(64, ge=1, le=65536)
     epochs: int = Field(10, ge=1)
+    optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(0.05, gt=0.0)
     schedule: Literal["cosine", "constant"] = "cosine"
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(5e-4, ge=0.0)
     sync_every: int = Field(1, ge=1)
+    outer_optimizer: Literal["none", "sgd", "nesterov"] = "none"
+    outer_lr: float = Field(0.7, gt=0.0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     seed: int = Field(0, ge=0)
     out: Path | None = None
     resume: Path | None = None

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stoker import checkpoint
+from stoker.averager import OuterSpec
 from stoker.autoscale import Autoscaler, Window
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
@@ -176,14 +177,19 @@ class Controller:
     def _start_consumers(self) -> None:
         self.store = dist.TCPStore("127.0.0.1", 0, self.num_consumers + 1, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+        config = self.config
         threads = threads_per_consumer(self.devices)
+        outer = None if config.outer_optimizer == "none" else OuterSpec(config.outer_optimizer, config.outer_lr,
+                                                                         config.outer_momentum)
         for rank, device in enumerate(self.devices):
-            setup = ConsumerSetup(rank, self.num_consumers, device, "127.0.0.1", self.store.port, self.ring.spec,
-                                  self.config.model, len(self.data.train.classes), self.config.lr,
-                                  self.config.schedule, self.plan.steps_per_epoch * self.config.epochs,
-                                  self.config.momentum, self.config.weight_decay, self.config.sync_every,
-                                  self.config.seed, threads, self.config.collective_timeout_s,
-                                  self.config.check_replicas_every, self.resume_from)
+            setup = ConsumerSetup(
+                rank=rank, world_size=self.num_consumers, device=device, store_host="127.0.0.1",
+                store_port=self.store.port, ring=self.ring.spec, model=config.model,
+                num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
+                schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
+                momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
+                outer=outer, seed=config.seed, num_threads=threads, collective_timeout_s=config.collective_timeout_s,
+                check_replicas_every=config.check_replicas_every, resume_from=self.resume_from)
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
             self.consumers.append(start(consumer_main, (setup, ready, self.inbox, self.stop),

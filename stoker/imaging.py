@@ -177,8 +177,10 @@ def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) ->
     top = min(max(box.top, 0), image.shape[0] - 1)
     left = min(max(box.left, 0), image.shape[1] - 1)
     crop = image[top:top + box.height, left:left + box.width]
-    shrinking = crop.shape[0] > out.shape[0] and crop.shape[1] > out.shape[1]
-    interpolation = cv2.INTER_AREA if shrinking else cv2.INTER_LINEAR
+    # Area averaging only pays where bilinear would alias, at 2x shrink or more; after a reduced-size decode the
+    # box is almost always under 2x the output, and bilinear is 6x faster there.
+    far = crop.shape[0] >= 2 * out.shape[0] and crop.shape[1] >= 2 * out.shape[1]
+    interpolation = cv2.INTER_AREA if far else cv2.INTER_LINEAR
     cv2.resize(crop, (out.shape[1], out.shape[0]), dst=out, interpolation=interpolation)
     if flip:
         cv2.flip(out, 1, dst=out)

@@ -20,7 +20,8 @@ from stoker.ring import SlotRing
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 2  # one being built, one waiting: a producer never idles between tasks
-MAX_REPLACEMENTS = 32
+# A crash loop (every new producer dies at once) ends the run; losses spread over a long run never do.
+MAX_LOSSES_WITHOUT_PROGRESS = 8
 _EXTERNAL_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT)
 
 
@@ -52,7 +53,7 @@ class ProducerPool:
         self.capacity = capacity  # status rows in the ring: the most producers alive at once
         self.hang_timeout_s = hang_timeout_s
         self.handles: dict[int, Handle] = {}
-        self.replacements = 0
+        self.losses_since_progress = 0
         self.max_alive = 0
 
     @property
@@ -91,6 +92,7 @@ class ProducerPool:
         if handle is None:
             return None  # a producer declared dead managed to report: its task was already re-issued
         handle.busy_s += done.busy_s
+        self.losses_since_progress = 0
         return handle.in_flight.pop(done.task_id, None)
 
     def check(self) -> list[Loss]:
@@ -116,8 +118,9 @@ class ProducerPool:
 
     def _lose(self, handle: Handle, how: str, external: bool) -> Loss:
         del self.handles[handle.producer]
+        handle.process.join(timeout=1.0)  # reap it now: a dead producer must not linger as a zombie
         handle.tasks.cancel_join_thread()
-        self.replacements += 1
+        self.losses_since_progress += 1
         task_id, position, _ = self.ring.status[handle.producer].tolist()
         current = handle.in_flight.get(task_id)
         where = "while idle"
@@ -130,8 +133,9 @@ class ProducerPool:
                 reason = f"producer {handle.producer} (pid {handle.process.pid}) {how} on this file"
                 reissue = [replace(t, skip={**t.skip, sample: reason}) if t is current else t for t in reissue]
         message = f"producer {handle.producer} (pid {handle.process.pid}) {how} {where}"
-        if self.replacements > MAX_REPLACEMENTS:
-            raise StokerRunError(f"{message}; {self.replacements} producers lost in this run, giving up")
+        if self.losses_since_progress > MAX_LOSSES_WITHOUT_PROGRESS:
+            raise StokerRunError(f"{message}; {self.losses_since_progress} producers lost in a row without a "
+                                 "batch finished in between, giving up")
         return Loss(message, reissue)
 
     def take_utilization(self, elapsed_s: float) -> float:

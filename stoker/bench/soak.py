@@ -53,11 +53,13 @@ def run(args: argparse.Namespace) -> int:
                    "--val", str(root / "data" / "val"), "--image-size", "32", "--batch-size", "8",
                    "--epochs", "100000", "--producers", str(args.producers), "--devices", args.devices,
                    "--out", str(root / "run"), "--quiet"]
-        run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        log = root / "run.log"  # a file, not a pipe: a full pipe would block the run's logging
+        with open(log, "w") as log_handle:
+            run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)
         try:
             samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng)
             run_process.send_signal(signal.SIGINT)
-            _, stderr = run_process.communicate(timeout=120)
+            run_process.wait(timeout=120)
         finally:
             if run_process.poll() is None:
                 run_process.kill()
@@ -65,12 +67,13 @@ def run(args: argparse.Namespace) -> int:
         left = _left_behind(run_process.pid)
         summary = json.loads((root / "run" / "summary.json").read_text())
         replaced = _count_events(root / "run" / "metrics.jsonl", "producer_lost")
+        log_tail = log.read_text()[-4000:]
     result = _judge(samples, kills, replaced, summary, left, args)
     _print(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     if not result["passed"]:
-        print(stderr[-4000:], file=sys.stderr)
+        print(log_tail, file=sys.stderr)
     return 0 if result["passed"] else 1
 
 

@@ -146,3 +146,22 @@ def test_local_sgd_every_h_steps_ends_with_identical_replicas(textures, tmp_path
     assert summary["replicas_identical"] is True
     assert len(checks) == summary["steps"] // 3
     assert len(averaged) == 2 * (summary["steps"] // 3)  # both consumers averaged only every third step
+
+
+def _final_weights(textures, out, **settings):
+    train, val = textures
+    summary = stoker.train(data=train, val=val, devices="cpu:2", batch_size=8, epochs=1, sync_every=3, seed=3,
+                           out=out, show_progress=False, **settings)
+    assert summary["status"] == "completed" and summary["replicas_identical"] is True
+    return torch.load(out / "model.pt", weights_only=True)
+
+
+def test_outer_sgd_with_lr_1_and_no_momentum_is_plain_averaging_and_nesterov_is_not(textures, tmp_path):
+    plain = _final_weights(textures, tmp_path / "plain")
+    outer = _final_weights(textures, tmp_path / "outer", outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
+    nesterov = _final_weights(textures, tmp_path / "nesterov", outer_optimizer="nesterov", outer_lr=0.7,
+                              outer_momentum=0.9)
+    for name, tensor in plain.items():
+        if tensor.is_floating_point():
+            torch.testing.assert_close(outer[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(not torch.allclose(nesterov[n], t, atol=1e-3) for n, t in plain.items() if t.is_floating_point())

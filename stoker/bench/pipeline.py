@@ -1,0 +1,340 @@
+"""`stoker bench pipeline`: stoker's producers against torch's DataLoader on the same files, cores and transform.
+
+Four measurements per image set, interleaved and repeated (medians reported):
+  stoker            producers build batches into shared-memory slots; this process receives them the way a GPU
+                    consumer does (a copy of the uint8 batch out of the slot, then the slot is handed back)
+  dataloader_uint8  DataLoader, the torchvision recipe (Pillow decode, RandomResizedCrop, flip), uint8 tensors
+  dataloader_float  the same plus ToTensor and Normalize on the CPU: what most training scripts run
+  ceiling           full-size libjpeg-turbo decode only, one process, times the number of workers
+Every measurement skips its first `workers` batches (process start-up) and times the rest.
+
+`--transport` times slots and queues alone: producers copy a ready-made batch instead of decoding, and the
+consumer's receive rate is compared with single-core memcpy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from stoker.dataset import scan_image_folder
+from stoker.imaging import random_resized_crop_box
+from stoker.plan import Work
+from stoker.pool import MAX_IN_FLIGHT, ProducerPool
+from stoker.procs import CONTEXT
+from stoker.producer import ProducerSetup, Source, Task, TaskDone
+from stoker.ring import SlotRing
+
+SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
+QUALITY = 90
+TRANSPORT_BATCHES = 200  # a batch moves in about a millisecond: time enough of them
+MEAN = np.array([0.485, 0.456, 0.406], np.float32)
+STD = np.array([0.229, 0.224, 0.225], np.float32)
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("pipeline", help="stoker's producers against torch DataLoader, same files and cores")
+    parser.add_argument("--generate", type=Path, metavar="DIR", help="write the two image sets into DIR and exit")
+    parser.add_argument("--data", type=Path, metavar="DIR", help="a folder written by --generate "
+                        "(default: generate into a temporary folder first)")
+    parser.add_argument("--small-images", type=int, default=512, help="--generate: images in the 500x375 set")
+    parser.add_argument("--large-images", type=int, default=96, help="--generate: images in the 2000x1500 set")
+    parser.add_argument("--workers", type=int, default=os.cpu_count(), help="producers = DataLoader workers")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--images-per-run", type=int, default=512,
+                        help="images timed per measurement, after the start-up batches")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transport", action="store_true", help="time slots and queues only (no decoding)")
+    parser.add_argument("--json", type=Path, help="write the figures (medians) to this file")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.generate:
+        generate(args.generate, args.small_images, args.large_images)
+        print(f"wrote {args.small_images} + {args.large_images} JPEGs (quality {QUALITY}) under {args.generate}")
+        return 0
+    if args.transport:
+        result = {"transport": measure_transport(args)}
+    elif args.data:
+        result = {"sets": [measure_set(args.data / name, name, args) for name in SETS]}
+    else:
+        with tempfile.TemporaryDirectory(prefix="stoker-pipeline-") as scratch:
+            generate(Path(scratch), args.small_images, args.large_images)
+            result = {"sets": [measure_set(Path(scratch) / name, name, args) for name in SETS]}
+    result["setup"] = {"workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
+                       "repeats": args.repeats, "cores": os.cpu_count()}
+    print_tables(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+# ---- benchmark images ------------------------------------------------------------------------------------------
+
+def photographs() -> list[np.ndarray]:
+    """Real photographs that ship inside installed packages (scikit-learn; matplotlib's when present)."""
+    from sklearn.datasets import load_sample_images
+
+    photos = list(load_sample_images().images)
+    try:
+        from matplotlib import cbook
+
+        with cbook.get_sample_data("grace_hopper.jpg") as handle:
+            photos.append(np.asarray(Image.open(handle).convert("RGB")))
+    except (ImportError, OSError, ValueError):
+        pass
+    return photos
+
+
+def generate(folder: Path, small: int, large: int, seed: int = 0) -> None:
+    """Two ImageFolder sets of JPEGs, quality 90, tiled from native-resolution pieces of real photographs (no
+    upscaling: upscaled or flat images compress and decode unrealistically fast)."""
+    photos = photographs()
+    rng = np.random.default_rng(seed)
+    for (name, (width, height)), count in zip(SETS.items(), (small, large)):
+        target = folder / name / "photos"
+        target.mkdir(parents=True, exist_ok=True)
+        for index in range(count):
+            pixels = _mosaic(photos, height, width, rng)
+            Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=QUALITY)
+
+
+def _mosaic(photos: list[np.ndarray], height: int, width: int, rng: np.random.Generator) -> np.ndarray:
+    canvas = np.empty((height, width, 3), np.uint8)
+    tile_h, tile_w = min(height, 375), min(width, 500)
+    for top in range(0, height, tile_h):
+        for left in range(0, width, tile_w):
+            photo = photos[rng.integers(len(photos))]
+            h, w = min(tile_h, height - top), min(tile_w, width - left)
+            y, x = rng.integers(0, photo.shape[0] - h + 1), rng.integers(0, photo.shape[1] - w + 1)
+            piece = photo[y:y + h, x:x + w]
+            if rng.integers(2):
+                piece = piece[:, ::-1]
+            gain = rng.uniform(0.8, 1.2)  # exposure varies from picture to picture
+            canvas[top:top + h, left:left + w] = np.clip(piece * gain, 0, 255).astype(np.uint8)
+    return canvas
+
+
+# ---- one image set ---------------------------------------------------------------------------------------------
+
+def measure_set(folder: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:
+    index = scan_image_folder(folder)
+    paths, labels = index.paths, index.labels
+    runs: dict[str, list[float]] = {"stoker": [], "dataloader_uint8": [], "dataloader_float": [], "ceiling": []}
+    for _ in range(args.repeats):  # interleaved, so drift in the machine's speed hits every variant alike
+        runs["stoker"].append(time_stoker(paths, labels, args))
+        runs["dataloader_uint8"].append(time_dataloader(paths, labels, args, to_float=False))
+        runs["dataloader_float"].append(time_dataloader(paths, labels, args, to_float=True))
+        runs["ceiling"].append(time_decode_only(paths, args))
+    medians = {key: round(statistics.median(values), 1) for key, values in runs.items()}
+    return {"name": name, "images": len(paths), "stoker_img_s": medians["stoker"],
+            "dataloader_uint8_img_s": medians["dataloader_uint8"],
+            "dataloader_float_img_s": medians["dataloader_float"], "ceiling_img_s": medians["ceiling"],
+            "stoker_over_dataloader_uint8": round(medians["stoker"] / medians["dataloader_uint8"], 2),
+            "stoker_over_dataloader_float": round(medians["stoker"] / medians["dataloader_float"], 2),
+            "stoker_over_ceiling": round(medians["stoker"] / medians["ceiling"], 2), "all_runs": runs}
+
+
+def _batches_to_time(args: argparse.Namespace) -> tuple[int, int]:
+    """(start-up batches skipped, batches timed)."""
+    return args.workers, max(2, -(-args.images_per_run // args.batch_size))
+
+
+def _rate(batches: Iterator[int], args: argparse.Namespace) -> float:
+    """Images per second over the timed batches of an iterator that yields batch sizes."""
+    skip, timed = _batches_to_time(args)
+    for _ in range(skip):
+        next(batches)
+    started, images = time.perf_counter(), 0
+    for _ in range(timed):
+        images += next(batches)
+    return images / (time.perf_counter() - started)
+
+
+def time_stoker(paths: tuple[str, ...], labels: np.ndarray, args: argparse.Namespace,
+                transport_only: bool = False) -> float:
+    with _StokerFeed(paths, labels, args, transport_only) as feed:
+        return _rate(feed.batches(), args)
+
+
+class _StokerFeed:
+    """stoker's producer pool and slot ring, with this process as the consumer."""
+
+    def __init__(self, paths, labels, args: argparse.Namespace, transport_only: bool) -> None:
+        self.args = args
+        self.num_slots = args.workers * MAX_IN_FLIGHT + 2
+        self.ring = SlotRing.create(self.num_slots, args.batch_size, args.image_size, args.workers)
+        self.inbox, self.stop = CONTEXT.Queue(), CONTEXT.Event()
+        setup = ProducerSetup(self.ring.spec, Source(tuple(paths), np.asarray(labels)), None, "standard", 0,
+                              transport_only)
+        self.pool = ProducerPool(setup, self.ring, self.inbox, self.stop, args.workers, hang_timeout_s=60)
+        self.num_samples = len(paths)
+        self.task_ids = iter(range(1 << 62))
+        # Where a GPU consumer copies into pinned memory before the host-to-device copy.
+        self.staging = np.empty(self.ring.images.shape[1:], np.uint8)
+
+    def __enter__(self) -> _StokerFeed:
+        for _ in range(self.args.workers):
+            self.pool.grow()
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop.set()
+        self.pool.close()
+        self.inbox.cancel_join_thread()
+        self.inbox.close()
+        self.ring.close()
+
+    def batches(self) -> Iterator[int]:
+        free = list(range(self.num_slots))
+        works = self._works()
+        while True:
+            while free and self.pool.can_take():
+                self.pool.assign(Task(next(self.task_ids), next(works), free.pop(), {}))
+            done = self._next_done()
+            task = self.pool.finished(done)
+            count = int(self.ring.counts[task.slot])
+            np.copyto(self.staging[:count], self.ring.images[task.slot, :count])
+            free.append(task.slot)
+            yield count
+
+    def _works(self) -> Iterator[Work]:
+        batch = self.args.batch_size
+        for epoch in range(1 << 30):
+            order = np.random.default_rng(epoch).permutation(self.num_samples)
+            for step in range(len(order) // batch):
+                yield Work("train", epoch, step, 0, order[step * batch:(step + 1) * batch], batch)
+
+    def _next_done(self) -> TaskDone:
+        while True:
+            try:
+                message = self.inbox.get(timeout=30)
+            except queue.Empty:
+                raise RuntimeError("no batch from the producers in 30 s") from None
+            if isinstance(message, TaskDone):
+                return message
+            raise RuntimeError(f"producer failed: {message.error}")
+
+
+def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> float:
+    import torch
+    from torch.utils.data import DataLoader
+
+    dataset = TorchvisionStyleDataset(paths, labels, args.image_size, to_float)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                        drop_last=True, persistent_workers=False, generator=torch.Generator().manual_seed(0))
+    iterator = iter(loader)
+    try:
+        return _rate((len(labels) for _, labels in _forever(loader, iterator)), args)
+    finally:
+        del iterator
+
+
+def _forever(loader, first) -> Iterator:
+    yield from first
+    while True:
+        yield from loader
+
+
+class TorchvisionStyleDataset:
+    """torchvision's ImageFolder + RandomResizedCrop + RandomHorizontalFlip (+ ToTensor + Normalize), written
+    out with Pillow because torchvision is not a dependency: the same decode, crop, resize and conversion calls."""
+
+    def __init__(self, paths, labels, size: int, to_float: bool) -> None:
+        self.paths, self.labels, self.size, self.to_float = list(paths), np.asarray(labels), size, to_float
+        self.rng = np.random.default_rng()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        import torch
+
+        with open(self.paths[index], "rb") as handle:
+            image = Image.open(handle).convert("RGB")  # what torchvision's default pil_loader does
+        box = random_resized_crop_box(image.height, image.width, self.rng)
+        image = image.crop((box.left, box.top, box.left + box.width, box.top + box.height))
+        image = image.resize((self.size, self.size), Image.BILINEAR)
+        if self.rng.random() < 0.5:
+            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+        pixels = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1)  # pil_to_tensor
+        if self.to_float:
+            pixels = pixels.contiguous().to(torch.float32).div(255)  # to_tensor
+            pixels = (pixels - torch.from_numpy(MEAN).view(3, 1, 1)) / torch.from_numpy(STD).view(3, 1, 1)
+        return pixels, int(self.labels[index])
+
+
+def time_decode_only(paths, args: argparse.Namespace) -> float:
+    """Full-size libjpeg-turbo decode in this one process, scaled by the number of workers."""
+    skip, timed = _batches_to_time(args)
+    count = min(len(paths), timed * args.batch_size)
+    for path in paths[:skip]:
+        simplejpeg.decode_jpeg(Path(path).read_bytes())
+    started = time.perf_counter()
+    for position in range(count):
+        simplejpeg.decode_jpeg(Path(paths[position % len(paths)]).read_bytes())
+    return args.workers * count / (time.perf_counter() - started)
+
+
+# ---- transport ---------------------------------------------------------------------------------------------------
+
+def measure_transport(args: argparse.Namespace) -> dict[str, Any]:
+    batch_bytes = args.batch_size * args.image_size * args.image_size * 3
+    samples = max(4 * args.batch_size, 256)
+    batches = argparse.Namespace(**{**vars(args), "images_per_run": TRANSPORT_BATCHES * args.batch_size})
+    received, memcpy = [], []
+    for _ in range(args.repeats):
+        rate = time_stoker([""] * samples, np.zeros(samples, np.int64), batches, transport_only=True)
+        received.append(rate / args.batch_size * batch_bytes / 1e9)
+        memcpy.append(memcpy_gb_s(batch_bytes))
+    consumer, baseline = statistics.median(received), statistics.median(memcpy)
+    return {"batch_shape": [args.batch_size, 3, args.image_size, args.image_size], "consumer_gb_s":
+            round(consumer, 3), "memcpy_gb_s": round(baseline, 3), "consumer_over_memcpy":
+            round(consumer / baseline, 3), "all_runs": {"consumer_gb_s": received, "memcpy_gb_s": memcpy}}
+
+
+def memcpy_gb_s(nbytes: int, working_set_bytes: int = 512 * 2**20) -> float:
+    """Single-core copy bandwidth for batches that come from memory, not cache: the sources rotate through a
+    working set larger than any last-level cache, as batches written by other cores do."""
+    sources = [np.full(nbytes, index, np.uint8) for index in range(max(2, working_set_bytes // nbytes))]
+    target = np.zeros(nbytes, np.uint8)
+    np.copyto(target, sources[0])
+    started = time.perf_counter()
+    for source in sources:
+        np.copyto(target, source)
+    return len(sources) * nbytes / (time.perf_counter() - started) / 1e9
+
+
+# ---- output ------------------------------------------------------------------------------------------------------
+
+def print_tables(result: dict[str, Any]) -> None:
+    setup = result["setup"]
+    print(f"{setup['workers']} workers, batch {setup['batch_size']}, {setup['image_size']}px, "
+          f"median of {setup['repeats']}, {setup['cores']} cores")
+    for row in result.get("sets", []):
+        print(f"\n{row['name']} JPEGs ({row['images']} files)            img/s   stoker / this")
+        for key, label in (("stoker_img_s", "stoker producers"), ("dataloader_uint8_img_s", "DataLoader uint8"),
+                           ("dataloader_float_img_s", "DataLoader float+normalize"),
+                           ("ceiling_img_s", "ceiling (full decode x workers)")):
+            ratio = row["stoker_img_s"] / row[key]
+            print(f"  {label:<34} {row[key]:>8.1f}   {ratio:>6.2f}")
+    if "transport" in result:
+        row = result["transport"]
+        print(f"\ntransport, batches of {'x'.join(map(str, row['batch_shape']))} uint8: consumer receives "
+              f"{row['consumer_gb_s']:.2f} GB/s, single-core memcpy {row['memcpy_gb_s']:.2f} GB/s "
+              f"({row['consumer_over_memcpy']:.0%})")
+
