@@ -48,6 +48,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "producer_timeout_s": ("seconds without progress on one file before a producer counts as hung", "S"),
     "max_bad_fraction": ("stop when more than this share of files is unusable", "F"),
     "log_every_s": ("seconds between progress lines when output is not a terminal", "S"),
+    "report": ("true | false: draw RUN_DIR/report.png and report.txt at the end", "BOOL"),
+    "tensorboard": ("true | false: also write TensorBoard event files to RUN_DIR/tensorboard", "BOOL"),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 
@@ -61,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, metavar) in TRAIN_FLAGS.items():
         train.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, help=help_text)
     train.add_argument("--quiet", action="store_true", help="no progress display")
+    report = commands.add_parser("report", help="redraw a run's report.png, or compare two runs")
+    report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="one run, or two to compare")
+    report.add_argument("--out", type=Path, help="where the PNG goes (default RUN_DIR/report.png, or "
+                        "report-compare.png for two runs)")
     from stoker.bench import add_bench_parser
     add_bench_parser(commands)
     return parser
@@ -79,7 +85,28 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return args.run(args)
+    if args.command == "report":
+        return report_command(args)
     return train_command(args)
+
+
+def report_command(args: argparse.Namespace) -> int:
+    from stoker import report
+
+    if len(args.runs) > 2:
+        print("stoker: error: report takes one run folder, or two to compare", file=sys.stderr)
+        return 2
+    try:
+        if len(args.runs) == 1 and args.out is None:
+            text = report.write_report(args.runs[0])
+            print(f"{text}\nwrote {args.runs[0] / report.REPORT_PNG}")
+        else:
+            out = args.out or Path("report-compare.png")
+            print(f"{report.compare(args.runs, out)}\nwrote {out}")
+    except ValueError as error:
+        print(f"stoker: error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ allowed, before any process starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -65,6 +66,8 @@ class TrainConfig:
     producer_timeout_s: float = Field(60.0, gt=0)
     max_bad_fraction: float = Field(0.1, ge=0.0, le=1.0)
     log_every_s: float = Field(10.0, gt=0)
+    report: bool = True
+    tensorboard: bool = False
 
     @field_validator("devices")
     @classmethod
@@ -92,6 +95,8 @@ class TrainConfig:
             folder = getattr(self, name)
             if folder is not None and not folder.is_dir():
                 raise ValueError(f"{name}={str(folder)!r} is not a folder (expected an ImageFolder root)")
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ValueError("tensorboard=true needs the tensorboardX package: pip install 'stoker[tensorboard]'")
         if self.resume is not None and not self.resume.is_dir():
             raise ValueError(f"resume={str(self.resume)!r} is not a run folder")
         return self

@@ -12,6 +12,7 @@ import os
 import queue
 import signal
 import time
+from statistics import mean
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Sa
                              StepReport, ValReport, consumer_main)
 from stoker.dataset import ImageIndex, scan_image_folder, split_validation
 from stoker.devices import resolve_devices, threads_per_consumer
+from stoker.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.metrics import MetricsLog, RunStats
 from stoker.models import check_model
 from stoker.plan import EpochPlan
@@ -109,6 +111,9 @@ class Controller:
         self.val_reports: list[ValReport] = []
         self.producers_initial = 0
         self.timeline: list[dict[str, Any]] = []
+        self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
+        self.split: TimeSplit | None = None  # the latest window's, for the live view
+        self.last_queue_fill = 0.0
         self.interrupted = False
         self.finishing = False
         self.closed = False
@@ -119,7 +124,9 @@ class Controller:
         name_process("stoker controller")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
+                                  self.run_dir / "tensorboard" if self.config.tensorboard else None,
+                                  append=self.config.resume is not None)
         self.started = time.monotonic()
         status, error = "completed", None
         previous = _install_signal_handlers(self._on_signal)
@@ -140,7 +147,17 @@ class Controller:
         write_json(self.run_dir / "summary.json", summary)
         self.metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
         self.metrics.close()
+        if self.config.report:
+            self._write_report()
         return summary
+
+    def _write_report(self) -> None:
+        from stoker.report import write_report
+
+        try:
+            log.info("%s", write_report(self.run_dir).replace("\n", "\n    "))
+        except Exception as error:  # the run itself is done and saved; a report that cannot be drawn is not fatal
+            log.warning("could not draw the run report: %s: %s", type(error).__name__, error)
 
     def _on_signal(self, signum: int, _frame) -> None:
         if self.interrupted:
@@ -164,8 +181,8 @@ class Controller:
         self._record_producers("start")
         self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if self.config.producers == "auto" else None
         self._start_consumers()
-        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.config.log_every_s,
-                                 self.show_progress)
+        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
+                                 self.config.log_every_s, self.show_progress)
         self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
                            resume_from=self.resume_from)
 
@@ -206,7 +223,7 @@ class Controller:
             self._handle_next_message(window)
             self._check_processes()
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
-                self._scale(window, time.monotonic() - window_started)
+                self._close_window(window, time.monotonic() - window_started)
                 window_started, window = time.monotonic(), _WindowTotals()
             self._show()
 
@@ -362,14 +379,25 @@ class Controller:
         except queue.Empty:
             pass
 
-    def _scale(self, window: _WindowTotals, elapsed_s: float) -> None:
+    def _close_window(self, window: _WindowTotals, elapsed_s: float) -> None:
+        """Every SCALE_WINDOW_S: record the pipeline's state, update the verdict, let the autoscaler decide."""
+        consumer_time = max(1e-9, elapsed_s * self.num_consumers)
+        utilization = self.pool.take_utilization(elapsed_s)
+        self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
+        queue_fill = window.queue_fill / max(1, window.queue_samples)
+        self.last_queue_fill = queue_fill
+        self.split = TimeSplit(compute=window.compute_s / consumer_time, input_wait=window.wait_s / consumer_time,
+                               averaging=window.averaging_s / consumer_time, producers=len(self.pool.active),
+                               producer_budget=self.budget, producer_utilization=utilization,
+                               sync_every=self.config.sync_every)
+        self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
+                           queue_fill=round(queue_fill, 4), producers=self.split.producers,
+                           producer_utilization=round(utilization, 4), compute=round(self.split.compute, 4),
+                           input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4))
         if self.autoscaler is None or window.steps == 0 or self.finishing:
             return
-        decision = self.autoscaler.decide(Window(
-            stall=window.wait_s / max(1e-9, elapsed_s * self.num_consumers),
-            queue_fill=window.queue_fill / max(1, window.queue_samples),
-            utilization=self.pool.take_utilization(elapsed_s),
-            producers=len(self.pool.active)))
+        decision = self.autoscaler.decide(Window(stall=self.split.input_wait, queue_fill=queue_fill,
+                                                 utilization=utilization, producers=self.split.producers))
         if decision.change > 0:
             self.pool.grow()
         elif decision.change < 0:
@@ -377,21 +405,38 @@ class Controller:
         if decision.change:
             self._record_producers(decision.reason)
 
+    def run_verdict(self) -> Verdict:
+        """The verdict over the whole run, from every consumer's totals."""
+        if not self.stats.consumers[0].steps:
+            return Verdict("starting", "no training step finished")
+        busy, seconds = self.producer_busy
+        return diagnose(TimeSplit(
+            compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
+            averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
+            producer_budget=self.budget, producer_utilization=busy / seconds if seconds else 0.0,
+            sync_every=self.config.sync_every))
+
     def _record_producers(self, reason: str) -> None:
         count = len(self.pool.active)
         self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason})
         self.metrics.write("producers", count=count, reason=reason)
 
     def _show(self) -> None:
-        now = time.monotonic()
-        reports = self.stats.consumers[0]
-        epoch = min(self.config.epochs - 1, self.start_at.epoch + reports.steps // max(1, self.plan.steps_per_epoch))
+        steps_per_epoch = self.plan.steps_per_epoch
+        step = self.start_at.global_step + self.stats.consumers[0].steps
+        split = self.split
         self.view.update(Snapshot(
-            epoch, self.config.epochs, self.start_at.global_step + reports.steps,
-            self.plan.steps_per_epoch * self.config.epochs, self.stats.rate(now),
-            self.stats.train_loss(max(self.stats.epochs, default=0)),
-            sum(self.stats.stall_fractions()) / self.num_consumers, len(self.pool.active),
-            self.val_reports[-1].accuracy if self.val_reports else None))
+            epoch=min(self.config.epochs - 1, step // steps_per_epoch), epochs=self.config.epochs,
+            epoch_step=step % steps_per_epoch if step < steps_per_epoch * self.config.epochs else steps_per_epoch,
+            steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
+            samples_per_s=self.stats.rate(time.monotonic()),
+            loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
+            val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
+            consumers=tuple(zip(self.stats.compute_fractions(), self.stats.stall_fractions(),
+                                self.stats.averaging_fractions())),
+            queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self.budget,
+            producer_utilization=split.producer_utilization if split else 0.0,
+            verdict=diagnose(split).text if split else "starting"))
 
     # ---- the end ------------------------------------------------------------------------------------------------
 
@@ -436,6 +481,8 @@ class Controller:
             "skipped_files": [{"path": p, "reason": r} for p, r in self.stats.skipped.items()],
             "input_stall_fraction": self.stats.stall_fractions(),
             "averaging_fraction": self.stats.averaging_fractions(),
+            "compute_fraction": self.stats.compute_fractions(),
+            "verdict": self.run_verdict().as_json(),
             "throughput_samples_per_s": round(self.stats.throughput(), 2),
             "val_accuracy": last_val.accuracy if last_val else None,
             "val_loss": last_val.loss if last_val else None,
@@ -454,16 +501,22 @@ class Controller:
 
 @dataclass
 class _WindowTotals:
-    """What the autoscaler sees of one window."""
+    """What the consumers and the ready queues did in one window."""
 
     wait_s: float = 0.0
+    compute_s: float = 0.0
+    averaging_s: float = 0.0
     steps: int = 0
+    samples: int = 0
     queue_fill: float = 0.0
     queue_samples: int = 0
 
     def add(self, report: StepReport) -> None:
         self.wait_s += report.wait_s
+        self.compute_s += report.compute_s
+        self.averaging_s += report.averaging_s
         self.steps += 1
+        self.samples += report.count
 
 
 def _step_fields(report: StepReport) -> dict[str, Any]:

@@ -16,21 +16,60 @@ from stoker.dataset import Skipped
 
 
 class MetricsLog:
-    """One JSON object per line: every step report and every event, with the time since the run started."""
+    """One JSON object per line: every step report and every event, with the time since the run started
+    (schema: docs/metrics.md); with `tensorboard_dir`, the same numbers as TensorBoard scalars too. A resumed run
+    appends to the log of the run it continues."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, append: bool = False) -> None:
         self._started = time.monotonic()
-        self._handle: IO[str] | None = open(path, "a", buffering=1)
+        self._handle: IO[str] | None = open(path, "a" if append else "w", buffering=1)
+        self._tensorboard = TensorBoardSink(tensorboard_dir) if tensorboard_dir is not None else None
 
     def write(self, event: str, **fields: Any) -> None:
         if self._handle is not None:
             record = {"event": event, "t": round(time.monotonic() - self._started, 4), **fields}
             self._handle.write(json.dumps(record, default=_plain) + "\n")
+            if self._tensorboard is not None:
+                self._tensorboard.write(record)
 
     def close(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
             handle.close()
+        sink, self._tensorboard = self._tensorboard, None
+        if sink is not None:
+            sink.close()
+
+
+class TensorBoardSink:
+    """Step, validation and pipeline events as TensorBoard scalars, indexed by the global step."""
+
+    PIPELINE = ("samples_per_s", "queue_fill", "producers", "producer_utilization", "compute", "input_wait",
+                "averaging")
+
+    def __init__(self, folder: Path) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(str(folder))
+        self._global_step = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        event, add = record["event"], self._writer.add_scalar
+        if event == "step":
+            self._global_step = max(self._global_step, record["global_step"])
+            if record["rank"] == 0:
+                add("train/loss", record["loss"], record["global_step"])
+            for part in ("compute_s", "wait_s", "averaging_s"):
+                add(f"consumer{record['rank']}/{part}", record[part], record["global_step"])
+        elif event == "val":
+            add("val/accuracy", record["accuracy"], self._global_step)
+            add("val/loss", record["loss"], self._global_step)
+        elif event == "pipeline":
+            for key in self.PIPELINE:
+                add(f"pipeline/{key}", record[key], self._global_step)
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _plain(value: Any) -> Any:
@@ -153,10 +192,17 @@ class RunStats:
         return account.loss_sum / account.consumed()
 
     def stall_fractions(self) -> list[float]:
-        return [round(c.wait_s / c.wall_s(), 4) if c.wall_s() > 0 else 0.0 for c in self.consumers]
+        return self._shares("wait_s")
+
+    def compute_fractions(self) -> list[float]:
+        return self._shares("compute_s")
 
     def averaging_fractions(self) -> list[float]:
-        return [round(c.averaging_s / c.wall_s(), 4) if c.wall_s() > 0 else 0.0 for c in self.consumers]
+        return self._shares("averaging_s")
+
+    def _shares(self, part: str) -> list[float]:
+        """Per consumer: the share of its wall time spent in `part`."""
+        return [round(getattr(c, part) / c.wall_s(), 4) if c.wall_s() > 0 else 0.0 for c in self.consumers]
 
     def throughput(self) -> float:
         walls = [c.wall_s() for c in self.consumers if c.wall_s() > 0]

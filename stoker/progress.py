@@ -1,4 +1,6 @@
-"""Progress while a run goes: a rich bar on a terminal, plain log lines (no control characters) otherwise."""
+"""Progress while a run goes: on a terminal, a rich live panel (epoch and run bars with ETA, each consumer's time
+split, queue fill, producers, loss, accuracy and the verdict); otherwise plain log lines with the same numbers and
+no control characters."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
 
 log = logging.getLogger("stoker")
 
@@ -17,44 +21,73 @@ log = logging.getLogger("stoker")
 class Snapshot:
     epoch: int
     epochs: int
+    epoch_step: int
+    steps_per_epoch: int
     step: int
     total_steps: int
     samples_per_s: float
     loss: float | None
-    stall: float
-    producers: int
     val_accuracy: float | None
+    consumers: tuple[tuple[float, float, float], ...]  # per consumer: compute, input wait, averaging shares
+    queue_fill: float
+    producers: int
+    producer_budget: int
+    producer_utilization: float
+    verdict: str
 
     def line(self) -> str:
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
         accuracy = f"{self.val_accuracy:.1%}" if self.val_accuracy is not None else "-"
+        compute, wait, averaging = (sum(c[i] for c in self.consumers) / max(1, len(self.consumers))
+                                    for i in range(3))
         return (f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total_steps} "
-                f"{self.samples_per_s:,.0f} samples/s loss {loss} stall {self.stall:.1%} "
-                f"producers {self.producers} val acc {accuracy}")
+                f"{self.samples_per_s:,.0f} samples/s loss {loss} val acc {accuracy} | compute {compute:.0%} "
+                f"input wait {wait:.0%} averaging {averaging:.0%} | queue {self.queue_fill:.0%} producers "
+                f"{self.producers}/{self.producer_budget} busy {self.producer_utilization:.0%} | {self.verdict}")
 
 
 class ProgressView:
-    def __init__(self, total_steps: int, interval_s: float, enabled: bool = True) -> None:
+    """`update(snapshot)` as often as convenient: the terminal panel redraws at its own rate, log lines come
+    every `interval_s`."""
+
+    def __init__(self, total_steps: int, steps_per_epoch: int, interval_s: float, enabled: bool = True) -> None:
         self.interval_s = interval_s
-        self._last_line = 0.0
-        self._bar: Progress | None = None
-        if enabled and sys.stderr.isatty():
-            self._bar = Progress(TextColumn("[bold]stoker"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.description}"),
-                                 console=Console(stderr=True), transient=False)
-            self._task = self._bar.add_task("starting", total=total_steps)
-            self._bar.start()
         self.enabled = enabled
+        self._last_line = 0.0
+        self._live: Live | None = None
+        if enabled and sys.stderr.isatty():
+            self._bars = Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
+                                  TimeRemainingColumn())
+            self._epoch_bar = self._bars.add_task("epoch", total=steps_per_epoch)
+            self._run_bar = self._bars.add_task("run", total=total_steps)
+            self._live = Live(self._bars, console=Console(stderr=True), refresh_per_second=4)
+            self._live.start()
 
     def update(self, snapshot: Snapshot) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, completed=snapshot.step, total=snapshot.total_steps,
-                             description=snapshot.line())
+        if self._live is not None:
+            self._bars.update(self._epoch_bar, completed=snapshot.epoch_step, total=snapshot.steps_per_epoch,
+                              description=f"epoch {snapshot.epoch + 1}/{snapshot.epochs}")
+            self._bars.update(self._run_bar, completed=snapshot.step, total=snapshot.total_steps)
+            self._live.update(Group(self._bars, panel(snapshot)))
         elif self.enabled and time.monotonic() - self._last_line >= self.interval_s:
             self._last_line = time.monotonic()
             log.info("%s", snapshot.line())
 
     def close(self) -> None:
-        bar, self._bar = self._bar, None
-        if bar is not None:
-            bar.stop()
+        live, self._live = self._live, None
+        if live is not None:
+            live.stop()
+
+
+def panel(snapshot: Snapshot) -> Group:
+    table = Table(box=None, padding=(0, 2), show_edge=False)
+    for column in ("consumer", "device compute", "input wait", "averaging"):
+        table.add_column(column, justify="right")
+    for rank, (compute, wait, averaging) in enumerate(snapshot.consumers):
+        table.add_row(str(rank), f"{compute:.0%}", f"{wait:.0%}", f"{averaging:.0%}")
+    loss = f"{snapshot.loss:.3f}" if snapshot.loss is not None else "-"
+    accuracy = f"{snapshot.val_accuracy:.1%}" if snapshot.val_accuracy is not None else "-"
+    summary = (f"{snapshot.samples_per_s:,.0f} samples/s   loss {loss}   val acc {accuracy}   ready queue "
+               f"{snapshot.queue_fill:.0%}   producers {snapshot.producers}/{snapshot.producer_budget} busy "
+               f"{snapshot.producer_utilization:.0%}")
+    return Group(table, summary, f"[bold]{snapshot.verdict}")

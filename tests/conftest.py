@@ -68,6 +68,8 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bo
             ) -> subprocess.CompletedProcess:
     environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    **(env or {})}
+    if args[:1] == ("train",) and "--report" not in args:
+        args = (*args, "--report", "false")  # drawing takes 2 s a run; tests/integration/test_report.py draws
     result = subprocess.run([sys.executable, "-m", "stoker", *args], capture_output=True, text=True,
                             timeout=timeout, env=environment)
     if check and result.returncode != 0:

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         root = Path(scratch)
         builtin_data.generate(root / "data", train_per_class=12, val_per_class=2)
         common = dict(data=root / "data" / "train", val=root / "data" / "val", devices="cpu:1", image_size=32,
-                      batch_size=args.batch_size, epochs=args.epochs, seed=0, show_progress=False)
+                      batch_size=args.batch_size, epochs=args.epochs, seed=0, show_progress=False, report=False)
         fixed = []
         for producers in range(1, args.max_producers + 1):
             out = root / f"fixed-{producers}"

@@ -57,7 +57,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--images-per-run", type=int, default=512,
                         help="images timed per measurement, after the start-up batches")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--transport", action="store_true", help="time slots and queues only (no decoding)")
+    parser.add_argument("--transport", action="store_true",
+                        help="time slots and queues only (no decoding); a full run ends with this too")
     parser.add_argument("--json", type=Path, help="write the figures (medians) to this file")
     parser.set_defaults(run=run)
 
@@ -75,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="stoker-pipeline-") as scratch:
             generate(Path(scratch), args.small_images, args.large_images)
             result = {"sets": [measure_set(Path(scratch) / name, name, args) for name in SETS]}
+    if "transport" not in result:
+        result["transport"] = measure_transport(args)
     result["setup"] = {"workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
                        "repeats": args.repeats, "cores": os.cpu_count()}
     print_tables(result)

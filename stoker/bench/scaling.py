@@ -120,7 +120,7 @@ def _one_run(out: Path, data: Path, val: Path, devices: int, sync_every: int, al
     summary = stoker.train(data=data, val=val, devices=f"cpu:{devices}", model=f"{__name__}:simulated_model",
                            image_size=IMAGE_SIZE, batch_size=BATCH_SIZE, epochs=1, sync_every=sync_every,
                            producers=args.producers, max_producers=args.producers, seed=0, out=out,
-                           show_progress=False)
+                           show_progress=False, report=False)
     return {"devices": devices, "sync_every": sync_every, "params": args.params, "step_ms": args.step_ms,
             "status": summary["status"], **steady_state(out / "metrics.jsonl", devices, allreduce_ms, sync_every)}
 

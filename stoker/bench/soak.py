@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         command = [sys.executable, "-m", "stoker", "train", "--data", str(root / "data" / "train"),
                    "--val", str(root / "data" / "val"), "--image-size", "32", "--batch-size", "8",
                    "--epochs", "100000", "--producers", str(args.producers), "--devices", args.devices,
-                   "--out", str(root / "run"), "--quiet"]
+                   "--out", str(root / "run"), "--quiet", "--report", "false"]
         log = root / "run.log"  # a file, not a pipe: a full pipe would block the run's logging
         with open(log, "w") as log_handle:
             run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)

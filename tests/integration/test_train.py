@@ -151,7 +151,7 @@ def test_local_sgd_every_h_steps_ends_with_identical_replicas(textures, tmp_path
 def _final_weights(textures, out, **settings):
     train, val = textures
     summary = stoker.train(data=train, val=val, devices="cpu:2", batch_size=8, epochs=1, sync_every=3, seed=3,
-                           out=out, show_progress=False, **settings)
+                           out=out, show_progress=False, report=False, **settings)
     assert summary["status"] == "completed" and summary["replicas_identical"] is True
     return torch.load(out / "model.pt", weights_only=True)
 

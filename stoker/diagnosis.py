@@ -1,0 +1,63 @@
+"""Where the time goes, in one line: input-bound, sync-bound or compute-bound, with the numbers and what to try."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+INPUT_BOUND = 0.10  # consumers waiting for batches more than this share of their time
+SYNC_BOUND = 0.15  # averaging more than this share of the step
+SYNC_GOAL = 0.05  # the averaging share a suggested --sync-every aims for
+BUSY_PRODUCERS = 0.80  # producers busy more than this share of their time are the limit
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    """Shares of the consumers' wall time (averaged over consumers) and the producers' state."""
+
+    compute: float
+    input_wait: float
+    averaging: float
+    producers: int
+    producer_budget: int
+    producer_utilization: float
+    sync_every: int
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: Literal["input-bound", "sync-bound", "compute-bound", "starting"]
+    text: str
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def diagnose(split: TimeSplit) -> Verdict:
+    if split.input_wait >= INPUT_BOUND and split.input_wait >= split.averaging:
+        return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
+                                      f"{_producer_advice(split)}")
+    if split.averaging >= SYNC_BOUND:
+        return Verdict("sync-bound", f"sync-bound: averaging takes {split.averaging:.0%} of the time; try "
+                                     f"--sync-every {suggest_sync_every(split.averaging, split.sync_every)}")
+    return Verdict("compute-bound", f"compute-bound: devices busy {split.compute:.0%} of the time, input waits "
+                                    f"{split.input_wait:.0%}, averaging {split.averaging:.0%}")
+
+
+def _producer_advice(split: TimeSplit) -> str:
+    if split.producers >= split.producer_budget:
+        return (f"producers at budget ({split.producers}/{split.producer_budget}, busy "
+                f"{split.producer_utilization:.0%}): give them more cores (--max-producers) or lower --image-size")
+    if split.producer_utilization >= BUSY_PRODUCERS:
+        return (f"{split.producers} producers busy {split.producer_utilization:.0%}, below the budget of "
+                f"{split.producer_budget}: --producers auto adds more, or raise --producers")
+    return (f"producers idle {1 - split.producer_utilization:.0%} of the time: reading the files is slow "
+            "(storage or network); copy the data to a local disk")
+
+
+def suggest_sync_every(averaging: float, sync_every: int) -> int:
+    """The smallest power of two H that brings the averaging share to SYNC_GOAL, assuming its cost scales by 1/H."""
+    per_average = averaging / max(1e-9, 1 - averaging)  # averaging time relative to the rest of the step
+    needed = per_average * sync_every / (SYNC_GOAL / (1 - SYNC_GOAL))
+    return max(sync_every * 2, 2 ** math.ceil(math.log2(max(1.0, needed))))

@@ -1,0 +1,168 @@
+"""The run report: `RUN_DIR/report.png` and `report.txt` from a run's `metrics.jsonl` and `summary.json`.
+
+Four panels: throughput over time; how each consumer spent its time; ready-queue fill and producer count over
+time; training loss and validation accuracy per epoch. `stoker report RUN_A RUN_B` draws both runs in the same
+panels and prints their numbers side by side.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPORT_PNG = "report.png"
+REPORT_TXT = "report.txt"
+THROUGHPUT_BIN_S = 1.0
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    name: str
+    summary: dict[str, Any]
+    events: dict[str, list[dict[str, Any]]]
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunRecord:
+        try:
+            summary = json.loads((run_dir / "summary.json").read_text())
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError as error:
+            raise ValueError(f"{run_dir}: not a finished stoker run ({error.strerror}: {error.filename})") from None
+        events: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for line in lines:
+            record = json.loads(line)
+            events[record["event"]].append(record)
+        return cls(run_dir.name, summary, events)
+
+
+def write_report(run_dir: Path) -> str:
+    """Draw report.png and write report.txt for one run; returns the text."""
+    run = RunRecord.load(run_dir)
+    draw([run], run_dir / REPORT_PNG)
+    text = describe([run])
+    (run_dir / REPORT_TXT).write_text(text + "\n")
+    return text
+
+
+def compare(run_dirs: list[Path], out: Path) -> str:
+    runs = [RunRecord.load(folder) for folder in run_dirs]
+    draw(runs, out)
+    return describe(runs)
+
+
+# ---- the numbers -----------------------------------------------------------------------------------------------
+
+ROWS = (
+    ("status", lambda s: s["status"]),
+    ("verdict", lambda s: (s.get("verdict") or {}).get("text", "-")),
+    ("samples/s", lambda s: f"{s['throughput_samples_per_s']:,.0f}"),
+    ("consumers", lambda s: str(s["num_consumers"])),
+    ("device compute", lambda s: _mean_share(s.get("compute_fraction"))),
+    ("input wait", lambda s: _mean_share(s["input_stall_fraction"])),
+    ("averaging", lambda s: _mean_share(s["averaging_fraction"])),
+    ("producers (start/max/end)", lambda s: f"{s['producers_initial']}/{s['producers_max']}/{s['producers_final']}"),
+    ("val accuracy", lambda s: f"{s['val_accuracy']:.2%}" if s.get("val_accuracy") is not None else "-"),
+    ("train loss", lambda s: f"{s['train_loss']:.4f}" if s.get("train_loss") is not None else "-"),
+    ("wall time", lambda s: f"{s['wall_s']:.1f} s"),
+)
+
+
+def _mean_share(values: list[float] | None) -> str:
+    return f"{sum(values) / len(values):.1%}" if values else "-"
+
+
+def describe(runs: list[RunRecord]) -> str:
+    width = max(len(label) for label, _ in ROWS)
+    lines = [f"{'':<{width}}  " + "  ".join(f"{run.name:<24}" for run in runs)] if len(runs) > 1 else []
+    for label, value in ROWS:
+        lines.append(f"{label:<{width}}  " + "  ".join(f"{value(run.summary):<24}" for run in runs))
+    return "\n".join(lines)
+
+
+# ---- the panels ------------------------------------------------------------------------------------------------
+
+def throughput_series(run: RunRecord) -> tuple[list[float], list[float]]:
+    """Samples per second in bins of THROUGHPUT_BIN_S, from the step reports of every consumer."""
+    bins: dict[int, int] = defaultdict(int)
+    for step in run.events["step"]:
+        bins[int(step["t"] // THROUGHPUT_BIN_S)] += step["samples"]
+    times = sorted(bins)
+    return [t * THROUGHPUT_BIN_S for t in times], [bins[t] / THROUGHPUT_BIN_S for t in times]
+
+
+def epoch_losses(run: RunRecord) -> dict[int, float]:
+    totals: dict[int, list[float]] = defaultdict(lambda: [0.0, 0])
+    for step in run.events["step"]:
+        totals[step["epoch"]][0] += step["loss"] * step["samples"]
+        totals[step["epoch"]][1] += step["samples"]
+    return {epoch: loss / count for epoch, (loss, count) in sorted(totals.items()) if count}
+
+
+def draw(runs: list[RunRecord], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, ((speed, split), (pipeline, learning)) = plt.subplots(2, 2, figsize=(12, 8))
+    producers, accuracy = pipeline.twinx(), learning.twinx()
+    for index, run in enumerate(runs):
+        colour = f"C{index}"
+        label = run.name if len(runs) > 1 else None
+        times, rates = throughput_series(run)
+        speed.plot(times, rates, color=colour, label=label)
+        _draw_pipeline(pipeline, producers, run, colour, label)
+        _draw_learning(learning, accuracy, run, colour, label)
+    producers.set_ylabel("producers")
+    accuracy.set_ylabel("val accuracy")
+    _draw_split(split, runs)
+    speed.set(title="throughput", xlabel="seconds since start", ylabel="samples/s")
+    pipeline.set(title="ready queue fill (solid) and producers (dashed)", xlabel="seconds since start",
+                 ylabel="share of slots filled")
+    learning.set(title="train loss (solid) and val accuracy (dashed) per epoch", xlabel="epoch", ylabel="loss")
+    for axes in (speed, pipeline, learning):
+        axes.grid(alpha=0.3)
+        if len(runs) > 1:
+            axes.legend(fontsize=8)
+    verdicts = "; ".join((run.summary.get("verdict") or {}).get("text", "") for run in runs)
+    figure.suptitle(verdicts, fontsize=9)
+    figure.tight_layout()
+    figure.savefig(out, dpi=90)
+    plt.close(figure)
+
+
+def _draw_split(axes, runs: list[RunRecord]) -> None:
+    labels, shares = [], defaultdict(list)
+    for run in runs:
+        summary = run.summary
+        for rank in range(summary["num_consumers"]):
+            prefix = f"{run.name} " if len(runs) > 1 else ""
+            labels.append(f"{prefix}consumer {rank}")
+            compute = (summary.get("compute_fraction") or [0.0] * summary["num_consumers"])[rank]
+            wait, averaging = summary["input_stall_fraction"][rank], summary["averaging_fraction"][rank]
+            for part, value in (("device compute", compute), ("input wait", wait), ("averaging", averaging),
+                                ("other", max(0.0, 1 - compute - wait - averaging))):
+                shares[part].append(value)
+    left = [0.0] * len(labels)
+    for part, colour in (("device compute", "C2"), ("input wait", "C3"), ("averaging", "C1"), ("other", "0.7")):
+        axes.barh(labels, shares[part], left=left, color=colour, label=part)
+        left = [a + b for a, b in zip(left, shares[part])]
+    axes.set(title="where each consumer's time went", xlabel="share of wall time", xlim=(0, 1))
+    axes.legend(fontsize=8, loc="lower right")
+
+
+def _draw_pipeline(fill, producers, run: RunRecord, colour: str, label: str | None) -> None:
+    samples = run.events["pipeline"]
+    fill.plot([s["t"] for s in samples], [s["queue_fill"] for s in samples], color=colour, label=label)
+    producers.step([s["t"] for s in samples], [s["producers"] for s in samples], where="post", color=colour,
+                   linestyle="--")
+
+
+def _draw_learning(loss, accuracy, run: RunRecord, colour: str, label: str | None) -> None:
+    losses = epoch_losses(run)
+    loss.plot([e + 1 for e in losses], list(losses.values()), "o-", color=colour, label=label)
+    val = run.events["val"]
+    accuracy.plot([v["epoch"] + 1 for v in val], [v["accuracy"] for v in val], "s--", color=colour)
