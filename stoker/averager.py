@@ -3,8 +3,8 @@
 All floating-point parameters and buffers (BatchNorm running statistics included) are re-pointed into one flat
 tensor per dtype at start, so averaging is one all_reduce per dtype with no copy in or out: the model *is* the
 bucket. Integer buffers (BatchNorm's batch counters) advance alike on every replica while every step is full;
-after a short step, where a replica may have had no samples, they are reconciled with a MAX. The collective doubles as the
-barrier that makes every replica continue from the same average at the same time.
+after a short step, where a replica may have had no samples, they are reconciled with a MAX. The collective
+doubles as the barrier that makes every replica continue from the same average at the same time.
 
 With an outer optimizer (DiLoCo), the averaged change of the parameters since the last averaging is a
 pseudo-gradient: SGD or Nesterov momentum applies it to the parameters as they were at the last averaging.

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -112,7 +111,9 @@ class TrainConfig:
         """Most producers the controller may run: the cores not needed by CPU consumers, never fewer than 1."""
         if self.max_producers is not None:
             return self.max_producers
-        cores = os.cpu_count() or 1
+        from stoker.devices import available_cores
+
+        cores = available_cores()
         cpu_consumers = int(self.devices.split(":")[1]) if self.devices.startswith("cpu:") else 0
         return max(1, cores - cpu_consumers, self.min_producers)
 

@@ -32,7 +32,8 @@ STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class ConsumerSetup:
-    rank: int
+    rank: int  # global, over every machine's consumers
+    local_rank: int  # on this machine: how the controller knows this consumer
     world_size: int
     device: str
     store_host: str
@@ -149,7 +150,7 @@ def consumer_main(setup: ConsumerSetup, ready, inbox, stop) -> None:
     except Stopped:
         pass
     except BaseException as error:
-        inbox.put(ConsumerFailed(setup.rank, ChildError.capture(f"consumer {setup.rank}", doing, error)))
+        inbox.put(ConsumerFailed(setup.local_rank, ChildError.capture(f"consumer {setup.rank}", doing, error)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -221,8 +222,8 @@ class Replica:
         every = self.setup.check_replicas_every
         if averaging_s is not None and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        self.inbox.put(StepReport(self.setup.rank, batch.epoch, batch.step, batch.global_step, len(ids), loss_value,
-                                  wait_s, compute_s, averaging_s or 0.0, ids, digest))
+        self.inbox.put(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step, len(ids),
+                                  loss_value, wait_s, compute_s, averaging_s or 0.0, ids, digest))
 
     def _set_learning_rate(self, global_step: int) -> None:
         lr = self.setup.lr
@@ -251,13 +252,18 @@ class Replica:
             self.inbox.put(ValReport(message.epoch, loss_sum / count, correct / count, int(count)))
 
     def save(self, message: Save) -> None:
+        """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
+        has the run folder's checkpoints, so resuming needs nothing from the others' disks."""
+        states = [None] * self.setup.world_size if self.setup.rank == 0 else None
+        dist.gather_object(_to_cpu(self._rank_state()), states, dst=0)
         files = {}
         if self.setup.rank == 0:
             files[checkpoint.MODEL_FILE] = checkpoint.save_tensors(message.folder / checkpoint.MODEL_FILE,
                                                                    self.model.state_dict())
-        name = checkpoint.rank_file(self.setup.rank)
-        files[name] = checkpoint.save_tensors(message.folder / name, self._rank_state())
-        self.inbox.put(Saved(self.setup.rank, message.global_step, files))
+            for rank, state in enumerate(states):
+                name = checkpoint.rank_file(rank)
+                files[name] = checkpoint.save_tensors(message.folder / name, state)
+        self.inbox.put(Saved(self.setup.local_rank, message.global_step, files))
 
     def _rank_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -269,8 +275,16 @@ class Replica:
         return state
 
     def _restore(self, folder: Path) -> None:
-        self.model.load_state_dict(checkpoint.load_verified(folder / checkpoint.MODEL_FILE))
-        state = checkpoint.load_verified(folder / checkpoint.rank_file(self.setup.rank))
+        """Rank 0 reads the checkpoint and hands every replica the averaged model and its own state."""
+        states = None
+        if self.setup.rank == 0:
+            self.model.load_state_dict(checkpoint.load_verified(folder / checkpoint.MODEL_FILE))
+            states = [checkpoint.load_verified(folder / checkpoint.rank_file(rank))
+                      for rank in range(self.setup.world_size)]
+        _broadcast_initial_state(self.averager)
+        mine = [None]
+        dist.scatter_object_list(mine, states, src=0)
+        state = mine[0]
         if "model" in state:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -285,7 +299,7 @@ class Replica:
         digest = self.averager.digest()
         if self.setup.rank == 0:
             checkpoint.save_tensors(message.model_path, self.model.state_dict())
-        self.inbox.put(Finished(self.setup.rank, digest, self.first_wait_s or 0.0))
+        self.inbox.put(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0))
 
 
 class DeviceLoader:
@@ -328,6 +342,17 @@ def _next_message(ready, stop, watch: ParentWatch):
             return ready.get(timeout=POLL_S)
         except queue.Empty:
             continue
+
+
+def _to_cpu(state):
+    """A copy with every tensor on the CPU: what crosses to rank 0 and lands in a checkpoint."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: _to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_cpu(value) for value in state)
+    return state
 
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup) -> torch.optim.Optimizer:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stoker import checkpoint
+from stoker import checkpoint, cluster
 from stoker.averager import OuterSpec
 from stoker.autoscale import Autoscaler, Window
 from stoker.builtin_data import builtin_dataset
@@ -63,30 +63,51 @@ class Controller:
         self.config = config
         self.show_progress = show_progress
         self.devices = resolve_devices(config.devices)
-        self.num_consumers = len(self.devices)
+        self.num_consumers = len(self.devices)  # on this machine
+        self.cluster = cluster.from_environment(self.num_consumers)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
         if config.batch_size > len(self.data.train):
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
-                              self.num_consumers, config.seed)
+                              self.cluster.world, config.seed)
         self.num_slots = config.slots_per_consumer * self.num_consumers
         self.budget = config.producers if config.producers != "auto" else config.producer_budget
         self._ring_bytes_check()
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or default_run_dir())
+        cluster.join_controllers(self.cluster, config.collective_timeout_s)
+        cluster.check_same_settings(self.cluster, self._shared_settings())
         self.start_at, self.resume_from = self._resume_point()
         self._reset_state()
 
+    def _shared_settings(self) -> dict[str, Any]:
+        """What every machine must agree on (paths and producer counts are each machine's own business)."""
+        local = {"out", "resume", "data", "val", "devices", "producers", "min_producers", "initial_producers",
+                 "max_producers", "log_every_s", "report", "tensorboard"}
+        return {**{k: v for k, v in self.config.as_json().items() if k not in local},
+                "consumers_per_machine": self.num_consumers, "train_files": len(self.data.train),
+                "val_files": len(self.data.val or ()), "classes": list(self.data.train.classes)}
+
     def _resume_point(self) -> tuple[Position, Path | None]:
+        """The first machine finds the newest valid checkpoint; every machine continues from it."""
         if self.config.resume is None:
             return Position(0, 0, 0), None
-        folder, meta = checkpoint.newest_valid(self.config.resume)
-        if meta["num_consumers"] != self.num_consumers:
-            raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {meta['num_consumers']} "
-                             f"consumers, this run {self.num_consumers}; resume with the same devices")
-        return Position(**meta["position"]), folder
+        found = None
+        if self.cluster.leader:
+            try:
+                folder, meta = checkpoint.newest_valid(self.config.resume)
+                found = (folder, meta["position"], meta["num_consumers"], None)
+            except checkpoint.CheckpointError as error:
+                found = (None, None, None, str(error))
+        folder, position, consumers, error = cluster.from_leader(self.cluster, found)
+        if error is not None:
+            raise checkpoint.CheckpointError(error)
+        if consumers != self.cluster.world:
+            raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
+                             f"run {self.cluster.world}; resume with the same machines and devices")
+        return Position(**position), folder
 
     def _ring_bytes_check(self) -> None:
         spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
@@ -100,7 +121,8 @@ class Controller:
         self.store = None
         self.stop = CONTEXT.Event()
         self.inbox = CONTEXT.Queue()
-        self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch)
+        self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
+                              self.cluster.first_rank)
         self.tasks: dict[int, Issue] = {}
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}
@@ -108,6 +130,7 @@ class Controller:
         self.pending_saves: dict[int, dict[int, dict[str, str]]] = {}
         self.last_checkpoint: Path | None = None
         self.finished: dict[int, Finished] = {}
+        self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
         self.producers_initial = 0
         self.timeline: list[dict[str, Any]] = []
@@ -123,8 +146,9 @@ class Controller:
     def run(self) -> dict[str, Any]:
         name_process("stoker controller")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl",
+        write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())  # every machine: `--resume` reads it
+        metrics_file = "metrics.jsonl" if self.cluster.leader else f"metrics-node{self.cluster.node}.jsonl"
+        self.metrics = MetricsLog(self.run_dir / metrics_file,
                                   self.run_dir / "tensorboard" if self.config.tensorboard else None,
                                   append=self.config.resume is not None)
         self.started = time.monotonic()
@@ -143,13 +167,29 @@ class Controller:
         finally:
             _restore_signal_handlers(previous)
             self.close()
+        if status == "completed" and self.cluster.multi:
+            status, error = self._gather_machines()
         summary = self.summary(status, error)
-        write_json(self.run_dir / "summary.json", summary)
         self.metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
         self.metrics.close()
-        if self.config.report:
-            self._write_report()
+        cluster.leave_controllers()
+        if self.cluster.leader:
+            write_json(self.run_dir / "summary.json", summary)
+            if self.config.report:
+                self._write_report()
         return summary
+
+    def _gather_machines(self) -> tuple[str, str | None]:
+        """Bring every machine's accounting to the first one: exactly-once is checked over the union."""
+        try:
+            parts = cluster.gather_to_leader(self.cluster, (self.stats.export(), self.final_digests))
+        except RuntimeError as error:  # a machine stopped before the end: its peers' collective says so
+            log.error("could not gather the other machines' accounting: %s", error)
+            return "failed", f"a machine stopped before reporting its accounting ({error})"
+        for stats, digests in (parts or [])[1:]:
+            self.stats.merge(stats)
+            self.final_digests.update(digests)
+        return "completed", None
 
     def _write_report(self) -> None:
         from stoker.report import write_report
@@ -170,7 +210,8 @@ class Controller:
         sweep_dead_segments()
         self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
-                                   self.data.val is not None, self.config.checkpoint_every, self.run_dir)
+                                   self.data.val is not None, self.config.checkpoint_every, self.run_dir,
+                                   self.cluster.first_rank, self.num_consumers)
         self.pool = ProducerPool(self._producer_setup(), self.ring, self.inbox, self.stop, self.budget,
                                  self.config.producer_timeout_s)
         initial = self.budget if self.config.producers != "auto" else min(
@@ -179,7 +220,8 @@ class Controller:
             self.pool.grow()
         self.producers_initial = initial
         self._record_producers("start")
-        self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if self.config.producers == "auto" else None
+        auto = self.config.producers == "auto"
+        self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if auto else None
         self._start_consumers()
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
@@ -191,17 +233,26 @@ class Controller:
         return ProducerSetup(self.ring.spec, Source(self.data.train.paths, self.data.train.labels),
                              Source(val.paths, val.labels) if val else None, self.config.augment, self.config.seed)
 
+    def _consumer_store(self) -> tuple[str, int]:
+        """The first machine hosts the store through which every machine's consumers form their group."""
+        address = None
+        if self.cluster.leader:
+            host = os.environ.get("MASTER_ADDR", cluster.LOOPBACK) if self.cluster.multi else cluster.LOOPBACK
+            self.store = dist.TCPStore(host, 0, self.cluster.world + 1, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+            address = (host, self.store.port)
+        return cluster.from_leader(self.cluster, address)
+
     def _start_consumers(self) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, self.num_consumers + 1, is_master=True, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
+        store_host, store_port = self._consumer_store()
         config = self.config
         threads = threads_per_consumer(self.devices)
         outer = None if config.outer_optimizer == "none" else OuterSpec(config.outer_optimizer, config.outer_lr,
                                                                          config.outer_momentum)
         for rank, device in enumerate(self.devices):
             setup = ConsumerSetup(
-                rank=rank, world_size=self.num_consumers, device=device, store_host="127.0.0.1",
-                store_port=self.store.port, ring=self.ring.spec, model=config.model,
+                rank=self.cluster.first_rank + rank, local_rank=rank, world_size=self.cluster.world, device=device,
+                store_host=store_host, store_port=store_port, ring=self.ring.spec, model=config.model,
                 num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
                 schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
                 momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
@@ -278,7 +329,7 @@ class Controller:
         elif isinstance(message, StepReport):
             self.stats.record_step(message, now)
             window.add(message)
-            self.metrics.write("step", **_step_fields(message))
+            self.metrics.write("step", **_step_fields(message, self.cluster.first_rank))
             if message.digest is not None:
                 self._compare_replicas(message)
         elif isinstance(message, ValReport):
@@ -291,9 +342,12 @@ class Controller:
             self._saved(message)
         elif isinstance(message, Finished):
             self.finished[message.rank] = message
+            self.final_digests[self.cluster.first_rank + message.rank] = message.digest
         elif isinstance(message, ConsumerFailed):
-            raise StokerRunError("; ".join([*self._dead_peers(message.rank), str(message.error)])
-                                 + f"\n{message.error.trace}")
+            causes = self._dead_peers(message.rank)
+            if not causes and self.cluster.multi:
+                causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
+            raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
         elif isinstance(message, ProducerFailed):
             raise StokerRunError(f"{message.error}\n{message.error.trace}")
 
@@ -331,10 +385,12 @@ class Controller:
         if len(parts) < self.num_consumers:
             return
         del self.pending_saves[message.global_step]
+        if not self.cluster.leader:
+            return  # the first machine's rank 0 wrote every replica's state
         files = {name: digest for rank_files in parts.values() for name, digest in rank_files.items()}
         steps = self.plan.steps_per_epoch
         position = Position(message.global_step // steps, message.global_step % steps, message.global_step)
-        meta = {"position": position.__dict__, "files": files, "num_consumers": self.num_consumers,
+        meta = {"position": position.__dict__, "files": files, "num_consumers": self.cluster.world,
                 "config": self.config.as_json(), "classes": list(self.data.train.classes)}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
         checkpoint.commit(checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True), final,
@@ -462,13 +518,14 @@ class Controller:
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
         last_epoch = max(self.stats.epochs, default=None)
         last_val = self.val_reports[-1] if self.val_reports else None
-        digests = {rank: f.digest for rank, f in self.finished.items()}
+        digests = self.final_digests
         summary = {
             "status": status,
             **({"error": error} if error else {}),
             "epochs": len(self.stats.completed_epochs),
             "steps": self.stats.consumers[0].steps,
-            "num_consumers": self.num_consumers,
+            "num_consumers": self.cluster.world,
+            "machines": self.cluster.nodes,
             "devices": self.devices,
             "producers_initial": self.producers_initial,
             "producers_final": self.timeline[-1]["producers"] if self.timeline else 0,
@@ -487,7 +544,7 @@ class Controller:
             "val_accuracy": last_val.accuracy if last_val else None,
             "val_loss": last_val.loss if last_val else None,
             "train_loss": self.stats.train_loss(last_epoch) if last_epoch is not None else None,
-            "replicas_identical": bool(digests) and len(digests) == self.num_consumers
+            "replicas_identical": bool(digests) and len(digests) == self.cluster.world
                                   and self.stats.replicas_identical(digests),
             "replica_mismatch_steps": self.stats.mismatched_steps(),
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
@@ -519,8 +576,9 @@ class _WindowTotals:
         self.samples += report.count
 
 
-def _step_fields(report: StepReport) -> dict[str, Any]:
-    return {"rank": report.rank, "epoch": report.epoch, "step": report.step, "global_step": report.global_step,
+def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
+    return {"rank": first_rank + report.rank, "epoch": report.epoch, "step": report.step,
+            "global_step": report.global_step,
             "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
             "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6)}
 

@@ -25,13 +25,21 @@ def resolve_devices(spec: str) -> list[str]:
     return [f"cuda:{i}" for i in indices]
 
 
+def available_cores() -> int:
+    """The cores this process may run on: a container's or taskset's CPU set, not the whole machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_cpu_consumers() -> int:
     """On a CPU-only machine one consumer uses the cores the producers leave; more would only split them."""
-    return 1 if (os.cpu_count() or 1) <= 2 else 2
+    return 1 if available_cores() <= 2 else 2
 
 
 def threads_per_consumer(devices: list[str]) -> int:
     """CPU consumers share the cores evenly so they don't fight over them; a GPU consumer needs one."""
     if devices[0].startswith("cuda"):
         return 1
-    return max(1, (os.cpu_count() or 1) // len(devices))
+    return max(1, available_cores() // len(devices))

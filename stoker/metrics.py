@@ -116,7 +116,12 @@ class EpochAccount:
 
 
 class RunStats:
-    def __init__(self, num_consumers: int, samples_per_epoch: int, steps_per_epoch: int) -> None:
+    """Consumers report with their rank on this machine; steps and hashes are kept by global rank
+    (`first_rank + rank`) so that machines' stats can be merged at the end."""
+
+    def __init__(self, num_consumers: int, samples_per_epoch: int, steps_per_epoch: int,
+                 first_rank: int = 0) -> None:
+        self.first_rank = first_rank
         self.samples_per_epoch = samples_per_epoch
         self.steps_per_epoch = steps_per_epoch
         self._finished_last_step: dict[int, set[int]] = defaultdict(set)  # epoch -> ranks done with its last step
@@ -141,14 +146,35 @@ class RunStats:
         np.add.at(account.counts, report.sample_ids, 1)
         account.loss_sum += report.loss * report.count
         if report.step == self.steps_per_epoch - 1:
-            self._finished_last_step[report.epoch].add(report.rank)
+            self._finished_last_step[report.epoch].add(self.first_rank + report.rank)
         self.recent.append((now, report.count))
 
     def record_digest(self, report: StepReport) -> bool | None:
         """Keep a replica's hash; once every replica reported for that step, whether they are all equal."""
         check = self.digests[report.global_step]
-        check[report.rank] = report.digest
+        check[self.first_rank + report.rank] = report.digest
         return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
+
+    def export(self) -> dict[str, Any]:
+        """What another machine's stats need from this one to merge it (picklable)."""
+        return {"consumers": self.consumers, "epochs": self.epochs, "skipped": self.skipped,
+                "digests": dict(self.digests), "finished_last_step": dict(self._finished_last_step)}
+
+    def merge(self, other: dict[str, Any]) -> None:
+        """Add another machine's consumers, acknowledged ids, skipped files and hashes to these."""
+        self.consumers.extend(other["consumers"])
+        for epoch, theirs in other["epochs"].items():
+            mine = self._account(epoch)
+            mine.counts += theirs.counts
+            mine.expected |= theirs.expected
+            mine.skipped_ids |= theirs.skipped_ids
+            mine.loss_sum += theirs.loss_sum
+        for path, reason in other["skipped"].items():
+            self.skipped.setdefault(path, reason)
+        for step, check in other["digests"].items():
+            self.digests[step].update(check)
+        for epoch, ranks in other["finished_last_step"].items():
+            self._finished_last_step[epoch] |= ranks
 
     @property
     def completed_epochs(self) -> list[int]:

@@ -39,13 +39,15 @@ class Issue:
 
 
 class Scheduler:
+    """Schedules this machine's consumers: local rank r is global rank `first_rank + r` in the plan."""
+
     def __init__(self, plan: EpochPlan, epochs: int, start: Position, num_slots: int, has_val: bool,
-                 checkpoint_every: int, run_dir: Path) -> None:
+                 checkpoint_every: int, run_dir: Path, first_rank: int = 0, num_ranks: int | None = None) -> None:
         self.plan = plan
-        self.num_ranks = plan.num_consumers
+        self.num_ranks = plan.num_consumers if num_ranks is None else num_ranks
         self.per_rank_slots = num_slots // self.num_ranks
         self.free_slots = deque(range(num_slots))
-        self._streams = [self._stream(rank, epochs, start, has_val, checkpoint_every, run_dir)
+        self._streams = [self._stream(first_rank + rank, epochs, start, has_val, checkpoint_every, run_dir)
                          for rank in range(self.num_ranks)]
         self._items: list[dict[int, Item]] = [{} for _ in range(self.num_ranks)]  # issued, not yet delivered
         self._last_row_issued = [-1] * self.num_ranks

@@ -14,7 +14,6 @@ stoker's own overhead per step is what is left: wall - device time - all_reduce 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -24,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from stoker import builtin_data, faults
+from stoker.bench.group import run_group
 
 PARAMS_ENV = "STOKER_SIMULATED_PARAMS"
 BATCH_SIZE = 16
@@ -159,31 +160,10 @@ def steady_state(metrics: Path, devices: int, allreduce_ms: float, sync_every: i
 
 def bare_allreduce_ms(processes: int, params: int, repeats: int = 20) -> float:
     """Median time of one all_reduce of `params` float32 among `processes` gloo processes, nothing else."""
-    from stoker.procs import CONTEXT
-
-    store = torch.distributed.TCPStore("127.0.0.1", 0, processes + 1, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=60))
-    results = CONTEXT.Queue()
-    workers = [CONTEXT.Process(target=_allreduce_worker, args=(rank, processes, store.port, params, repeats,
-                                                                 results)) for rank in range(processes)]
-    for worker in workers:
-        worker.start()
-    try:
-        return results.get(timeout=120)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+    return run_group(_time_allreduce, processes, (params, repeats), timeout_s=120)
 
 
-def _allreduce_worker(rank: int, world: int, port: int, params: int, repeats: int, results) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+def _time_allreduce(rank: int, world: int, params: int, repeats: int) -> float:
     tensor = torch.ones(params)
     times = []
     for _ in range(repeats + 2):
@@ -191,9 +171,7 @@ def _allreduce_worker(rank: int, world: int, port: int, params: int, repeats: in
         started = time.perf_counter()
         dist.all_reduce(tensor)
         times.append(time.perf_counter() - started)
-    if rank == 0:
-        results.put(round(1000 * statistics.median(times[2:]), 3))
-    dist.destroy_process_group()
+    return round(1000 * statistics.median(times[2:]), 3)
 
 
 # ---- cost model ----------------------------------------------------------------------------------------------

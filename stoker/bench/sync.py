@@ -11,7 +11,6 @@ same size.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
 import time
@@ -22,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from stoker.bench.group import run_group
 
 WORLD = 2
 # Weights are compared after this many steps: float32 rounding differs between the two methods (they add the
@@ -43,47 +44,15 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stoker.procs import CONTEXT
-
-    store = dist.TCPStore("127.0.0.1", 0, WORLD + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=120))
-    results = CONTEXT.Queue()
     settings = {k: getattr(args, k) for k in ("model", "batch_size", "image_size", "steps", "repeats", "optimizer")}
-    workers = [CONTEXT.Process(target=_worker, args=(rank, store.port, settings, results)) for rank in range(WORLD)]
-    for worker in workers:
-        worker.start()
-    try:
-        result = results.get(timeout=600)
-    finally:
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
-    if "error" in result:
-        raise RuntimeError(result["error"])
+    result = run_group(_compare, WORLD, (settings,), timeout_s=600)
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
-def _worker(rank: int, port: int, settings: dict[str, Any], results) -> None:
-    try:
-        torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", port, WORLD + 1, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-        result = _compare(rank, settings)
-        if rank == 0:
-            results.put(result)
-    except Exception as error:  # carried to the parent as a value
-        results.put({"error": f"rank {rank}: {type(error).__name__}: {error}"})
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _compare(rank: int, settings: dict[str, Any]) -> dict[str, Any]:
+def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from stoker.averager import Averager

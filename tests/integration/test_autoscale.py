@@ -11,7 +11,7 @@ from stoker.autoscale import Autoscaler, Window
 from tests.conftest import read_summary, run_cli
 
 pytestmark = pytest.mark.timeout(240)
-SLOW_INPUT = {"STOKER_READ_LATENCY_MS": "40", "STOKER_STEP_TIME_MS": "100"}  # ~25 img/s per producer, 80 needed
+SLOW_INPUT = {"STOKER_READ_LATENCY_MS": "20", "STOKER_STEP_TIME_MS": "50"}  # ~50 img/s per producer, 130 needed
 
 
 def steps(run_dir):
@@ -44,7 +44,7 @@ def test_slow_input_adds_producers_until_consumers_stop_waiting(textures, tmp_pa
 
 
 def test_over_provisioned_producers_are_retired(textures, tmp_path):
-    summary = run(textures, tmp_path, "--epochs", "10", "--producers", "auto", "--initial-producers", "5",
+    summary = run(textures, tmp_path, "--epochs", "5", "--producers", "auto", "--initial-producers", "5",
                   "--max-producers", "5", env={"STOKER_STEP_TIME_MS": "150"})
     assert summary["producers_initial"] == 5
     assert summary["producers_final"] < 5

@@ -1,0 +1,53 @@
+"""A throwaway gloo group of worker processes for the benchmarks that time collectives directly."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+
+
+def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: float) -> Any:
+    """Start `world` processes running `worker(rank, world, *args)` in one gloo group; return rank 0's result.
+
+    A worker's exception comes back as a RuntimeError naming the rank; every process is gone when this returns."""
+    from stoker.procs import CONTEXT
+
+    store = dist.TCPStore(LOOPBACK, 0, world + 1, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    results = CONTEXT.Queue()
+    processes = [CONTEXT.Process(target=_member, args=(worker, rank, world, store.port, args, results))
+                 for rank in range(world)]
+    for process in processes:
+        process.start()
+    try:
+        outcome = results.get(timeout=timeout_s)
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    if isinstance(outcome, BaseException):
+        raise RuntimeError(str(outcome))
+    return outcome
+
+
+def _member(worker: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results) -> None:
+    try:
+        torch.set_num_threads(1)
+        store = dist.TCPStore(LOOPBACK, port, world + 1, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        result = worker(rank, world, *args)
+        if rank == 0:
+            results.put(result)
+    except Exception as error:  # carried to the parent as a value
+        results.put(RuntimeError(f"rank {rank}: {type(error).__name__}: {error}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,84 @@
+"""Two "machines" on one host: two torchrun agents with different node ranks on loopback, one stoker controller
+each, their consumers in one process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import read_summary, run_cli, wait_for_no_trace
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _one_core(node: int):
+    """Each "machine" gets a core of its own, as separate machines would: same threads per consumer as one
+    machine with two consumers on this host's two cores, so the weights can be compared bit for bit."""
+    cores = sorted(os.sched_getaffinity(0))
+    return lambda: os.sched_setaffinity(0, {cores[node % len(cores)]})
+
+
+def launch_machines(textures, out, *extra, env=None, nodes=2):
+    """`torchrun --nnodes 2 --nproc-per-node 1 --node-rank K ...` for each K, as the README shows."""
+    train, val = textures
+    port = free_port()
+    environment = {**os.environ, **(env or {})}
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "stoker", "train", "--data", str(train), "--val", str(val), "--devices", "cpu:1",
+         "--batch-size", "8", "--epochs", "2", "--seed", "4", "--out", str(out), "--quiet", "--report", "false",
+         *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment,
+        preexec_fn=_one_core(node)) for node in range(nodes)]
+    results = []
+    for agent in agents:
+        _, stderr = agent.communicate(timeout=180)
+        results.append((agent.returncode, stderr))
+    return results
+
+
+def test_two_machines_train_like_one_with_as_many_consumers_and_every_sample_once(textures, tmp_path):
+    results = launch_machines(textures, tmp_path / "two")
+    assert [code for code, _ in results] == [0, 0], results[1][1][-3000:] + results[0][1][-3000:]
+    summary = read_summary(tmp_path / "two")
+    assert summary["status"] == "completed" and summary["machines"] == 2 and summary["num_consumers"] == 2
+    assert summary["samples_consumed"] == [120, 120]  # the union over machines: each sample once per epoch
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert summary["replicas_identical"] is True
+    assert (tmp_path / "two" / "metrics-node1.jsonl").exists()  # every machine logs; only the first summarizes
+    train, val = textures
+    run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
+            "--epochs", "2", "--seed", "4", "--out", str(tmp_path / "one"), "--quiet")
+    a = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_a_killed_machine_stops_the_other_cleanly_and_the_run_resumes(textures, tmp_path):
+    started = time.monotonic()
+    results = launch_machines(textures, tmp_path, "--collective-timeout-s", "30",
+                              env={"STOKER_FAULT": "consumer:kill-parent:rank=1,step=9;"})
+    assert time.monotonic() - started < 120
+    assert all(code != 0 for code, _ in results)
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "failed" and "another machine" in summary["error"]
+    assert summary["checkpoint"].endswith("step_00000008")  # epoch 1's end, written by the first machine
+    assert wait_for_no_trace(timeout_s=15) == ([], [])
+    resumed = launch_machines(textures, tmp_path, "--resume", str(tmp_path))
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed" and summary["start_step"] == 8
+    assert summary["samples_consumed"] == [120] and summary["missing_samples"] == 0
