@@ -323,7 +323,7 @@ class DeviceLoader:
         pixels = torch.from_numpy(self.ring.images[slot, :count])
         if self.staging is not None:
             host = self.staging[:count]
-            np.copyto(host.numpy(), self.ring.images[slot, :count])  # numpy's copy: ~1.5x torch's here
+            np.copyto(host.numpy(), self.ring.images[slot, :count])  # beat Tensor.copy_ in bench pipeline --transport
             inbox.put(SlotFree(slot))
             images = host.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)

@@ -12,16 +12,16 @@ import os
 import queue
 import signal
 import time
-from statistics import mean
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
 import torch.distributed as dist
 
 from stoker import checkpoint, cluster
-from stoker.averager import OuterSpec
 from stoker.autoscale import Autoscaler, Window
+from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
 from stoker.config import RUN_CONFIG_FILE, TrainConfig
@@ -480,10 +480,10 @@ class Controller:
     def _show(self) -> None:
         steps_per_epoch = self.plan.steps_per_epoch
         step = self.start_at.global_step + self.stats.consumers[0].steps
+        epoch = min(self.config.epochs - 1, step // steps_per_epoch)
         split = self.split
         self.view.update(Snapshot(
-            epoch=min(self.config.epochs - 1, step // steps_per_epoch), epochs=self.config.epochs,
-            epoch_step=step % steps_per_epoch if step < steps_per_epoch * self.config.epochs else steps_per_epoch,
+            epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
             samples_per_s=self.stats.rate(time.monotonic()),
             loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
