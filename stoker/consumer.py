@@ -136,7 +136,7 @@ class Stopped(Exception):
     """The controller asked us to stop, or it is gone."""
 
 
-def consumer_main(setup: ConsumerSetup, ready, inbox, stop) -> None:
+def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
     """Process entry point."""
     name_process(f"stoker consumer {setup.rank}")
     exit_with_parent()
@@ -144,13 +144,13 @@ def consumer_main(setup: ConsumerSetup, ready, inbox, stop) -> None:
     ring = SlotRing.attach(setup.ring)
     doing = "starting"
     try:
-        replica = Replica(setup, ring, inbox)
+        replica = Replica(setup, ring, outbox)
         doing = "training"
         replica.serve(ready, stop)
     except Stopped:
         pass
     except BaseException as error:
-        inbox.put(ConsumerFailed(setup.local_rank, ChildError.capture(f"consumer {setup.rank}", doing, error)))
+        outbox.send(ConsumerFailed(setup.local_rank, ChildError.capture(f"consumer {setup.rank}", doing, error)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -158,10 +158,10 @@ def consumer_main(setup: ConsumerSetup, ready, inbox, stop) -> None:
 
 
 class Replica:
-    def __init__(self, setup: ConsumerSetup, ring: SlotRing, inbox) -> None:
+    def __init__(self, setup: ConsumerSetup, ring: SlotRing, outbox) -> None:
         self.setup = setup
         self.ring = ring
-        self.inbox = inbox
+        self.outbox = outbox
         torch.set_num_threads(setup.num_threads)
         torch.manual_seed(setup.seed)
         self.device = torch.device(setup.device)
@@ -204,7 +204,7 @@ class Replica:
         if self.first_wait_s is None:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
         started = time.perf_counter()
-        images, labels, ids = self.loader.take(batch.slot, self.inbox)
+        images, labels, ids = self.loader.take(batch.slot, self.outbox)
         loss_value = 0.0
         if len(ids):
             self._set_learning_rate(batch.global_step)
@@ -222,7 +222,7 @@ class Replica:
         every = self.setup.check_replicas_every
         if averaging_s is not None and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        self.inbox.put(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step, len(ids),
+        self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step, len(ids),
                                   loss_value, wait_s, compute_s, averaging_s or 0.0, ids, digest))
 
     def _set_learning_rate(self, global_step: int) -> None:
@@ -233,7 +233,7 @@ class Replica:
             group["lr"] = lr
 
     def val_batch(self, batch: Batch) -> None:
-        images, labels, _ = self.loader.take(batch.slot, self.inbox)
+        images, labels, _ = self.loader.take(batch.slot, self.outbox)
         if not len(labels):
             return
         self.model.eval()
@@ -249,7 +249,7 @@ class Replica:
         loss_sum, correct, count = totals.tolist()
         self.val_totals.zero_()
         if self.setup.rank == 0 and count:
-            self.inbox.put(ValReport(message.epoch, loss_sum / count, correct / count, int(count)))
+            self.outbox.send(ValReport(message.epoch, loss_sum / count, correct / count, int(count)))
 
     def save(self, message: Save) -> None:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
@@ -263,7 +263,7 @@ class Replica:
             for rank, state in enumerate(states):
                 name = checkpoint.rank_file(rank)
                 files[name] = checkpoint.save_tensors(message.folder / name, state)
-        self.inbox.put(Saved(self.setup.local_rank, message.global_step, files))
+        self.outbox.send(Saved(self.setup.local_rank, message.global_step, files))
 
     def _rank_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -299,7 +299,7 @@ class Replica:
         digest = self.averager.digest()
         if self.setup.rank == 0:
             checkpoint.save_tensors(message.model_path, self.model.state_dict())
-        self.inbox.put(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0))
+        self.outbox.send(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0))
 
 
 class DeviceLoader:
@@ -314,7 +314,7 @@ class DeviceLoader:
         # On CUDA the slot is copied into pinned memory so the host-to-device copy can run asynchronously.
         self.staging = torch.empty(shape, dtype=torch.uint8).pin_memory() if device.type == "cuda" else None
 
-    def take(self, slot: int | None, inbox) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def take(self, slot: int | None, outbox) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         if slot is None:
             return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
         count = int(self.ring.counts[slot])
@@ -324,12 +324,12 @@ class DeviceLoader:
         if self.staging is not None:
             host = self.staging[:count]
             np.copyto(host.numpy(), self.ring.images[slot, :count])  # beat Tensor.copy_ in bench pipeline --transport
-            inbox.put(SlotFree(slot))
+            outbox.send(SlotFree(slot))
             images = host.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
         else:
             images = pixels.permute(0, 3, 1, 2).float()  # the copy out of the slot, into NCHW float
-            inbox.put(SlotFree(slot))
+            outbox.send(SlotFree(slot))
             return images.sub_(self.mean).mul_(self.inv_std), labels, ids
         return images.permute(0, 3, 1, 2).float().sub_(self.mean).mul_(self.inv_std), labels, ids
 

@@ -9,7 +9,6 @@ import datetime
 import json
 import logging
 import os
-import queue
 import signal
 import time
 from dataclasses import dataclass
@@ -34,7 +33,8 @@ from stoker.metrics import MetricsLog, RunStats
 from stoker.models import check_model
 from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool
-from stoker.procs import CONTEXT, POLL_S, StokerRunError, describe_exit, name_process, start, stop_processes
+from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
+                          stop_processes)
 from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
@@ -120,7 +120,7 @@ class Controller:
         self.ready_queues: list = []
         self.store = None
         self.stop = CONTEXT.Event()
-        self.inbox = CONTEXT.Queue()
+        self.mailbox = Mailbox()
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
         self.tasks: dict[int, Issue] = {}
@@ -212,7 +212,7 @@ class Controller:
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
                                    self.data.val is not None, self.config.checkpoint_every, self.run_dir,
                                    self.cluster.first_rank, self.num_consumers)
-        self.pool = ProducerPool(self._producer_setup(), self.ring, self.inbox, self.stop, self.budget,
+        self.pool = ProducerPool(self._producer_setup(), self.ring, self.mailbox, self.stop, self.budget,
                                  self.config.producer_timeout_s)
         initial = self.budget if self.config.producers != "auto" else min(
             self.config.initial_producers or self.config.min_producers, self.budget)
@@ -260,8 +260,9 @@ class Controller:
                 check_replicas_every=config.check_replicas_every, resume_from=self.resume_from)
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
-            self.consumers.append(start(consumer_main, (setup, ready, self.inbox, self.stop),
-                                        f"stoker consumer {rank}"))
+            outbox = self.mailbox.open()
+            self.consumers.append(start(consumer_main, (setup, ready, outbox, self.stop), f"stoker consumer {rank}"))
+            outbox.close()
 
     def _loop(self) -> None:
         window_started = time.monotonic()
@@ -271,7 +272,7 @@ class Controller:
                 self.scheduler.cut()
             self._dispatch()
             self._deliver(window)
-            self._handle_next_message(window)
+            self._handle_messages(window)
             self._check_processes()
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
                 self._close_window(window, time.monotonic() - window_started)
@@ -315,11 +316,11 @@ class Controller:
         for ready in self.ready_queues:
             ready.put(Finish(self.run_dir / "model.pt"))
 
-    def _handle_next_message(self, window: _WindowTotals) -> None:
-        try:
-            message = self.inbox.get(timeout=POLL_S)
-        except queue.Empty:
-            return
+    def _handle_messages(self, window: _WindowTotals) -> None:
+        for message in self.mailbox.receive(timeout_s=POLL_S):
+            self._handle(message, window)
+
+    def _handle(self, message: Any, window: _WindowTotals) -> None:
         now = time.monotonic()
         if isinstance(message, SlotFree):
             self.delivered[self.slot_owner[message.slot]] -= 1
@@ -427,13 +428,10 @@ class Controller:
 
     def _drain_failures(self) -> None:
         """A consumer died: if another one reported why (a collective error, say), say that first."""
-        try:
-            while True:
-                message = self.inbox.get(timeout=0.5)
+        while messages := self.mailbox.receive(timeout_s=0.5):
+            for message in messages:
                 if isinstance(message, ConsumerFailed):
                     log.error("%s", message.error)
-        except queue.Empty:
-            pass
 
     def _close_window(self, window: _WindowTotals, elapsed_s: float) -> None:
         """Every SCALE_WINDOW_S: record the pipeline's state, update the verdict, let the autoscaler decide."""
@@ -507,9 +505,10 @@ class Controller:
         if self.pool is not None:
             self.pool.close()
         stop_processes(self.consumers, timeout_s=10.0)
-        for channel in [*self.ready_queues, self.inbox]:
+        for channel in self.ready_queues:
             channel.cancel_join_thread()
             channel.close()
+        self.mailbox.close()
         if self.ring is not None:
             self.ring.close()
         checkpoint.discard_incomplete(self.run_dir)

@@ -13,11 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import struct
 import time
 
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
-ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc")
+ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc",
+           "sigkill-mid-message")
 
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
@@ -30,13 +32,14 @@ def simulated_delay(env: str) -> None:
         time.sleep(milliseconds / 1000)
 
 
-def maybe_inject(role: str, where: str) -> None:
+def maybe_inject(role: str, where: str, channel=None) -> None:
+    """`channel`: the pipe to the controller, for "sigkill-mid-message" (half a message written, then SIGKILL)."""
     spec = os.environ.get(ENV)
     if not spec:
         return
     fault_role, action, match = spec.split(":", 2)
     if fault_role == role and match in where and _first_time():
-        _act(action, where)
+        _act(action, where, channel)
 
 
 def _first_time() -> bool:
@@ -50,8 +53,11 @@ def _first_time() -> bool:
     return True
 
 
-def _act(action: str, where: str) -> None:
-    if action == "segfault":
+def _act(action: str, where: str, channel) -> None:
+    if action == "sigkill-mid-message":
+        os.write(channel.fileno(), struct.pack("!i", 1 << 16) + b"half a message")  # a frame header promising more
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "segfault":
         os.kill(os.getpid(), signal.SIGSEGV)
     elif action == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)

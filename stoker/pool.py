@@ -13,7 +13,7 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 
-from stoker.procs import CONTEXT, StokerRunError, describe_exit, start, stop_processes
+from stoker.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
 from stoker.ring import SlotRing
 
@@ -44,11 +44,11 @@ class Loss:
 
 
 class ProducerPool:
-    def __init__(self, setup: ProducerSetup, ring: SlotRing, inbox, stop, capacity: int,
+    def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int,
                  hang_timeout_s: float) -> None:
         self.setup = setup
         self.ring = ring
-        self.inbox = inbox
+        self.mailbox = mailbox
         self.stop = stop
         self.capacity = capacity  # status rows in the ring: the most producers alive at once
         self.hang_timeout_s = hang_timeout_s
@@ -64,8 +64,10 @@ class ProducerPool:
         producer = min(set(range(self.capacity)) - set(self.handles))
         self.ring.status[producer] = (STATUS_IDLE, 0, time.monotonic_ns())
         tasks = CONTEXT.Queue(MAX_IN_FLIGHT + 1)
-        process = start(producer_main, (producer, self.setup, tasks, self.inbox, self.stop),
+        outbox = self.mailbox.open()
+        process = start(producer_main, (producer, self.setup, tasks, outbox, self.stop),
                         f"stoker producer {producer}")
+        outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
         self.handles[producer] = Handle(producer, process, tasks)
         self.max_alive = max(self.max_alive, len(self.active))
         return producer

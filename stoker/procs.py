@@ -9,7 +9,9 @@ import os
 import signal
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 import setproctitle
 
@@ -81,6 +83,37 @@ class ChildError:
 
 class StokerRunError(RuntimeError):
     """The run could not finish; the message says which process, what it was doing and why."""
+
+
+class Mailbox:
+    """The controller's ends of one pipe per child. multiprocessing.Queue's writers share one lock, so a child
+    SIGKILLed while sending would leave it held and every other child stuck; here a child killed mid-message can
+    only break its own pipe, which then reads as closed."""
+
+    def __init__(self) -> None:
+        self._ends: list[Connection] = []
+
+    def open(self) -> Connection:
+        """A new pipe; returns the child's end, which the caller hands to the child and then closes."""
+        mine, theirs = CONTEXT.Pipe(duplex=False)
+        self._ends.append(mine)
+        return theirs
+
+    def receive(self, timeout_s: float) -> list[Any]:
+        """Whatever arrived within the timeout (one message per pipe that has one, in no particular order)."""
+        messages = []
+        for end in wait(self._ends, timeout_s):
+            try:
+                messages.append(end.recv())
+            except (EOFError, OSError):  # the child exited or died, maybe mid-message: its process check says why
+                self._ends.remove(end)
+                end.close()
+        return messages
+
+    def close(self) -> None:
+        ends, self._ends = self._ends, []
+        for end in ends:
+            end.close()
 
 
 def start(target, args: tuple, title: str) -> BaseProcess:

@@ -69,7 +69,7 @@ STATUS_IDLE = -1
 PRODUCER_NICENESS = 5
 
 
-def producer_main(producer: int, setup: ProducerSetup, tasks, inbox, stop) -> None:
+def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> None:
     """Process entry point: build batches until told to stop, retired (a None task) or orphaned."""
     name_process(f"stoker producer {producer}")
     exit_with_parent()
@@ -80,14 +80,14 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, inbox, stop) -> No
     os.nice(PRODUCER_NICENESS)
     ring = SlotRing.attach(setup.ring)
     try:
-        _serve(producer, setup, ring, tasks, inbox, stop)
+        _serve(producer, setup, ring, tasks, outbox, stop)
     except BaseException as error:  # carried to the controller as a value, never lost
-        inbox.put(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
+        outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
         ring.close()
 
 
-def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, inbox, stop) -> None:
+def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, stop) -> None:
     watch = ParentWatch()
     status = ring.status[producer]
     while not stop.is_set() and not watch.parent_gone():
@@ -100,7 +100,8 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, inbox, st
             return
         started = time.perf_counter()
         count, skipped = build_batch(task, setup, ring, status)
-        inbox.put(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started))
+        faults.maybe_inject("producer-result", f"task={task.task_id};", outbox)
+        outbox.send(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started))
 
 
 def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,

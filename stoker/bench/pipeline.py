@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from stoker.dataset import scan_image_folder
 from stoker.imaging import random_resized_crop_box
 from stoker.plan import Work
 from stoker.pool import MAX_IN_FLIGHT, ProducerPool
-from stoker.procs import CONTEXT
+from stoker.procs import CONTEXT, Mailbox
 from stoker.producer import ProducerSetup, Source, Task, TaskDone
 from stoker.ring import SlotRing
 
@@ -181,10 +181,11 @@ class _StokerFeed:
         self.args = args
         self.num_slots = args.workers * MAX_IN_FLIGHT + 2
         self.ring = SlotRing.create(self.num_slots, args.batch_size, args.image_size, args.workers)
-        self.inbox, self.stop = CONTEXT.Queue(), CONTEXT.Event()
+        self.mailbox, self.stop = Mailbox(), CONTEXT.Event()
+        self.arrived: deque = deque()
         setup = ProducerSetup(self.ring.spec, Source(tuple(paths), np.asarray(labels)), None, "standard", 0,
                               transport_only)
-        self.pool = ProducerPool(setup, self.ring, self.inbox, self.stop, args.workers, hang_timeout_s=60)
+        self.pool = ProducerPool(setup, self.ring, self.mailbox, self.stop, args.workers, hang_timeout_s=60)
         self.num_samples = len(paths)
         self.task_ids = iter(range(1 << 62))
         # Where a GPU consumer copies into pinned memory before the host-to-device copy.
@@ -198,8 +199,7 @@ class _StokerFeed:
     def __exit__(self, *_exc) -> None:
         self.stop.set()
         self.pool.close()
-        self.inbox.cancel_join_thread()
-        self.inbox.close()
+        self.mailbox.close()
         self.ring.close()
 
     def batches(self) -> Iterator[int]:
@@ -223,14 +223,15 @@ class _StokerFeed:
                 yield Work("train", epoch, step, 0, order[step * batch:(step + 1) * batch], batch)
 
     def _next_done(self) -> TaskDone:
-        while True:
-            try:
-                message = self.inbox.get(timeout=30)
-            except queue.Empty:
-                raise RuntimeError("no batch from the producers in 30 s") from None
-            if isinstance(message, TaskDone):
-                return message
+        while not self.arrived:
+            messages = self.mailbox.receive(timeout_s=30)
+            if not messages:
+                raise RuntimeError("no batch from the producers in 30 s")
+            self.arrived.extend(messages)
+        message = self.arrived.popleft()
+        if not isinstance(message, TaskDone):
             raise RuntimeError(f"producer failed: {message.error}")
+        return message
 
 
 def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> float:

@@ -58,8 +58,9 @@ def run(args: argparse.Namespace) -> int:
             run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)
         try:
             samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng)
-            run_process.send_signal(signal.SIGINT)
-            run_process.wait(timeout=120)
+            if run_process.poll() is None:
+                run_process.send_signal(signal.SIGINT)
+                run_process.wait(timeout=120)
         finally:
             if run_process.poll() is None:
                 run_process.kill()
@@ -79,13 +80,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
            rng: random.Random) -> tuple[list[dict[str, Any]], int]:
-    """Sample memory and /dev/shm until the deadline, SIGKILLing a random producer now and then."""
+    """Sample memory and /dev/shm until the deadline (or the run's early end, which the checks then report),
+    SIGKILLing a random producer now and then."""
     started = time.monotonic()
     next_kill = started + rng.uniform(0.5, 1.5) * kill_every_s
     samples, kills = [], 0
-    while (now := time.monotonic()) - started < seconds:
-        if run_process.poll() is not None:
-            raise RuntimeError(f"the soak run ended early with exit status {run_process.returncode}")
+    while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
         family = _family(run_process.pid)
         samples.append({"t": now - started, "rss": {title: _rss_bytes(pid) for pid, title in family.items()},
                         "shm_bytes": _shm_bytes(run_process.pid)})
@@ -158,10 +158,11 @@ def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: di
         "interrupted_cleanly": summary["status"] == "interrupted",
         "nothing_left_behind": not left["processes"] and not left["segments"],
     }
-    return {"minutes": args.minutes, "kills": kills, "producers_replaced": replaced,
-            "epochs": len(epochs), "epochs_exactly_once": len(exact), "samples_per_s":
-            summary["throughput_samples_per_s"], "rss": memory, "shm_bytes": {"min": min(shm, default=0),
-            "max": max(shm, default=0)}, "left_behind": left, "checks": checks, "passed": all(checks.values())}
+    return {"minutes": args.minutes, "status": summary["status"], "error": summary.get("error"), "kills": kills,
+            "producers_replaced": replaced, "epochs": len(epochs), "epochs_exactly_once": len(exact),
+            "samples_per_s": summary["throughput_samples_per_s"], "rss": memory,
+            "shm_bytes": {"min": min(shm, default=0), "max": max(shm, default=0)}, "left_behind": left,
+            "checks": checks, "passed": all(checks.values())}
 
 
 def _rss_growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:

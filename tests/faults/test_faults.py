@@ -50,6 +50,20 @@ def test_producer_killed_mid_epoch_is_replaced_and_nothing_is_lost(textures, tmp
     assert summary["skipped_files"] == []
 
 
+def test_producer_killed_halfway_through_sending_its_result_breaks_only_its_own_pipe(textures, tmp_path):
+    """Half a message on the pipe, then SIGKILL: with one queue shared by every producer this garbles the stream
+    (or leaves its lock held); with a pipe per producer the controller sees that pipe close and re-issues."""
+    run_cli(*train_args(textures, tmp_path / "run", "--devices", "cpu:2", "--producers", "2", "--epochs", "2"),
+            env=fault("producer-result:sigkill-mid-message:task=5;", once_dir=tmp_path))
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed"
+    assert summary["samples_consumed"] == [120, 120]
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    [lost] = events(tmp_path / "run", "producer_lost")
+    assert "SIGKILL" in lost["message"] and lost["reissued"] >= 1
+    assert summary["skipped_files"] == []
+
+
 def test_producer_segfault_names_pid_and_file_and_the_file_is_skipped(textures, tmp_path):
     victim = "train/5_rings/00002.jpg"
     run_cli(*train_args(textures, tmp_path, "--producers", "2", "--epochs", "1"),
