@@ -596,7 +596,7 @@ def default_run_dir() -> Path:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # machines sharing the run folder write too
     temporary.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     os.replace(temporary, path)
 

@@ -103,15 +103,17 @@ def _concatenated_batch(train, plan, step, seed, size):
         loader = DeviceLoader(ring, torch.device("cpu"))
         for rank in range(2):
             build_batch(Task(rank, plan.train_work(0, step, rank), rank), setup, ring, ring.status[0])
-            images, labels, _ = loader.take(rank, _NoInbox())
+            images, labels, _ = loader.take(rank, _NoController())
             parts.append((images, labels))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     finally:
         ring.close()
 
 
-class _NoInbox:
-    def put(self, _message):
+class _NoController:
+    """Where the consumer would tell the controller that the slot is free."""
+
+    def send(self, _message):
         pass
 
 
