@@ -57,7 +57,6 @@ def compare(run_dirs: list[Path], out: Path) -> str:
 
 ROWS = (
     ("status", lambda s: s["status"]),
-    ("verdict", lambda s: (s.get("verdict") or {}).get("text", "-")),
     ("samples/s", lambda s: f"{s['throughput_samples_per_s']:,.0f}"),
     ("consumers", lambda s: str(s["num_consumers"])),
     ("device compute", lambda s: _mean_share(s.get("compute_fraction"))),
@@ -76,9 +75,12 @@ def _mean_share(values: list[float] | None) -> str:
 
 def describe(runs: list[RunRecord]) -> str:
     width = max(len(label) for label, _ in ROWS)
-    lines = [f"{'':<{width}}  " + "  ".join(f"{run.name:<24}" for run in runs)] if len(runs) > 1 else []
+    lines = [(f"{'':<{width}}  " + "  ".join(f"{run.name:<24}" for run in runs)).rstrip()] if len(runs) > 1 else []
     for label, value in ROWS:
-        lines.append(f"{label:<{width}}  " + "  ".join(f"{value(run.summary):<24}" for run in runs))
+        lines.append((f"{label:<{width}}  " + "  ".join(f"{value(run.summary):<24}" for run in runs)).rstrip())
+    for run in runs:  # long lines: below the table, not in its columns
+        prefix = f"{run.name}: " if len(runs) > 1 else ""
+        lines.append(f"{prefix}{(run.summary.get('verdict') or {}).get('text', 'no verdict')}")
     return "\n".join(lines)
 
 
