@@ -10,12 +10,11 @@ the run, machines talk only through their consumers' averaging collective.
 from __future__ import annotations
 
 import datetime
-import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
@@ -88,15 +87,17 @@ def gather_to_leader(cluster: Cluster, value: Any) -> list[Any] | None:
 
 
 def check_same_settings(cluster: Cluster, settings: dict[str, Any]) -> None:
-    """Every machine must train the same thing on the same number of consumers with the same data."""
+    """Every machine must train the same thing on the same number of consumers with the same data. Compared
+    against the first machine's by broadcast (gloo's all_gather leaves its threads busy afterwards)."""
     if not cluster.multi:
         return
-    mine = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()
-    everyone = [None] * cluster.nodes
-    dist.all_gather_object(everyone, (mine, settings))
-    differing = [node for node, (digest, _) in enumerate(everyone) if digest != everyone[0][0]]
+    leader = from_leader(cluster, settings)
+    differing = sorted(k for k in set(settings) | set(leader) if settings.get(k) != leader.get(k))
+    flag = torch.tensor([1 if differing else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if differing:
-        theirs = everyone[differing[0]][1]
-        keys = sorted(k for k in settings if settings.get(k) != theirs.get(k))
-        raise ValueError(f"machine {differing[0]} differs from machine 0 in {', '.join(keys) or 'its settings'}; "
-                         "every machine needs the same settings, devices per machine and data")
+        raise ValueError(f"machine {cluster.node} differs from machine 0 in {', '.join(differing)}; every machine "
+                         "needs the same settings, devices per machine and data")
+    if flag.item():
+        raise ValueError("another machine's settings differ from machine 0's (its log names them); every machine "
+                         "needs the same settings, devices per machine and data")

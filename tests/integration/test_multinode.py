@@ -30,7 +30,7 @@ def _one_core(node: int):
     return lambda: os.sched_setaffinity(0, {cores[node % len(cores)]})
 
 
-def launch_machines(textures, out, *extra, env=None, nodes=2):
+def launch_machines(textures, out, *extra, env=None, nodes=2, per_node=None):
     """`torchrun --nnodes 2 --nproc-per-node 1 --node-rank K ...` for each K, as the README shows."""
     train, val = textures
     port = free_port()
@@ -40,7 +40,7 @@ def launch_machines(textures, out, *extra, env=None, nodes=2):
          "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
          "-m", "stoker", "train", "--data", str(train), "--val", str(val), "--devices", "cpu:1",
          "--batch-size", "8", "--epochs", "2", "--seed", "4", "--out", str(out), "--quiet", "--report", "false",
-         *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment,
+         *extra, *(per_node or {}).get(node, ())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment,
         preexec_fn=_one_core(node)) for node in range(nodes)]
     results = []
     for agent in agents:
@@ -82,3 +82,10 @@ def test_a_killed_machine_stops_the_other_cleanly_and_the_run_resumes(textures, 
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and summary["start_step"] == 8
     assert summary["samples_consumed"] == [120] and summary["missing_samples"] == 0
+
+
+def test_machines_with_different_settings_refuse_to_start(textures, tmp_path):
+    results = launch_machines(textures, tmp_path, per_node={1: ("--lr", "0.1")})
+    assert all(code != 0 for code, _ in results)
+    assert "machine 1 differs from machine 0 in lr" in results[1][1]
+    assert "another machine's settings differ" in results[0][1]
