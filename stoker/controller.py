@@ -476,6 +476,8 @@ class Controller:
         self.metrics.write("producers", count=count, reason=reason)
 
     def _show(self) -> None:
+        if not self.view.due():
+            return
         steps_per_epoch = self.plan.steps_per_epoch
         step = self.start_at.global_step + self.stats.consumers[0].steps
         epoch = min(self.config.epochs - 1, step // steps_per_epoch)

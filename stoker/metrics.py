@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -13,6 +13,9 @@ import numpy as np
 
 from stoker.consumer import StepReport
 from stoker.dataset import Skipped
+
+
+RATE_WINDOW_S = 5.0
 
 
 class MetricsLog:
@@ -72,6 +75,15 @@ class TensorBoardSink:
         self._writer.close()
 
 
+def read_events(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """A `metrics.jsonl` read back: its records grouped by event, each list in the order written."""
+    events: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        events[record["event"]].append(record)
+    return events
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
@@ -129,7 +141,7 @@ class RunStats:
         self.epochs: dict[int, EpochAccount] = {}
         self.skipped: dict[str, str] = {}
         self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # global step -> rank -> digest
-        self.recent: list[tuple[float, int]] = []  # (time, samples) for the progress rate
+        self.recent: deque[tuple[float, int]] = deque()  # (time, samples) within RATE_WINDOW_S, for the rate
 
     def record_step(self, report: StepReport, now: float) -> None:
         times = self.consumers[report.rank]
@@ -148,6 +160,8 @@ class RunStats:
         if report.step == self.steps_per_epoch - 1:
             self._finished_last_step[report.epoch].add(self.first_rank + report.rank)
         self.recent.append((now, report.count))
+        while now - self.recent[0][0] > RATE_WINDOW_S:
+            self.recent.popleft()
 
     def record_digest(self, report: StepReport) -> bool | None:
         """Keep a replica's hash; once every replica reported for that step, whether they are all equal."""
@@ -197,12 +211,13 @@ class RunStats:
             self.epochs[epoch] = EpochAccount(np.zeros(size, np.int32), np.zeros(size, bool))
         return self.epochs[epoch]
 
-    def rate(self, now: float, window_s: float = 5.0) -> float:
-        self.recent = [(t, n) for t, n in self.recent if now - t <= window_s]
-        if len(self.recent) < 2:
+    def rate(self, now: float) -> float:
+        """Samples per second over the last RATE_WINDOW_S (0 when training has stalled that long)."""
+        recent = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW_S]
+        if len(recent) < 2:
             return 0.0
-        span = max(1e-6, self.recent[-1][0] - self.recent[0][0])
-        return sum(n for _, n in self.recent[1:]) / span
+        span = max(1e-6, recent[-1][0] - recent[0][0])
+        return sum(n for _, n in recent[1:]) / span
 
     def replicas_identical(self, final: dict[int, str]) -> bool:
         checks = [*self.digests.values(), final]

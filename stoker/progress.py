@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 log = logging.getLogger("stoker")
+REFRESH_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -47,30 +48,34 @@ class Snapshot:
 
 
 class ProgressView:
-    """`update(snapshot)` as often as convenient: the terminal panel redraws at its own rate, log lines come
-    every `interval_s`."""
+    """Ask `due()` before building a snapshot: the terminal panel takes one every REFRESH_S, log lines every
+    `interval_s`, and a quiet run none, so the controller's loop builds none in between."""
 
     def __init__(self, total_steps: int, steps_per_epoch: int, interval_s: float, enabled: bool = True) -> None:
         self.interval_s = interval_s
         self.enabled = enabled
-        self._last_line = 0.0
+        self._last_shown = 0.0
         self._live: Live | None = None
         if enabled and sys.stderr.isatty():
             self._bars = Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
                                   TimeRemainingColumn())
             self._epoch_bar = self._bars.add_task("epoch", total=steps_per_epoch)
             self._run_bar = self._bars.add_task("run", total=total_steps)
-            self._live = Live(self._bars, console=Console(stderr=True), refresh_per_second=4)
+            self._live = Live(self._bars, console=Console(stderr=True), refresh_per_second=1 / REFRESH_S)
             self._live.start()
 
+    def due(self) -> bool:
+        interval = REFRESH_S if self._live is not None else self.interval_s
+        return self.enabled and time.monotonic() - self._last_shown >= interval
+
     def update(self, snapshot: Snapshot) -> None:
+        self._last_shown = time.monotonic()
         if self._live is not None:
             self._bars.update(self._epoch_bar, completed=snapshot.epoch_step, total=snapshot.steps_per_epoch,
                               description=f"epoch {snapshot.epoch + 1}/{snapshot.epochs}")
             self._bars.update(self._run_bar, completed=snapshot.step, total=snapshot.total_steps)
             self._live.update(Group(self._bars, panel(snapshot)))
-        elif self.enabled and time.monotonic() - self._last_line >= self.interval_s:
-            self._last_line = time.monotonic()
+        elif self.enabled:
             log.info("%s", snapshot.line())
 
     def close(self) -> None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker.metrics import read_events
+
 REPORT_PNG = "report.png"
 REPORT_TXT = "report.txt"
 THROUGHPUT_BIN_S = 1.0
@@ -28,13 +30,9 @@ class RunRecord:
     def load(cls, run_dir: Path) -> RunRecord:
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
-            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            events = read_events(run_dir / "metrics.jsonl")
         except OSError as error:
             raise ValueError(f"{run_dir}: not a finished stoker run ({error.strerror}: {error.filename})") from None
-        events: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for line in lines:
-            record = json.loads(line)
-            events[record["event"]].append(record)
         return cls(run_dir.name, summary, events)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker import builtin_data, faults
+from stoker.metrics import read_events
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -66,8 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
 def steady_rate(run_dir: Path) -> float:
     """Samples per second over the second half of the run's training steps."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["event"] == "step"]
+    steps = read_events(run_dir / "metrics.jsonl")["step"]
     late = steps[len(steps) // 2:]
     span = late[-1]["t"] - late[0]["t"]
     return round(sum(r["samples"] for r in late[1:]) / span, 2) if span > 0 else 0.0

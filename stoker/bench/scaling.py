@@ -28,6 +28,7 @@ from torch import nn
 
 from stoker import builtin_data, faults
 from stoker.bench.group import run_group
+from stoker.metrics import read_events
 
 PARAMS_ENV = "STOKER_SIMULATED_PARAMS"
 BATCH_SIZE = 16
@@ -142,8 +143,7 @@ def _subset(root: Path, images: int) -> Path:
 def steady_state(metrics: Path, devices: int, allreduce_ms: float, sync_every: int) -> dict[str, Any]:
     """Throughput and the per-step split over the second half of the run's steps. Device time is the measured
     step: the sleep plus the small model's forward, backward and optimizer step, which a GPU would run."""
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    steps = [r for r in records if r["event"] == "step"]
+    steps = read_events(metrics)["step"]
     last_step = max(r["global_step"] for r in steps)
     late = [r for r in steps if r["global_step"] >= last_step // 2]
     rank0 = [r for r in late if r["rank"] == 0]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker import builtin_data
+from stoker.metrics import read_events
 from stoker.procs import stoker_processes
 from stoker.ring import SHM_DIR, live_segments
 
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                 run_process.wait()
         left = _left_behind(run_process.pid)
         summary = json.loads((root / "run" / "summary.json").read_text())
-        replaced = _count_events(root / "run" / "metrics.jsonl", "producer_lost")
+        replaced = len(read_events(root / "run" / "metrics.jsonl")["producer_lost"])
         log_tail = log.read_text()[-4000:]
     result = _judge(samples, kills, replaced, summary, left, args)
     _print(result)
@@ -137,10 +138,6 @@ def _left_behind(controller_pid: int) -> dict[str, list]:
         if (not processes and not segments) or time.monotonic() > deadline:
             return {"processes": processes, "segments": segments}
         time.sleep(0.2)
-
-
-def _count_events(metrics: Path, name: str) -> int:
-    return sum(json.loads(line)["event"] == name for line in metrics.read_text().splitlines())
 
 
 def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: dict[str, Any],

@@ -40,8 +40,8 @@ def launch_machines(textures, out, *extra, env=None, nodes=2, per_node=None):
          "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
          "-m", "stoker", "train", "--data", str(train), "--val", str(val), "--devices", "cpu:1",
          "--batch-size", "8", "--epochs", "2", "--seed", "4", "--out", str(out), "--quiet", "--report", "false",
-         *extra, *(per_node or {}).get(node, ())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment,
-        preexec_fn=_one_core(node)) for node in range(nodes)]
+         *extra, *(per_node or {}).get(node, ())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=environment, preexec_fn=_one_core(node)) for node in range(nodes)]
     results = []
     for agent in agents:
         _, stderr = agent.communicate(timeout=180)
