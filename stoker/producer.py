@@ -39,7 +39,7 @@ class ProducerSetup:
     val: Source | None
     augment: Augment
     seed: int
-    transport_only: bool = False  # `stoker bench pipeline --transport`: copy a ready-made batch, decode nothing
+    transport_only: bool = False  # `stoker bench pipeline --transport`: write a ready-made image, decode nothing
 
 
 @dataclass(frozen=True)
@@ -135,10 +135,13 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
 
 
 def _copy_ready_made(task: Task, ring: SlotRing) -> int:
-    """Fill the slot from a batch made once per process: what is left to time is slots and queues."""
+    """Fill the slot from an image made once per process: what is left to time is slots and queues. Every sample
+    is written from one small source, as the decoder writes each sample from the image it just made; a whole
+    ready-made batch as the source would add a 9.6 MB read from memory per batch that no real producer does
+    (measured: the producer's part of a batch took 0.56 ms that way, 0.30 ms this way)."""
     images = ring.images[task.slot]
     count = len(task.work.sample_ids)
-    np.copyto(images[:count], _ready_made(images.shape)[:count])
+    np.copyto(images[:count], _ready_made(images.shape[1:]))
     ring.labels[task.slot, :count] = 0
     ring.ids[task.slot, :count] = task.work.sample_ids
     ring.counts[task.slot] = count

@@ -7,6 +7,8 @@ controller's pid so that a later start can remove segments of controllers that d
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import logging
 import os
 import re
@@ -23,6 +25,9 @@ SHM_DIR = "/dev/shm"
 NAME_PREFIX = "stoker_"
 _NAME_PATTERN = re.compile(rf"^{NAME_PREFIX}(\d+)_[0-9a-f]+$")
 _ALIGN = 64
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module names it only from 3.13
+_madvise = ctypes.CDLL(None, use_errno=True).madvise
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 STATUS_FIELDS = 3  # per producer: task id being built, position in the batch, heartbeat (monotonic ns)
 
 
@@ -80,12 +85,19 @@ class SlotRing:
         check_shm_space(spec.nbytes)
         segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
         ring = cls(spec, segment, owner=True)
+        if _map_every_page(segment) in (errno.EFAULT, errno.ENOMEM):
+            ring.close()
+            raise ValueError(f"/dev/shm could not hold the {spec.nbytes / 2**20:.0f} MiB batch slot ring; raise it "
+                             f"(docker run --shm-size={_suggest(spec.nbytes)} or --ipc=host) or lower --batch-size, "
+                             "--image-size or slots_per_consumer")
         ring.status[:] = -1
         return ring
 
     @classmethod
     def attach(cls, spec: RingSpec) -> SlotRing:
-        return cls(spec, shared_memory.SharedMemory(name=spec.name, create=False), owner=False)
+        segment = shared_memory.SharedMemory(name=spec.name, create=False)
+        _map_every_page(segment)
+        return cls(spec, segment, owner=False)
 
     def close(self) -> None:
         """Idempotent. Views are dropped before the mapping is closed; the owner also unlinks."""
@@ -100,6 +112,19 @@ class SlotRing:
                 segment.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _map_every_page(segment: shared_memory.SharedMemory) -> int:
+    """Fault in the whole segment in one call; returns errno (0 on success). Batches are megabytes: page by page,
+    the first pass over the ring took a fault per 4 KiB in every process (54 ms for a 58 MiB ring in the creator,
+    15 ms in each process that attaches, against 31 and 13 ms here, outside the hot path). In the creator it also
+    allocates the memory, so a /dev/shm that cannot hold the ring fails here instead of with a SIGBUS mid-run.
+    Kernels before 5.14 answer EINVAL and pages are faulted lazily as before."""
+    pages = (ctypes.c_char * segment.size).from_buffer(segment.buf)
+    try:
+        return 0 if _madvise(ctypes.addressof(pages), segment.size, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
+    finally:
+        del pages  # a live export would keep the segment from closing
 
 
 def check_shm_space(needed: int) -> None:

@@ -8,8 +8,8 @@ Four measurements per image set, interleaved and repeated (medians reported):
   ceiling           full-size libjpeg-turbo decode only, one process, times the number of workers
 Every measurement skips its first `workers` batches (process start-up) and times the rest.
 
-`--transport` times slots and queues alone: producers copy a ready-made batch instead of decoding, and the
-consumer's receive rate is compared with single-core memcpy bandwidth measured in the same run.
+`--transport` times slots and queues alone: producers write batches from a ready-made image instead of decoding,
+and the consumer's receive rate is compared with single-core memcpy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from stoker.ring import SlotRing
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
 QUALITY = 90
-TRANSPORT_BATCHES = 200  # a batch moves in about a millisecond: time enough of them
+TRANSPORT_BATCHES = 500  # a batch moves in about half a millisecond: time enough of them
 MEAN = np.array([0.485, 0.456, 0.406], np.float32)
 STD = np.array([0.229, 0.224, 0.225], np.float32)
 
