@@ -4,18 +4,23 @@ torchrun starts one stoker controller per machine (`--nproc-per-node 1`); its RA
 controllers form a small gloo group of their own (env://, from torchrun's MASTER_ADDR and MASTER_PORT) that is used
 only at the edges of the run: to agree on the settings and the resume point, to hand every consumer the address
 of the consumers' store, and to gather what every machine acknowledged for the global exactly-once check. During
-the run, machines talk only through their consumers' averaging collective.
+the run, machines talk only through their consumers' averaging collective, and through the consumers' store when
+one of them is interrupted (`StopAgreement`).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 
@@ -101,3 +106,81 @@ def check_same_settings(cluster: Cluster, settings: dict[str, Any]) -> None:
     if flag.item():
         raise ValueError("another machine's settings differ from machine 0's (its log names them); every machine "
                          "needs the same settings, devices per machine and data")
+
+
+class StopAgreement:
+    """Where every machine stops when any of them is interrupted. The interrupted machine raises a flag in the
+    consumers' store (served by the first machine); every machine polls it, stops issuing rows of work when it is
+    raised and posts the furthest row it has started; once all have posted, every machine stops after the
+    furthest. So every consumer reaches the same last step, the same checkpoint and the same final average."""
+
+    POLL_S = 0.2  # a round trip to the first machine; often enough to stop within a few steps
+
+    def __init__(self, cluster: Cluster, store: dist.Store) -> None:
+        self.cluster = cluster
+        self.store = dist.PrefixStore("stoker-stop/", store)
+        self.row: int | None = None  # the row every machine stops after, once agreed
+        self._requested = False
+        self._posted = False
+        self._next_poll = 0.0
+
+    @classmethod
+    def join(cls, cluster: Cluster, leader_store: dist.Store | None, address: tuple[str, int],
+             timeout_s: float) -> StopAgreement:
+        """On the first machine, over its own store; elsewhere as a client of it."""
+        store = leader_store or dist.TCPStore(address[0], address[1], is_master=False,
+                                              timeout=datetime.timedelta(seconds=timeout_s))
+        return cls(cluster, store)
+
+    def request(self) -> None:
+        if not self._requested:
+            self._set("requested", str(self.cluster.node))
+            self._requested = True
+
+    def requested(self) -> bool:
+        """Whether any machine asked to stop (polled at most every POLL_S)."""
+        if not self._requested and self._due():
+            self._requested = self._check(["requested"])
+        return self._requested
+
+    @property
+    def posted(self) -> bool:
+        return self._posted
+
+    def post(self, row: int) -> None:
+        self._set(f"row/{self.cluster.node}", str(row))
+        self._posted = True
+
+    @property
+    def waiting(self) -> bool:
+        """Asked to stop, but the row is not agreed yet: nothing may be finished before it is."""
+        return self._requested and self.row is None
+
+    def poll_row(self) -> int | None:
+        """The agreed row, once every machine has posted its own."""
+        keys = [f"row/{node}" for node in range(self.cluster.nodes)]
+        if self.row is None and self._due() and self._check(keys):
+            self.row = max(int(self.store.get(key)) for key in keys)
+        return self.row
+
+    # A store that cannot be reached means the first machine has finished, or died, which its consumers'
+    # collective reports on every machine: there is nothing left to agree on, and no reason to fail here.
+
+    def _check(self, keys: list[str]) -> bool:
+        try:
+            return self.store.check(keys)
+        except RuntimeError:
+            return False
+
+    def _set(self, key: str, value: str) -> None:
+        try:
+            self.store.set(key, value)
+        except RuntimeError as error:
+            log.warning("could not tell the other machines where to stop: %s", error)
+
+    def _due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_poll:
+            return False
+        self._next_poll = now + self.POLL_S
+        return True

@@ -119,6 +119,7 @@ class Controller:
         self.consumers: list = []
         self.ready_queues: list = []
         self.store = None
+        self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
@@ -137,7 +138,8 @@ class Controller:
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
         self.split: TimeSplit | None = None  # the latest window's, for the live view
         self.last_queue_fill = 0.0
-        self.interrupted = False
+        self.interrupted = False  # a signal arrived here
+        self.stopping = False  # stopping early: this machine or another one was interrupted
         self.finishing = False
         self.closed = False
 
@@ -152,23 +154,24 @@ class Controller:
                                   self.run_dir / "tensorboard" if self.config.tensorboard else None,
                                   append=self.config.resume is not None)
         self.started = time.monotonic()
-        status, error = "completed", None
+        status, error, forced = "completed", None, False
         previous = _install_signal_handlers(self._on_signal)
         try:
             self._start()
             self._loop()
-            if self.interrupted:
+            if self.stopping:
                 status = "interrupted"
         except Interrupted:
-            status = "interrupted"
+            status, forced = "interrupted", True
         except (StokerRunError, OSError) as failure:
             status, error = "failed", str(failure)
             log.error("run failed: %s", failure)
         finally:
             _restore_signal_handlers(previous)
             self.close()
-        if status == "completed" and self.cluster.multi:
-            status, error = self._gather_machines()
+        if self.cluster.multi and status != "failed" and not forced:
+            error = self._gather_machines()
+            status = "failed" if error else status
         summary = self.summary(status, error)
         self.metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
         self.metrics.close()
@@ -179,17 +182,18 @@ class Controller:
                 self._write_report()
         return summary
 
-    def _gather_machines(self) -> tuple[str, str | None]:
-        """Bring every machine's accounting to the first one: exactly-once is checked over the union."""
+    def _gather_machines(self) -> str | None:
+        """Bring every machine's accounting to the first one: exactly-once is checked over the union. Returns
+        an error when a machine could not report."""
         try:
             parts = cluster.gather_to_leader(self.cluster, (self.stats.export(), self.final_digests))
         except RuntimeError as error:  # a machine stopped before the end: its peers' collective says so
             log.error("could not gather the other machines' accounting: %s", error)
-            return "failed", f"a machine stopped before reporting its accounting ({error})"
+            return f"a machine stopped before reporting its accounting ({error})"
         for stats, digests in (parts or [])[1:]:
             self.stats.merge(stats)
             self.final_digests.update(digests)
-        return "completed", None
+        return None
 
     def _write_report(self) -> None:
         from stoker.report import write_report
@@ -245,6 +249,9 @@ class Controller:
 
     def _start_consumers(self) -> None:
         store_host, store_port = self._consumer_store()
+        if self.cluster.multi:
+            self.agreement = cluster.StopAgreement.join(self.cluster, self.store, (store_host, store_port),
+                                                        self.config.collective_timeout_s)
         config = self.config
         threads = threads_per_consumer(self.devices)
         outer = None if config.outer_optimizer == "none" else OuterSpec(config.outer_optimizer, config.outer_lr,
@@ -268,8 +275,7 @@ class Controller:
         window_started = time.monotonic()
         window = _WindowTotals()
         while len(self.finished) < self.num_consumers:
-            if self.interrupted and not self.finishing:
-                self.scheduler.cut()
+            self._follow_interrupts()
             self._dispatch()
             self._deliver(window)
             self._handle_messages(window)
@@ -278,6 +284,28 @@ class Controller:
                 self._close_window(window, time.monotonic() - window_started)
                 window_started, window = time.monotonic(), _WindowTotals()
             self._show()
+
+    def _follow_interrupts(self) -> None:
+        """An interrupt stops every consumer after the same row of work: on one machine the furthest row started;
+        on several, the furthest row any machine started once it heard of the interrupt (`StopAgreement`)."""
+        agreement = self.agreement
+        if agreement is None:
+            if self.interrupted and not self.finishing:
+                self.stopping = True
+                self.scheduler.cut()
+            return
+        if self.interrupted:
+            agreement.request()
+        elif not agreement.requested():
+            return
+        elif not self.stopping:
+            log.warning("another machine was interrupted: stopping with it after a step every machine reaches, "
+                        "with a checkpoint")
+        self.stopping = True
+        if not agreement.posted:
+            agreement.post(self.scheduler.cut())
+        if (row := agreement.poll_row()) is not None:
+            self.scheduler.cut(row)
 
     def _dispatch(self) -> None:
         while self.pool.can_take():
@@ -299,7 +327,8 @@ class Controller:
             if getattr(message, "slot", None) is not None:
                 self.delivered[rank] += 1
             self.ready_queues[rank].put(message)
-        if not self.finishing and self.scheduler.exhausted():
+        waiting = self.agreement is not None and self.agreement.waiting
+        if not self.finishing and not waiting and self.scheduler.exhausted():
             self._finish()
         window.queue_samples += 1
         window.queue_fill += sum(self.delivered) / max(1, self.num_slots)
@@ -308,7 +337,7 @@ class Controller:
         """Every consumer got its last batch: save where an interrupt stopped us, then write the final model."""
         self.finishing = True
         position = self.scheduler.position
-        if self.interrupted and position.global_step not in self.scheduler.saves_issued:
+        if self.stopping and position.global_step not in self.scheduler.saves_issued:
             folder = checkpoint.checkpoint_dir(self.run_dir, position.global_step, temporary=True)
             for ready in self.ready_queues:
                 ready.put(Save(folder, position.global_step))
@@ -514,7 +543,7 @@ class Controller:
         if self.ring is not None:
             self.ring.close()
         checkpoint.discard_incomplete(self.run_dir)
-        self.store = None
+        self.agreement = self.store = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
         last_epoch = max(self.stats.epochs, default=None)

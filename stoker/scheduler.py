@@ -83,9 +83,11 @@ class Scheduler:
                        resume_at=after)
             row += 1
 
-    def cut(self) -> None:
-        """Stop every rank at the end of the furthest row any rank has started: used to interrupt cleanly."""
-        self._limit_row = max(self._last_row_issued)
+    def cut(self, row: int | None = None) -> int:
+        """Stop every rank at the end of `row`, by default the furthest row any rank has started (used to
+        interrupt cleanly); returns the row. Machines that agree on a later row raise their cut to it."""
+        self._limit_row = max(self._last_row_issued) if row is None else row
+        return self._limit_row
 
     def issue_one(self) -> Issue | None:
         """The next batch to build, for the rank with the fewest batches in flight; slot-less items (a rank with

@@ -49,22 +49,52 @@ def launch_machines(textures, out, *extra, env=None, nodes=2, per_node=None):
     return results
 
 
-def test_two_machines_train_like_one_with_as_many_consumers_and_every_sample_once(textures, tmp_path):
-    results = launch_machines(textures, tmp_path / "two")
+@pytest.fixture(scope="module")
+def two_machines(textures, tmp_path_factory):
+    """One uninterrupted run on two machines, the reference for the tests that stop and resume."""
+    out = tmp_path_factory.mktemp("two")
+    results = launch_machines(textures, out)
     assert [code for code, _ in results] == [0, 0], results[1][1][-3000:] + results[0][1][-3000:]
-    summary = read_summary(tmp_path / "two")
+    return out
+
+
+def assert_same_weights(run_a, run_b) -> None:
+    a = torch.load(run_a / "model.pt", weights_only=True)
+    b = torch.load(run_b / "model.pt", weights_only=True)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_two_machines_train_like_one_with_as_many_consumers_and_every_sample_once(textures, two_machines,
+                                                                                   tmp_path):
+    summary = read_summary(two_machines)
     assert summary["status"] == "completed" and summary["machines"] == 2 and summary["num_consumers"] == 2
     assert summary["samples_consumed"] == [120, 120]  # the union over machines: each sample once per epoch
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
     assert summary["replicas_identical"] is True
-    assert (tmp_path / "two" / "metrics-node1.jsonl").exists()  # every machine logs; only the first summarizes
+    assert (two_machines / "metrics-node1.jsonl").exists()  # every machine logs; only the first summarizes
     train, val = textures
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
             "--epochs", "2", "--seed", "4", "--out", str(tmp_path / "one"), "--quiet")
-    a = torch.load(tmp_path / "two" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "one" / "model.pt", weights_only=True)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(two_machines, tmp_path / "one")
+
+
+def test_interrupting_one_machine_stops_all_at_one_checkpoint_and_resume_is_exact(textures, two_machines,
+                                                                                 tmp_path):
+    results = launch_machines(textures, tmp_path, env={"STOKER_FAULT": "consumer:interrupt-parent:rank=1,step=5;"})
+    (_, first_log), (_, second_log) = results
+    assert "another machine was interrupted" in first_log, first_log[-3000:]
+    assert "SIGINT: finishing the current step" in second_log, second_log[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "interrupted", summary.get("error")
+    assert summary["replicas_identical"] is True  # every machine's replicas ended on the same average
+    stopped_at = int(summary["checkpoint"].rsplit("_", 1)[1])
+    assert 5 < stopped_at < 16  # a step both machines reached; the resume crosses the epoch boundary
+    assert wait_for_no_trace(timeout_s=15) == ([], [])
+    resumed = launch_machines(textures, tmp_path, "--resume", str(tmp_path))
+    assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    assert read_summary(tmp_path)["start_step"] == stopped_at
+    assert_same_weights(two_machines, tmp_path)
 
 
 def test_a_killed_machine_stops_the_other_cleanly_and_the_run_resumes(textures, tmp_path):
