@@ -8,6 +8,9 @@ doubles as the barrier that makes every replica continue from the same average a
 
 With an outer optimizer (DiLoCo), the averaged change of the parameters since the last averaging is a
 pseudo-gradient: SGD or Nesterov momentum applies it to the parameters as they were at the last averaging.
+
+With `overlap`, the all_reduce runs in the background while training goes on (`DelayedAverage`): replicas then
+share an average one window old, and are made identical again by one blocking average at the end.
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ class Averager:
     """Averages a model's state every `sync_every` steps, weighted by the samples each replica trained on."""
 
     def __init__(self, model: nn.Module, sync_every: int, world_size: int, batch_size: int,
-                 outer: OuterSpec | None = None) -> None:
+                 outer: OuterSpec | None = None, overlap: bool = False) -> None:
+        if outer is not None and overlap:
+            raise ValueError("an outer optimizer needs the average before it steps: it cannot overlap")
         self.sync_every = sync_every
         self.world_size = world_size
         self.full_step_samples = batch_size * world_size
@@ -43,6 +48,12 @@ class Averager:
         # Since the last averaging: (this replica's samples, all replicas' samples, steps that were not full).
         self.pending = (0, 0, 0)
         self.outer = OuterOptimizer(outer, parameters) if outer is not None else None
+        self.delayed = DelayedAverage(self.float_buckets, world_size) if overlap and world_size > 1 else None
+
+    @property
+    def replicas_agree(self) -> bool:
+        """Whether replicas are identical right after an averaging (not while one is in flight)."""
+        return self.delayed is None
 
     def after_step(self, step: int, local_samples: int, global_samples: int) -> float | None:
         """Count this step's samples; average when `step` closes a window of `sync_every`. Returns seconds spent."""
@@ -54,23 +65,48 @@ class Averager:
         return self.average()
 
     def average(self) -> float:
+        """Average now (or, overlapped, start averaging); returns the seconds this replica was held up."""
         started = time.perf_counter()
+        if self.delayed is not None:
+            self.delayed.send(self._weight())
+            self._reconcile_counters()
+            self.pending = (0, 0, 0)
+        else:
+            self._average_now()
+        return time.perf_counter() - started
+
+    def settle(self) -> None:
+        """The final model: what is in flight applied, then one blocking average, so every replica ends identical
+        whatever H is."""
+        if self.delayed is not None:
+            self.delayed.apply()
+        if self.pending[1] or self.delayed is not None:
+            self._average_now()
+
+    def _average_now(self) -> None:
         if self.world_size > 1:
             self._reduce()
         if self.outer is not None:
             self.outer.step()
         self.pending = (0, 0, 0)
-        return time.perf_counter() - started
+
+    def _weight(self) -> float:
+        """1 when every replica trained on as many samples since the last averaging, else this replica's share
+        (a short last batch), so the average weights every sample alike."""
+        local, total, _ = self.pending
+        return 1.0 if local * self.world_size == total else local * self.world_size / max(1, total)
 
     def _reduce(self) -> None:
-        local, total, short = self.pending
-        uniform = local * self.world_size == total
+        weight = self._weight()
         for bucket in self.float_buckets:
-            if not uniform:  # a short last batch: weight each replica by its share of the samples
-                bucket.mul_(local * self.world_size / max(1, total))
+            if weight != 1.0:
+                bucket.mul_(weight)
             dist.all_reduce(bucket)
             bucket.div_(self.world_size)
-        if short:  # a replica without samples skipped its forward pass: counters (BatchNorm's) may differ
+        self._reconcile_counters()
+
+    def _reconcile_counters(self) -> None:
+        if self.pending[2]:  # a replica without samples skipped its forward pass: counters (BatchNorm's) may differ
             for tensor in self.int_tensors:
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
@@ -110,6 +146,58 @@ def flatten_float_state(model: nn.Module) -> tuple[list[torch.Tensor], list[torc
         buckets.append(flat)
         parameters.append(flat[:parameter_counts[key]])
     return buckets, parameters
+
+
+class DelayedAverage:
+    """Averaging that overlaps the next window's steps. At an averaging point the replica's state is copied and
+    sent into an asynchronous all_reduce; at the next point the average replaces the state it was made from and
+    what the replica learned in between is kept on top of it: state = state - sent + average. On GPUs the
+    collective runs on its own stream while the device computes; the price is an average one window old, and
+    replicas that agree only on it, not bitwise, until `Averager.settle`. Memory: two more copies of the state."""
+
+    def __init__(self, buckets: list[torch.Tensor], world_size: int) -> None:
+        self.buckets = buckets
+        self.world_size = world_size
+        self.sent = [torch.empty_like(b) for b in buckets]  # the state as it was sent
+        self.summed = [torch.empty_like(b) for b in buckets]  # the all_reduce's buffer
+        self.works: list = []
+        self.held = False  # a round was sent and not yet applied
+
+    def send(self, weight: float) -> None:
+        self.apply()
+        for bucket, sent, summed in zip(self.buckets, self.sent, self.summed):
+            sent.copy_(bucket)
+            summed.copy_(bucket)
+            if weight != 1.0:
+                summed.mul_(weight)
+            self.works.append(dist.all_reduce(summed, async_op=True))
+        self.held = True
+
+    def apply(self) -> None:
+        if not self.held:
+            return
+        self.wait()
+        for bucket, sent, summed in zip(self.buckets, self.sent, self.summed):
+            # In this order: with no step in between, state - sent is exactly 0 and every replica gets the
+            # same bits.
+            bucket.sub_(sent).add_(summed, alpha=1 / self.world_size)
+        self.held = False
+
+    def wait(self) -> None:
+        """Let the round in flight complete (the state is not touched)."""
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        """The round not yet applied, so a resumed run applies it where an uninterrupted one would."""
+        self.wait()
+        return {"sent": self.sent, "sum": self.summed} if self.held else {}
+
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        self.held = bool(state)
+        for mine, saved in [*zip(self.sent, state.get("sent", [])), *zip(self.summed, state.get("sum", []))]:
+            mine.copy_(saved)
 
 
 class OuterOptimizer:

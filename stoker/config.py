@@ -55,6 +55,7 @@ class TrainConfig:
     outer_optimizer: Literal["none", "sgd", "nesterov"] = "none"
     outer_lr: float = Field(0.7, gt=0.0)
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    overlap_averaging: bool = False
     seed: int = Field(0, ge=0)
     out: Path | None = None
     resume: Path | None = None
@@ -88,6 +89,9 @@ class TrainConfig:
                 self.min_producers <= self.initial_producers <= (self.max_producers or self.initial_producers)):
             raise ValueError(f"initial_producers={self.initial_producers} is outside min_producers.."
                              f"max_producers ({self.min_producers}..{self.max_producers})")
+        if self.overlap_averaging and self.outer_optimizer != "none":
+            raise ValueError(f"overlap_averaging=true cannot be combined with outer_optimizer="
+                             f"{self.outer_optimizer!r}: the outer step needs the average before training goes on")
         if self.max_producers is not None and self.max_producers < self.min_producers:
             raise ValueError(f"max_producers={self.max_producers} is below min_producers={self.min_producers}")
         for name in ("data", "val"):

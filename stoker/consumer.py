@@ -49,6 +49,7 @@ class ConsumerSetup:
     weight_decay: float
     sync_every: int
     outer: OuterSpec | None
+    overlap_averaging: bool
     seed: int
     num_threads: int
     collective_timeout_s: float
@@ -170,7 +171,7 @@ class Replica:
         _join_group(setup)
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
         self.averager = Averager(self.model, setup.sync_every, setup.world_size, setup.ring.batch_size,
-                                 setup.outer)
+                                 setup.outer, setup.overlap_averaging)
         self.optimizer = _make_optimizer(self.model, setup)
         self.loader = DeviceLoader(ring, self.device)
         if setup.resume_from is not None:
@@ -220,7 +221,7 @@ class Replica:
         averaging_s = self.averager.after_step(batch.global_step, len(ids), batch.step_samples)
         digest = None
         every = self.setup.check_replicas_every
-        if averaging_s is not None and every and (batch.global_step + 1) % every == 0:
+        if averaging_s is not None and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
         self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step, len(ids),
                                   loss_value, wait_s, compute_s, averaging_s or 0.0, ids, digest))
@@ -267,10 +268,12 @@ class Replica:
     def _rank_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
                  "pending": torch.tensor(self.averager.pending, dtype=torch.int64)}
-        if self.averager.pending[1]:  # between two averagings replicas differ: keep this one's own weights
+        if self.averager.pending[1] or not self.averager.replicas_agree:  # replicas differ: keep this one's own
             state["model"] = self.model.state_dict()
         if self.averager.outer is not None:
             state["outer"] = self.averager.outer.state_dict()
+        if self.averager.delayed is not None:
+            state["delayed"] = self.averager.delayed.state_dict()
         return state
 
     def _restore(self, folder: Path) -> None:
@@ -289,10 +292,11 @@ class Replica:
         self.averager.pending = tuple(state["pending"].tolist())
         if self.averager.outer is not None:
             self.averager.outer.load_state_dict(state["outer"])
+        if self.averager.delayed is not None:
+            self.averager.delayed.load_state_dict(state["delayed"])
 
     def finish(self, message: Finish) -> None:
-        if self.averager.pending[1]:
-            self.averager.average()  # the final model is the average, whatever H is
+        self.averager.settle()
         digest = self.averager.digest()
         if self.setup.rank == 0:
             checkpoint.save_tensors(message.model_path, self.model.state_dict())

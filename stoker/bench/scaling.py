@@ -5,7 +5,8 @@ Only the device is simulated: every training step holds its consumer `--step-ms`
 free, as a GPU kernel would, while the model carries `--params` real parameters that are really averaged. Every
 consumer runs the same number of steps (weak scaling, as with one batch per GPU), so speed-up is the ratio of
 throughputs. A bare all_reduce of the same bytes among the same number of processes is timed in the same run, so
-stoker's own overhead per step is what is left: wall - device time - all_reduce / H.
+stoker's own overhead per step is what is left: wall - device time - all_reduce / H. `--overlap` also runs every
+N > 1 point with `--overlap-averaging`, where the all_reduce hides under the next steps' device time.
 
 `--model-only` runs nothing: it predicts speed-up from `--step-ms` and a ring all-reduce cost model,
 2(N-1)/N x bytes / bandwidth + 2(N-1) x latency, for cluster sizes this machine cannot hold.
@@ -44,6 +45,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=32, help="steps per consumer per run (the last half timed)")
     parser.add_argument("--producers", type=int, default=os.cpu_count())
     parser.add_argument("--repeats", type=int, default=1, help="runs per point; the median-throughput one is shown")
+    parser.add_argument("--overlap", action="store_true", help="also run each N > 1 point with overlapped averaging")
     parser.add_argument("--model-only", action="store_true", help="predict with the cost model; run nothing")
     parser.add_argument("--bandwidth", type=float, default=10.0, help="--model-only: link bandwidth, GB/s")
     parser.add_argument("--latency-us", type=float, default=10.0, help="--model-only: per-message latency")
@@ -100,12 +102,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(scratch)
         per_class = -(-max(args.devices) * BATCH_SIZE * args.steps // 10)
         builtin_data.generate(root / "all", train_per_class=per_class, val_per_class=1)
-        grid = [(n, h) for n in sorted(set(args.devices)) for h in (args.sync_every if n > 1 else [1])]
+        modes = [False, True] if args.overlap else [False]
+        grid = [(n, h, overlap) for n in sorted(set(args.devices)) for h in (args.sync_every if n > 1 else [1])
+                for overlap in (modes if n > 1 else [False])]
         bare = {n: bare_allreduce_ms(n, args.params) for n in sorted(set(args.devices)) if n > 1}
-        for devices, sync_every in grid:
+        for devices, sync_every, overlap in grid:
             data = _subset(root, devices * BATCH_SIZE * args.steps)
-            rows = [_one_run(root / f"run-{devices}-{sync_every}-{repeat}", data, root / "all" / "val", devices,
-                             sync_every, bare.get(devices, 0.0), args) for repeat in range(args.repeats)]
+            rows = [_one_run(root / f"run-{devices}-{sync_every}-{overlap}-{repeat}", data, root / "all" / "val",
+                             devices, sync_every, overlap, bare.get(devices, 0.0), args)
+                    for repeat in range(args.repeats)]
             runs.append(sorted(rows, key=lambda row: row["samples_per_s"])[len(rows) // 2])
     base = next(r for r in runs if r["devices"] == 1)["samples_per_s"]
     for row in runs:
@@ -115,16 +120,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "repeats": args.repeats, "cores": os.cpu_count()}
 
 
-def _one_run(out: Path, data: Path, val: Path, devices: int, sync_every: int, allreduce_ms: float,
+def _one_run(out: Path, data: Path, val: Path, devices: int, sync_every: int, overlap: bool, allreduce_ms: float,
              args: argparse.Namespace) -> dict[str, Any]:
     import stoker
 
     summary = stoker.train(data=data, val=val, devices=f"cpu:{devices}", model=f"{__name__}:simulated_model",
                            image_size=IMAGE_SIZE, batch_size=BATCH_SIZE, epochs=1, sync_every=sync_every,
-                           producers=args.producers, max_producers=args.producers, seed=0, out=out,
-                           show_progress=False, report=False)
-    return {"devices": devices, "sync_every": sync_every, "params": args.params, "step_ms": args.step_ms,
-            "status": summary["status"], **steady_state(out / "metrics.jsonl", devices, allreduce_ms, sync_every)}
+                           overlap_averaging=overlap, producers=args.producers, max_producers=args.producers,
+                           seed=0, out=out, show_progress=False, report=False)
+    return {"devices": devices, "sync_every": sync_every, "overlap": overlap, "params": args.params,
+            "step_ms": args.step_ms, "status": summary["status"],
+            **steady_state(out / "metrics.jsonl", devices, allreduce_ms, sync_every)}
 
 
 def _subset(root: Path, images: int) -> Path:
@@ -202,15 +208,16 @@ def predict(args: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     measured = "model" not in result
-    header = f"{'N':>5} {'H':>3} {'speed-up':>9} {'effic.':>7} {'step ms':>8}"
+    header = f"{'N':>5} {'H':>3} {'averaging':>10} {'speed-up':>9} {'effic.':>7} {'step ms':>8}"
     if measured:
         header += f" {'device':>7} {'input':>6} {'averag.':>8} {'other':>6} {'overhead':>9}"
     else:
         header += f" {'allreduce ms':>13}"
     print(header)
     for row in result["runs"]:
-        line = (f"{row['devices']:>5} {row['sync_every']:>3} {row['speedup']:>9.2f} {row['efficiency']:>7.1%} "
-                f"{row['wall_ms']:>8.1f}")
+        mode = "overlapped" if row.get("overlap") else "blocking"
+        line = (f"{row['devices']:>5} {row['sync_every']:>3} {mode:>10} {row['speedup']:>9.2f} "
+                f"{row['efficiency']:>7.1%} {row['wall_ms']:>8.1f}")
         if measured:
             line += (f" {row['device_ms']:>7.1f} {row['input_wait_ms']:>6.1f} {row['averaging_ms']:>8.1f} "
                      f"{row['other_ms']:>6.1f} {row['overhead_fraction']:>9.2%}")
@@ -234,10 +241,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(figsize=(5, 4))
     counts = sorted({r["devices"] for r in result["runs"]})
     axes.plot(counts, counts, "k--", label="ideal")
-    for sync_every in sorted({r["sync_every"] for r in result["runs"] if r["devices"] > 1}):
-        rows = sorted((r for r in result["runs"] if r["sync_every"] == sync_every or r["devices"] == 1),
-                      key=lambda r: r["devices"])
-        axes.plot([r["devices"] for r in rows], [r["speedup"] for r in rows], "o-", label=f"--sync-every {sync_every}")
+    for sync_every, overlap in sorted({(r["sync_every"], r.get("overlap", False)) for r in result["runs"]
+                                       if r["devices"] > 1}):
+        rows = sorted((r for r in result["runs"] if r["devices"] == 1 or (
+            r["sync_every"] == sync_every and r.get("overlap", False) == overlap)), key=lambda r: r["devices"])
+        label = f"--sync-every {sync_every}" + (", overlapped" if overlap else "")
+        axes.plot([r["devices"] for r in rows], [r["speedup"] for r in rows], "o-", label=label)
     axes.set_xlabel("consumers N")
     axes.set_ylabel("speed-up over N=1")
     axes.set_title("stoker scaling" + (" (cost model)" if "model" in result else " (simulated devices)"))

@@ -116,9 +116,13 @@ def test_controller_killed_children_exit_and_next_start_sweeps_its_segment(textu
     assert not os.path.exists(stale)
 
 
-def test_interrupt_checkpoints_and_resume_is_bitwise_exact_across_an_epoch_boundary(textures, tmp_path):
+@pytest.mark.parametrize("averaging", [(), ("--overlap-averaging", "true", "--sync-every", "2")],
+                         ids=["every-step", "overlapped"])
+def test_interrupt_checkpoints_and_resume_is_bitwise_exact_across_an_epoch_boundary(textures, tmp_path, averaging):
+    """Overlapped, the checkpoint also holds the average still in flight, applied after resuming where the
+    uninterrupted run applies it."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    common = ("--devices", "cpu:2", "--epochs", "2", "--seed", "5")
+    common = ("--devices", "cpu:2", "--epochs", "2", "--seed", "5", *averaging)
     run_cli(*train_args(textures, straight, *common))
     result = run_cli(*train_args(textures, split, *common), env=fault("consumer:interrupt-parent:rank=0,step=5;"),
                      check=False)

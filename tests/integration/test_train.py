@@ -117,11 +117,13 @@ class _NoController:
         pass
 
 
-def test_learns_handwritten_digits(digits, tmp_path):
+@pytest.mark.parametrize("overlap", ["false", "true"])
+def test_learns_handwritten_digits(digits, tmp_path, overlap):
+    """Overlapped averaging too: an average one step late must not cost accuracy on a real dataset."""
     train, val = digits
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers", "1",
             "--augment", "none", "--image-size", "32", "--batch-size", "32", "--epochs", "6", "--out", str(tmp_path),
-            "--quiet")
+            "--overlap-averaging", overlap, "--quiet")
     summary = read_summary(tmp_path)
     assert summary["val_accuracy"] >= 0.95, summary["val_accuracy"]
     assert summary["replicas_identical"] is True
