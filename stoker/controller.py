@@ -473,7 +473,7 @@ class Controller:
         self.split = TimeSplit(compute=window.compute_s / consumer_time, input_wait=window.wait_s / consumer_time,
                                averaging=window.averaging_s / consumer_time, producers=len(self.pool.active),
                                producer_budget=self.budget, producer_utilization=utilization,
-                               sync_every=self.config.sync_every)
+                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging)
         self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
                            queue_fill=round(queue_fill, 4), producers=self.split.producers,
                            producer_utilization=round(utilization, 4), compute=round(self.split.compute, 4),
@@ -498,7 +498,7 @@ class Controller:
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
             averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
             producer_budget=self.budget, producer_utilization=busy / seconds if seconds else 0.0,
-            sync_every=self.config.sync_every))
+            sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
 
     def _record_producers(self, reason: str) -> None:
         count = len(self.pool.active)

@@ -23,6 +23,7 @@ class TimeSplit:
     producer_budget: int
     producer_utilization: float
     sync_every: int
+    overlapped: bool = False
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,9 @@ def diagnose(split: TimeSplit) -> Verdict:
         return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
                                       f"{_producer_advice(split)}")
     if split.averaging >= SYNC_BOUND:
+        overlap = "" if split.overlapped else " or --overlap-averaging true"
         return Verdict("sync-bound", f"sync-bound: averaging takes {split.averaging:.0%} of the time; try "
-                                     f"--sync-every {suggest_sync_every(split.averaging, split.sync_every)}")
+                                     f"--sync-every {suggest_sync_every(split.averaging, split.sync_every)}{overlap}")
     return Verdict("compute-bound", f"compute-bound: devices busy {split.compute:.0%} of the time, input waits "
                                     f"{split.input_wait:.0%}, averaging {split.averaging:.0%}")
 

@@ -74,7 +74,8 @@ def messy(textures, tmp_path):
 def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path):
     train, val = messy
     unreadable_expected = os.geteuid() != 0  # root reads a mode-000 file anyway
-    run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--epochs", "2",
+    run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--image-size", "32",
+            "--epochs", "2",
             "--out", str(tmp_path / "run"), "--quiet", env=DELETED)
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed"
@@ -92,7 +93,8 @@ def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path
 
 def test_too_many_bad_files_stop_the_run_with_a_clear_error(messy, tmp_path):
     train, val = messy
-    result = run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--epochs", "1",
+    result = run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--image-size", "32",
+                     "--epochs", "1",
                      "--max-bad-fraction", "0.01", "--out", str(tmp_path / "run"), "--quiet", check=False)
     summary = read_summary(tmp_path / "run")
     assert result.returncode == 1 and summary["status"] == "failed"

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.timeout(240)
 
 def train_args(textures, out, *extra):
     train, val = textures
-    return ["train", "--data", str(train), "--val", str(val), "--batch-size", "8", "--out", str(out),
-            "--quiet", *extra]
+    return ["train", "--data", str(train), "--val", str(val), "--batch-size", "8", "--image-size", "32", "--out",
+            str(out), "--quiet", *extra]
 
 
 def fault(spec, once_dir=None):

@@ -39,7 +39,8 @@ def launch_machines(textures, out, *extra, env=None, nodes=2, per_node=None):
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", "1",
          "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
          "-m", "stoker", "train", "--data", str(train), "--val", str(val), "--devices", "cpu:1",
-         "--batch-size", "8", "--epochs", "2", "--seed", "4", "--out", str(out), "--quiet", "--report", "false",
+         "--batch-size", "8", "--image-size", "32", "--epochs", "2", "--seed", "4", "--out", str(out), "--quiet",
+         "--report", "false",
          *extra, *(per_node or {}).get(node, ())], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=environment, preexec_fn=_one_core(node)) for node in range(nodes)]
     results = []
@@ -75,6 +76,7 @@ def test_two_machines_train_like_one_with_as_many_consumers_and_every_sample_onc
     assert (two_machines / "metrics-node1.jsonl").exists()  # every machine logs; only the first summarizes
     train, val = textures
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
+            "--image-size", "32",
             "--epochs", "2", "--seed", "4", "--out", str(tmp_path / "one"), "--quiet")
     assert_same_weights(two_machines, tmp_path / "one")
 

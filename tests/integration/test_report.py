@@ -44,7 +44,7 @@ def test_large_averaging_cost_is_called_sync_bound_with_a_suggestion(textures, t
           env={"STOKER_SIMULATED_PARAMS": "30000000"})
     verdict = read_summary(tmp_path)["verdict"]
     assert verdict["kind"] == "sync-bound", verdict
-    assert "try --sync-every" in verdict["text"]
+    assert "try --sync-every" in verdict["text"] and "or --overlap-averaging true" in verdict["text"]
 
 
 def test_output_without_a_terminal_is_plain_lines_with_the_verdict(slow_input_run):

@@ -30,7 +30,8 @@ DESIGN_FIELDS = {
 def test_every_sample_exactly_once(textures, tmp_path, producers, consumers):
     train, val = textures
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", f"cpu:{consumers}",
-            "--producers", str(producers), "--batch-size", "16", "--epochs", "2", "--out", str(tmp_path),
+            "--producers", str(producers), "--batch-size", "16", "--image-size", "32", "--epochs", "2", "--out",
+            str(tmp_path),
             "--quiet")
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed"
@@ -47,7 +48,8 @@ def test_same_seed_same_weights_whatever_the_number_of_producers(textures, tmp_p
     for producers in (1, 3):
         out = tmp_path / f"m{producers}"
         run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers",
-                str(producers), "--batch-size", "8", "--epochs", "1", "--seed", "7", "--out", str(out), "--quiet")
+                str(producers), "--batch-size", "8", "--image-size", "32", "--epochs", "1", "--seed", "7", "--out",
+                str(out), "--quiet")
         weights.append(torch.load(out / "model.pt", weights_only=True))
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
@@ -57,7 +59,7 @@ def test_same_seed_same_weights_whatever_the_number_of_producers(textures, tmp_p
 def test_replicas_identical_after_every_averaging(textures, tmp_path):
     train, val = textures
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
-            "--epochs", "1", "--check-replicas-every", "1", "--out", str(tmp_path), "--quiet")
+            "--image-size", "32", "--epochs", "1", "--check-replicas-every", "1", "--out", str(tmp_path), "--quiet")
     summary = read_summary(tmp_path)
     checks = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"replica_check"' in line]
     assert summary["replicas_identical"] is True
@@ -131,7 +133,7 @@ def test_learns_handwritten_digits(digits, tmp_path, overlap):
 
 def test_python_api_trains_and_checkpoint_loads_into_the_model(textures, tmp_path):
     train, val = textures
-    summary = stoker.train(data=train, val=val, devices="cpu:1", producers=2, epochs=1, batch_size=16,
+    summary = stoker.train(data=train, val=val, devices="cpu:1", producers=2, epochs=1, batch_size=16, image_size=32,
                            out=tmp_path, show_progress=False)
     assert summary["status"] == "completed"
     model = build_model("resnet8", 10)
@@ -142,7 +144,8 @@ def test_python_api_trains_and_checkpoint_loads_into_the_model(textures, tmp_pat
 def test_local_sgd_every_h_steps_ends_with_identical_replicas(textures, tmp_path):
     train, val = textures
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--batch-size", "8",
-            "--epochs", "1", "--sync-every", "3", "--check-replicas-every", "3", "--out", str(tmp_path), "--quiet")
+            "--image-size", "32", "--epochs", "1", "--sync-every", "3", "--check-replicas-every", "3", "--out",
+            str(tmp_path), "--quiet")
     summary = read_summary(tmp_path)
     checks = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"replica_check"' in line]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -154,8 +157,8 @@ def test_local_sgd_every_h_steps_ends_with_identical_replicas(textures, tmp_path
 
 def _final_weights(textures, out, **settings):
     train, val = textures
-    summary = stoker.train(data=train, val=val, devices="cpu:2", batch_size=8, epochs=1, sync_every=3, seed=3,
-                           out=out, show_progress=False, report=False, **settings)
+    summary = stoker.train(data=train, val=val, devices="cpu:2", batch_size=8, image_size=32, epochs=1, sync_every=3,
+                           seed=3, out=out, show_progress=False, report=False, **settings)
     assert summary["status"] == "completed" and summary["replicas_identical"] is True
     return torch.load(out / "model.pt", weights_only=True)
 
