@@ -291,8 +291,8 @@ class Controller:
         on several, the furthest row any machine started once it heard of the interrupt (`StopAgreement`)."""
         agreement = self.agreement
         if agreement is None:
-            if self.interrupted and not self.finishing:
-                self.stopping = True
+            self.stopping = self.interrupted
+            if self.stopping and not self.finishing:
                 self.scheduler.cut()
             return
         if self.interrupted:
