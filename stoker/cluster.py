@@ -121,7 +121,7 @@ class StopAgreement:
         self.store = dist.PrefixStore("stoker-stop/", store)
         self.row: int | None = None  # the row every machine stops after, once agreed
         self._requested = False
-        self._posted = False
+        self.posted = False  # this machine's row is in the store
         self._next_poll = 0.0
 
     @classmethod
@@ -143,13 +143,9 @@ class StopAgreement:
             self._requested = self._check(["requested"])
         return self._requested
 
-    @property
-    def posted(self) -> bool:
-        return self._posted
-
     def post(self, row: int) -> None:
         self._set(f"row/{self.cluster.node}", str(row))
-        self._posted = True
+        self.posted = True
 
     @property
     def waiting(self) -> bool:

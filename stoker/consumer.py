@@ -321,18 +321,17 @@ class DeviceLoader:
         count = int(self.ring.counts[slot])
         ids = self.ring.ids[slot, :count].copy()
         labels = torch.from_numpy(self.ring.labels[slot, :count].copy())
-        pixels = torch.from_numpy(self.ring.images[slot, :count])
+        pixels = self.ring.images[slot, :count]
         if self.staging is not None:
             host = self.staging[:count]
-            np.copyto(host.numpy(), self.ring.images[slot, :count])  # beat Tensor.copy_ in bench pipeline --transport
+            np.copyto(host.numpy(), pixels)  # beat Tensor.copy_ in bench pipeline --transport
             outbox.send(SlotFree(slot))
-            images = host.to(self.device, non_blocking=True)
+            images = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
             labels = labels.to(self.device, non_blocking=True)
         else:
-            images = pixels.permute(0, 3, 1, 2).float()  # the copy out of the slot, into NCHW float
+            images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()  # the copy out of the slot, NCHW float
             outbox.send(SlotFree(slot))
-            return images.sub_(self.mean).mul_(self.inv_std), labels, ids
-        return images.permute(0, 3, 1, 2).float().sub_(self.mean).mul_(self.inv_std), labels, ids
+        return images.sub_(self.mean).mul_(self.inv_std), labels, ids
 
 
 def _next_message(ready, stop, watch: ParentWatch):

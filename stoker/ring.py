@@ -87,9 +87,7 @@ class SlotRing:
         ring = cls(spec, segment, owner=True)
         if _map_every_page(segment) in (errno.EFAULT, errno.ENOMEM):
             ring.close()
-            raise ValueError(f"/dev/shm could not hold the {spec.nbytes / 2**20:.0f} MiB batch slot ring; raise it "
-                             f"(docker run --shm-size={_suggest(spec.nbytes)} or --ipc=host) or lower --batch-size, "
-                             "--image-size or slots_per_consumer")
+            raise _too_small(spec.nbytes, f"{SHM_DIR} could not allocate it")
         ring.status[:] = -1
         return ring
 
@@ -133,11 +131,14 @@ def check_shm_space(needed: int) -> None:
         return
     free = shutil.disk_usage(SHM_DIR).free
     if free < needed:
-        raise ValueError(
-            f"the batch slot ring needs {needed / 2**20:.0f} MiB of shared memory but {SHM_DIR} has "
-            f"{free / 2**20:.0f} MiB free; raise it (docker run --shm-size={_suggest(needed)} or --ipc=host) "
-            "or lower --batch-size, --image-size or slots_per_consumer"
-        )
+        raise _too_small(needed, f"{SHM_DIR} has {free / 2**20:.0f} MiB free")
+
+
+def _too_small(needed: int, situation: str) -> ValueError:
+    """The one message for a /dev/shm that cannot hold the ring: what it needs, and how to give it that."""
+    return ValueError(f"the batch slot ring needs {needed / 2**20:.0f} MiB of shared memory but {situation}; raise "
+                      f"it (docker run --shm-size={_suggest(needed)} or --ipc=host) or lower --batch-size, "
+                      "--image-size or slots_per_consumer")
 
 
 def _suggest(needed: int) -> str:
