@@ -10,7 +10,8 @@ CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test bench install clean
 
-demo: $(VENV)/.installed
+demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
+	rm -rf runs/demo
 	$(VENV)/bin/stoker train --out runs/demo
 
 test: $(VENV)/.installed

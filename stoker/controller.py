@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stoker import checkpoint, cluster
+from stoker import checkpoint, cluster, rundir
 from stoker.autoscale import Autoscaler, Window
 from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
@@ -77,6 +77,8 @@ class Controller:
         self._ring_bytes_check()
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or default_run_dir())
+        if config.resume is None:
+            rundir.check_new_run_dir(self.run_dir)
         cluster.join_controllers(self.cluster, config.collective_timeout_s)
         cluster.check_same_settings(self.cluster, self._shared_settings())
         self.start_at, self.resume_from = self._resume_point()
@@ -97,13 +99,13 @@ class Controller:
         found = None
         if self.cluster.leader:
             try:
-                folder, meta = checkpoint.newest_valid(self.config.resume)
+                folder, meta = rundir.newest_checkpoint(self.config.resume)
                 found = (folder, meta["position"], meta["num_consumers"], None)
-            except checkpoint.CheckpointError as error:
+            except rundir.RunDirError as error:
                 found = (None, None, None, str(error))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
         if error is not None:
-            raise checkpoint.CheckpointError(error)
+            raise rundir.RunDirError(error)
         if consumers != self.cluster.world:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
