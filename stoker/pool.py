@@ -60,8 +60,16 @@ class ProducerPool:
     def active(self) -> list[Handle]:
         return [h for h in self.handles.values() if not h.retiring]
 
-    def grow(self) -> int:
-        producer = min(set(range(self.capacity)) - set(self.handles))
+    def grow(self) -> int | None:
+        """Start a producer in a free status row; None when every row is held (a retiring producer keeps its row
+        until it has exited and been reaped, while the autoscaler counts only active ones): ask again later."""
+        self._reap_retired()
+        free = set(range(self.capacity)) - set(self.handles)
+        if not free:
+            log.info("no producer row free while %d producer(s) retire; not growing now",
+                     len(self.handles) - len(self.active))
+            return None
+        producer = min(free)
         self.ring.status[producer] = (STATUS_IDLE, 0, time.monotonic_ns())
         tasks = CONTEXT.Queue(MAX_IN_FLIGHT + 1)
         outbox = self.mailbox.open()
@@ -101,18 +109,23 @@ class ProducerPool:
         """Reap retired producers; report dead or hung ones with the tasks they held."""
         losses = []
         now = time.monotonic_ns()
+        self._reap_retired()
         for handle in list(self.handles.values()):
             process = handle.process
-            if not process.is_alive() and handle.retiring and not handle.in_flight:
-                process.join()
-                del self.handles[handle.producer]
-            elif not process.is_alive():
+            if not process.is_alive():
                 losses.append(self._lose(handle, describe_exit(process), process.exitcode in _EXTERNAL_SIGNALS))
             elif self._hung(handle, now):
                 process.kill()
                 process.join(timeout=5)
                 losses.append(self._lose(handle, f"hung for over {self.hang_timeout_s:.0f} s", False))
         return losses
+
+    def _reap_retired(self) -> None:
+        """Free the rows of retired producers that finished their work and exited."""
+        for handle in list(self.handles.values()):
+            if handle.retiring and not handle.in_flight and not handle.process.is_alive():
+                handle.process.join()
+                del self.handles[handle.producer]
 
     def _hung(self, handle: Handle, now: int) -> bool:
         task_id, _, beat = self.ring.status[handle.producer]

@@ -47,3 +47,33 @@ def test_resume_with_no_valid_checkpoint_is_a_clear_error(finished_run, tmp_path
     assert result.returncode == 2
     assert "no valid checkpoint" in result.stderr and "nothing to resume from" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_path):
+    """At the budget, the autoscaler retires one producer (it counts only active ones) and then asks for one
+    more: the retiring producer still holds its status row until it exits, so there is none free yet."""
+    import numpy as np
+
+    from stoker.pool import ProducerPool
+    from stoker.procs import CONTEXT, Mailbox
+    from stoker.producer import ProducerSetup, Source
+    from stoker.ring import SlotRing
+
+    ring = SlotRing.create(num_slots=2, batch_size=2, image_size=8, num_status=2)
+    mailbox, stop = Mailbox(), CONTEXT.Event()
+    setup = ProducerSetup(ring.spec, Source(("none.jpg",), np.zeros(1, np.int64)), None, "none", 0)
+    pool = ProducerPool(setup, ring, mailbox, stop, capacity=2, hang_timeout_s=60)
+    try:
+        assert [pool.grow(), pool.grow()] == [0, 1]
+        assert pool.shrink()
+        retiring = next(h for h in pool.handles.values() if h.retiring)
+        assert pool.grow() is None  # not a ValueError out of the controller
+        assert len(pool.active) == 1
+        retiring.process.join(timeout=30)
+        assert pool.grow() == retiring.producer  # its row, once it has exited
+        assert len(pool.active) == 2
+    finally:
+        stop.set()
+        pool.close()
+        mailbox.close()
+        ring.close()
