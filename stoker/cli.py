@@ -119,6 +119,9 @@ def train_command(args: argparse.Namespace) -> int:
     except ValueError as error:  # ConfigError and every other user error found before a process starts
         print(f"stoker: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except KeyboardInterrupt:  # Ctrl-C while indexing the data: nothing started yet, nothing to clean up
+        print("stoker: interrupted before training started", file=sys.stderr)
+        return 130
     summary = controller.run()
     shown = {k: v for k, v in summary.items() if k not in ("skipped_files", "producers_timeline")}
     print(json.dumps(shown, indent=2, default=str))

@@ -63,7 +63,9 @@ class TrainConfig:
     slots_per_consumer: int = Field(4, ge=2, le=64)
     check_replicas_every: int = Field(0, ge=0)
     collective_timeout_s: float = Field(60.0, gt=0)
-    producer_timeout_s: float = Field(60.0, gt=0)
+    # A third of the collective timeout: a hung file is detected, its batch rebuilt and the waiting rank trained
+    # while its peers still wait in the averaging collective (at equal timeouts they gave up first).
+    producer_timeout_s: float = Field(20.0, gt=0)
     max_bad_fraction: float = Field(0.1, ge=0.0, le=1.0)
     log_every_s: float = Field(10.0, gt=0)
     report: bool = True

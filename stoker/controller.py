@@ -9,7 +9,6 @@ import datetime
 import json
 import logging
 import os
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stoker import checkpoint, cluster, rundir
+from stoker import checkpoint, cluster, faults, rundir
 from stoker.autoscale import Autoscaler, Window
 from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
@@ -29,10 +28,11 @@ from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Sa
 from stoker.dataset import ImageIndex, scan_image_folder, split_validation
 from stoker.devices import resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.lifecycle import Interrupted, Lifecycle
 from stoker.metrics import MetricsLog, RunStats
 from stoker.models import check_model
 from stoker.plan import EpochPlan
-from stoker.pool import ProducerPool
+from stoker.pool import ProducerPool, check_hang_timeout
 from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
                           stop_processes)
 from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
@@ -44,10 +44,6 @@ log = logging.getLogger(__name__)
 
 SCALE_WINDOW_S = 1.0
 KEEP_CHECKPOINTS = 3
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM: checkpoint, write the summary with status 'interrupted', exit."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,7 @@ class Controller:
         self.num_slots = config.slots_per_consumer * self.num_consumers
         self.budget = config.producers if config.producers != "auto" else config.producer_budget
         self._ring_bytes_check()
+        check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or default_run_dir())
         if config.resume is None:
@@ -140,7 +137,7 @@ class Controller:
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
         self.split: TimeSplit | None = None  # the latest window's, for the live view
         self.last_queue_fill = 0.0
-        self.interrupted = False  # a signal arrived here
+        self.lifecycle = Lifecycle()  # what a signal means now; `lifecycle.interrupted`: one arrived here
         self.stopping = False  # stopping early: this machine or another one was interrupted
         self.finishing = False
         self.closed = False
@@ -148,6 +145,10 @@ class Controller:
     # ---- the run -----------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        with self.lifecycle.handling_signals():
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         name_process("stoker controller")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())  # every machine: `--resume` reads it
@@ -157,7 +158,6 @@ class Controller:
                                   append=self.config.resume is not None)
         self.started = time.monotonic()
         status, error, forced = "completed", None, False
-        previous = _install_signal_handlers(self._on_signal)
         try:
             self._start()
             self._loop()
@@ -165,11 +165,12 @@ class Controller:
                 status = "interrupted"
         except Interrupted:
             status, forced = "interrupted", True
+            self.lifecycle.stop_now()
         except (StokerRunError, OSError) as failure:
             status, error = "failed", str(failure)
             log.error("run failed: %s", failure)
         finally:
-            _restore_signal_handlers(previous)
+            self.lifecycle.closing()
             self.close()
         if self.cluster.multi and status != "failed" and not forced:
             error = self._gather_machines()
@@ -181,7 +182,8 @@ class Controller:
         if self.cluster.leader:
             write_json(self.run_dir / "summary.json", summary)
             if self.config.report:
-                self._write_report()
+                with self.lifecycle.reporting():
+                    self._write_report()
         return summary
 
     def _gather_machines(self) -> str | None:
@@ -201,16 +203,10 @@ class Controller:
         from stoker.report import write_report
 
         try:
+            faults.maybe_inject("controller", "drawing the report")
             log.info("%s", write_report(self.run_dir).replace("\n", "\n    "))
         except Exception as error:  # the run itself is done and saved; a report that cannot be drawn is not fatal
             log.warning("could not draw the run report: %s: %s", type(error).__name__, error)
-
-    def _on_signal(self, signum: int, _frame) -> None:
-        if self.interrupted:
-            raise Interrupted  # a second signal: stop now, the last committed checkpoint stands
-        log.warning("%s: finishing the current step, saving a checkpoint and stopping (again to force)",
-                    signal.Signals(signum).name)
-        self.interrupted = True
 
     def _start(self) -> None:
         sweep_dead_segments()
@@ -229,6 +225,7 @@ class Controller:
         auto = self.config.producers == "auto"
         self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if auto else None
         self._start_consumers()
+        faults.maybe_inject("controller", "consumers started")
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
         self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
@@ -293,11 +290,11 @@ class Controller:
         on several, the furthest row any machine started once it heard of the interrupt (`StopAgreement`)."""
         agreement = self.agreement
         if agreement is None:
-            self.stopping = self.interrupted
+            self.stopping = self.lifecycle.interrupted
             if self.stopping and not self.finishing:
                 self.scheduler.cut()
             return
-        if self.interrupted:
+        if self.lifecycle.interrupted:
             agreement.request()
         elif not agreement.requested():
             return
@@ -539,6 +536,7 @@ class Controller:
         if self.pool is not None:
             self.pool.close()
         stop_processes(self.consumers, timeout_s=10.0)
+        stop_processes(CONTEXT.active_children(), timeout_s=5.0)  # one a signal caught between start and record
         for channel in self.ready_queues:
             channel.cancel_join_thread()
             channel.close()
@@ -634,17 +632,3 @@ def write_json(path: Path, payload: dict[str, Any]) -> None:
     temporary.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     os.replace(temporary, path)
 
-
-def _install_signal_handlers(handler) -> dict[int, Any]:
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        try:
-            previous[signum] = signal.signal(signum, handler)
-        except ValueError:  # not the main thread: the caller handles signals
-            pass
-    return previous
-
-
-def _restore_signal_handlers(previous: dict[int, Any]) -> None:
-    for signum, handler in previous.items():
-        signal.signal(signum, handler)

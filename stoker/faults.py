@@ -4,8 +4,10 @@ STOKER_FAULT="ROLE:ACTION:MATCH", for example "producer:segfault:broken_7.jpg" (
 reaches a file whose path contains broken_7.jpg) or "consumer:sigkill:rank=1,step=5;" (consumer 1 is killed at
 step 5, just before the averaging collective), "producer:delete:cat_3.jpg" (the file is deleted just before it
 is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
-full disk). With STOKER_FAULT_ONCE=FILE the fault fires in the first process
-that reaches it only (the one that creates FILE). Unset, every hook is a dictionary lookup and nothing more.
+full disk); "controller:term-self:closing" sends SIGTERM to the controller from its own shutdown, and
+"consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group. Several faults: join them with "|".
+With STOKER_FAULT_ONCE=FILE the fault fires in the first process that reaches it only (the one that creates FILE).
+Unset, every hook is a dictionary lookup and nothing more.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
 ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc",
-           "sigkill-mid-message")
+           "sigkill-mid-message", "term-self", "interrupt-group", "term-group")
 
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
@@ -37,9 +39,10 @@ def maybe_inject(role: str, where: str, channel=None) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    fault_role, action, match = spec.split(":", 2)
-    if fault_role == role and match in where and _first_time():
-        _act(action, where, channel)
+    for one in spec.split("|"):  # several faults: "consumer:interrupt-parent:...|controller:term-self:..."
+        fault_role, action, match = one.split(":", 2)
+        if fault_role == role and match in where and _first_time():
+            _act(action, where, channel)
 
 
 def _first_time() -> bool:
@@ -66,6 +69,10 @@ def _act(action: str, where: str, channel) -> None:
             time.sleep(3600)
     elif action == "interrupt-parent":
         os.kill(os.getppid(), signal.SIGINT)
+    elif action == "term-self":  # SIGTERM: a shell's background job ignores SIGINT, never SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif action in ("interrupt-group", "term-group"):  # as Ctrl-C, or `kill -TERM -PGID` (scancel, docker stop)
+        os.killpg(os.getpgrp(), signal.SIGINT if action == "interrupt-group" else signal.SIGTERM)
     elif action == "kill-parent":
         os.kill(os.getppid(), signal.SIGKILL)
     elif action == "delete":

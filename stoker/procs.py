@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 CONTEXT = mp.get_context("spawn")
 POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1
+CHILD_IGNORES = {signal.SIGINT, signal.SIGTERM}
 
 
 def name_process(title: str) -> None:
@@ -45,10 +46,11 @@ def stoker_processes() -> list[tuple[int, str]]:
 
 
 def exit_with_parent() -> None:
-    """Ask the kernel for SIGTERM when the controller dies, on Linux; `ParentWatch` covers the rest."""
+    """Ask the kernel for SIGKILL when the controller dies, on Linux; `ParentWatch` covers the rest. SIGKILL, not
+    SIGTERM: children never take SIGTERM (see `start`), and a killed controller leaves nothing for them to finish."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
 
@@ -117,24 +119,36 @@ class Mailbox:
 
 
 def start(target, args: tuple, title: str) -> BaseProcess:
+    """Start a child that never sees SIGINT or SIGTERM: Ctrl-C and a scheduler's SIGTERM reach the whole process
+    group, and only the controller decides what they mean (checkpoint, then stop every child itself). The signals
+    are blocked from before the fork, so even a child still importing torch is safe; the mask survives exec and
+    the child keeps it (as CPython's resource tracker does). The controller's own signals wait, not lost, until
+    the child is started."""
     process = CONTEXT.Process(target=target, args=args, name=title, daemon=True)
-    process.start()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_IGNORES)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     return process
 
 
 def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:
-    """Join with a shared deadline, then terminate, then kill: no child outlives this call."""
+    """Join with a shared deadline, then kill (children do not take SIGTERM): no child outlives this call."""
     for process in processes:
         process.join(timeout=max(0.0, timeout_s / max(1, len(processes))))
     for process in processes:
         if process.is_alive():
-            log.warning("%s (pid %s) did not stop in time; terminating it", process.name, process.pid)
-            process.terminate()
-    for process in processes:
-        process.join(timeout=2.0)
-        if process.is_alive():
+            log.warning("%s (pid %s) did not stop in time; killing it", process.name, process.pid)
             process.kill()
             process.join(timeout=2.0)
+
+
+def kill_children() -> None:
+    """Every child still alive, at once: a second signal during shutdown means stop now. Checkpoints are atomic,
+    so a consumer killed while writing one leaves the previous one standing."""
+    for process in CONTEXT.active_children():
+        process.kill()
 
 
 def describe_exit(process: BaseProcess) -> str:

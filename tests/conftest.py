@@ -64,14 +64,15 @@ def digits(tmp_path_factory) -> tuple[Path, Path]:
     return folder / "train", folder / "val"
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True
-            ) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True,
+            new_session: bool = False) -> subprocess.CompletedProcess:
+    """`new_session`: the CLI leads its own process group, which a fault may then signal as a whole."""
     environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    **(env or {})}
     if args[:1] == ("train",) and "--report" not in args:
         args = (*args, "--report", "false")  # drawing takes 2 s a run; tests/integration/test_report.py draws
     result = subprocess.run([sys.executable, "-m", "stoker", *args], capture_output=True, text=True,
-                            timeout=timeout, env=environment)
+                            timeout=timeout, env=environment, start_new_session=new_session)
     if check and result.returncode != 0:
         raise AssertionError(f"stoker {' '.join(args)} exited {result.returncode}:\n{result.stderr[-4000:]}")
     return result

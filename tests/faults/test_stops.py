@@ -77,3 +77,80 @@ def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_pa
         pool.close()
         mailbox.close()
         ring.close()
+
+
+def run_in_own_group(*args, env):
+    """The CLI as a session leader, so a fault can signal its whole process group (as scancel or docker stop
+    do) without reaching pytest."""
+    return run_cli(*args, env=env, check=False, new_session=True)
+
+
+def assert_interrupted_with_a_checkpoint(result, run_dir):
+    summary = read_summary(run_dir)
+    assert result.returncode == 130, result.stderr[-3000:]
+    assert summary["status"] == "interrupted", summary.get("error")
+    assert summary["checkpoint"] is not None and (run_dir / "checkpoints").is_dir()
+    assert "Traceback" not in result.stderr
+    return summary
+
+
+def test_sigterm_to_the_whole_process_group_ends_interrupted_with_a_checkpoint(textures, tmp_path):
+    """Every child gets the SIGTERM too, at the same moment as the controller: none may die of it."""
+    run_dir = tmp_path / "run"
+    result = run_in_own_group(*train_args(textures, run_dir, "--devices", "cpu:2", "--producers", "2",
+                                          "--epochs", "2"), env=fault("consumer:term-group:rank=1,step=3;"))
+    summary = assert_interrupted_with_a_checkpoint(result, run_dir)
+    assert "SIGTERM" in result.stderr
+    assert 3 <= int(summary["checkpoint"].rsplit("_", 1)[1]) < 16
+    run_cli("train", "--resume", str(run_dir), "--quiet")
+    assert read_summary(run_dir)["status"] == "completed"
+
+
+def test_ctrl_c_while_consumers_are_still_starting_ends_interrupted(textures, tmp_path):
+    """SIGINT to the whole group right after the consumers were started, while they still import torch."""
+    run_dir = tmp_path / "run"
+    result = run_in_own_group(*train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "2"),
+                              env=fault("controller:interrupt-group:consumers started"))
+    summary = assert_interrupted_with_a_checkpoint(result, run_dir)
+    assert summary["steps"] == 0
+
+
+def test_a_second_signal_during_shutdown_still_writes_the_summary_and_leaves_nothing(textures, tmp_path):
+    """The first signal stops training; the second arrives while the controller stops its processes."""
+    run_dir = tmp_path / "run"
+    result = run_cli(*train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "2"),
+                     env=fault("consumer:interrupt-parent:rank=0,step=3;|controller:term-self:closing"),
+                     check=False)
+    assert_interrupted_with_a_checkpoint(result, run_dir)
+    assert "stopping every process now" in result.stderr
+
+
+def test_a_signal_while_the_report_is_drawn_keeps_the_run_completed(textures, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli(*train_args(textures, run_dir, "--epochs", "1", "--report", "true"),
+                     env=fault("controller:term-self:drawing the report"), check=False)
+    summary = read_summary(run_dir)
+    assert result.returncode == 0 and summary["status"] == "completed"
+    assert (run_dir / "model.pt").exists()
+    assert "report skipped" in result.stderr and "Traceback" not in result.stderr
+    assert not (run_dir / "report.png").exists()
+
+
+def test_a_hung_producer_with_two_consumers_at_default_timeouts_is_recovered(textures, tmp_path):
+    """The rank whose batch hangs keeps its peer waiting in the averaging collective. At the default timeouts,
+    both scaled by one factor to keep the test short, the file is skipped before the peer gives up."""
+    from stoker.config import TrainConfig
+
+    defaults = TrainConfig()
+    scale = 0.2
+    victim = "train/7_blobs/00001.jpg"
+    run_dir = tmp_path / "run"
+    run_cli(*train_args(textures, run_dir, "--devices", "cpu:2", "--producers", "2", "--epochs", "1",
+                        "--producer-timeout-s", str(defaults.producer_timeout_s * scale),
+                        "--collective-timeout-s", str(defaults.collective_timeout_s * scale)),
+            env=fault(f"producer:hang:{victim}"))
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed"
+    [skipped] = summary["skipped_files"]
+    assert skipped["path"].endswith(victim) and "hung" in skipped["reason"]
+    assert summary["samples_consumed"] == [119]
