@@ -138,19 +138,25 @@ def test_a_signal_while_the_report_is_drawn_keeps_the_run_completed(textures, tm
 
 def test_a_hung_producer_with_two_consumers_at_default_timeouts_is_recovered(textures, tmp_path):
     """The rank whose batch hangs keeps its peer waiting in the averaging collective. At the default timeouts,
-    both scaled by one factor to keep the test short, the file is skipped before the peer gives up."""
+    both scaled by one factor to keep the test short, the file is skipped before the peer gives up. The file is in
+    rank 1's step 4, so rank 0 is already in that step's collective (at step 0 both would still wait for input),
+    and two slots per consumer keep rank 0 from being far behind the hang."""
     from stoker.config import TrainConfig
+    from stoker.dataset import scan_image_folder
+    from stoker.plan import EpochPlan
 
-    defaults = TrainConfig()
-    scale = 0.2
-    victim = "train/7_blobs/00001.jpg"
+    train, val = textures
+    paths = scan_image_folder(train).paths
+    victim = paths[EpochPlan(len(paths), 40, 8, 2, seed=0).train_work(0, 4, 1).sample_ids[0]]
+    defaults, scale = TrainConfig(), 0.2
     run_dir = tmp_path / "run"
     run_cli(*train_args(textures, run_dir, "--devices", "cpu:2", "--producers", "2", "--epochs", "1",
+                        "--slots-per-consumer", "2", "--seed", "0",
                         "--producer-timeout-s", str(defaults.producer_timeout_s * scale),
                         "--collective-timeout-s", str(defaults.collective_timeout_s * scale)),
             env=fault(f"producer:hang:{victim}"))
     summary = read_summary(run_dir)
     assert summary["status"] == "completed"
     [skipped] = summary["skipped_files"]
-    assert skipped["path"].endswith(victim) and "hung" in skipped["reason"]
+    assert skipped["path"] == victim and "hung" in skipped["reason"]
     assert summary["samples_consumed"] == [119]
