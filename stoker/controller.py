@@ -39,6 +39,7 @@ from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDon
 from stoker.progress import ProgressView, Snapshot
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
+from stoker.summary import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ class Controller:
         self.mailbox = Mailbox()
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
+        self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
+        if self.resume_from is not None:
+            self.ledger.resume(self.resume_from, self.run_dir, self.stats)
         self.tasks: dict[int, Issue] = {}
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}
@@ -358,6 +362,7 @@ class Controller:
             self._task_done(message)
         elif isinstance(message, StepReport):
             self.stats.record_step(message, now)
+            self.ledger.record_step(message)
             window.add(message)
             self.metrics.write("step", **_step_fields(message, self.cluster.first_rank))
             if message.digest is not None:
@@ -423,8 +428,11 @@ class Controller:
         meta = {"position": position.__dict__, "files": files, "num_consumers": self.cluster.world,
                 "config": self.config.as_json(), "classes": list(self.data.train.classes)}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
-        checkpoint.commit(checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True), final,
-                          meta, KEEP_CHECKPOINTS)
+        temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
+        if not self.cluster.multi:  # several machines: the others' accounting reaches this one only at the end
+            name, digest = self.ledger.write_snapshot(self.stats, message.global_step, temporary)
+            files[name] = digest
+        checkpoint.commit(temporary, final, meta, KEEP_CHECKPOINTS)
         self.last_checkpoint = final
         self.metrics.write("checkpoint", path=final, step=message.global_step)
 
@@ -584,7 +592,7 @@ class Controller:
             "start_step": self.start_at.global_step,
             "wall_s": round(time.monotonic() - self.started, 3),
         }
-        return summary
+        return self.ledger.whole_run(summary, self.stats, self.start_at.global_step)
 
 
 @dataclass

@@ -127,6 +127,16 @@ class EpochAccount:
         return np.flatnonzero(self.expected & (self.counts == 0))
 
 
+def accounting_rows(epochs: dict[int, EpochAccount]) -> list[dict[str, int]]:
+    """Exactly-once per epoch: what was consumed, twice, or never (and of that, how much was unusable)."""
+    rows = []
+    for epoch, account in sorted(epochs.items()):
+        never = account.missing_ids()
+        rows.append({"epoch": epoch, "consumed": account.consumed(), "duplicates": account.duplicates(),
+                     "missing": len(never), "missing_unusable": len(set(never.tolist()) & account.skipped_ids)})
+    return rows
+
+
 class RunStats:
     """Consumers report with their rank on this machine; steps and hashes are kept by global rank
     (`first_rank + rank`) so that machines' stats can be merged at the end."""
@@ -252,14 +262,7 @@ class RunStats:
         return sum(c.samples for c in self.consumers) / max(walls)
 
     def epoch_accounting(self) -> list[dict[str, int]]:
-        """Exactly-once per epoch: what was consumed, twice, or never (and of that, how much was unusable)."""
-        rows = []
-        for epoch, account in sorted(self.epochs.items()):
-            never = account.missing_ids()
-            rows.append({"epoch": epoch, "consumed": account.consumed(), "duplicates": account.duplicates(),
-                         "missing": len(never),
-                         "missing_unusable": len(set(never.tolist()) & account.skipped_ids)})
-        return rows
+        return accounting_rows(self.epochs)
 
     def accounting(self) -> dict[str, Any]:
         """Duplicates and missing samples over the run, and how many of the missing were skipped as unusable."""

@@ -132,7 +132,14 @@ def test_interrupt_checkpoints_and_resume_is_bitwise_exact_across_an_epoch_bound
     stopped_at = int(interrupted["checkpoint"].rsplit("_", 1)[1])
     assert 5 < stopped_at < 16  # in epoch 1, before its end: the resume crosses the boundary
     run_cli("train", "--resume", str(split), "--devices", "cpu:2", "--quiet")
-    assert read_summary(split)["start_step"] == stopped_at
+    whole, resumed = read_summary(straight), read_summary(split)
+    assert resumed["start_step"] == stopped_at
+    # the summary describes the whole run: the epoch split by the interrupt still counts every sample once
+    for key in ("status", "epochs", "steps", "samples_consumed", "epoch_accounting", "duplicate_samples",
+                "missing_samples"):
+        assert resumed[key] == whole[key], key
+    assert [(s["start_step"], s["end_step"], s["status"]) for s in resumed["segments"]] == [
+        (0, stopped_at, "interrupted"), (stopped_at, 16, "completed")]
     a = torch.load(straight / "model.pt", weights_only=True)
     b = torch.load(split / "model.pt", weights_only=True)
     for name in a:

@@ -1,0 +1,116 @@
+"""summary.json describes the whole run, not the last process: a resumed run adds its part to the parts before it.
+
+Each checkpoint carries the exactly-once accounting up to its step (`accounting.npz`): rows for the epochs done
+before it, and the acknowledged-id counts of the epoch it splits. The accounting is taken at the checkpoint's
+exact step, not when the checkpoint is committed (consumers may have trained further by then), because a resume
+continues from that step: whatever was trained after it is trained again and must not count twice. A resumed
+run starts from that accounting, so an epoch split by an interrupt still counts every sample once. The time each
+process ran and its throughput are listed per part in `segments`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stoker.checkpoint import write_atomic
+from stoker.consumer import StepReport
+from stoker.metrics import EpochAccount, RunStats, accounting_rows
+
+log = logging.getLogger(__name__)
+
+ACCOUNTING_FILE = "accounting.npz"
+
+
+@dataclass
+class Ledger:
+    """What the parts before this one did (`rows`: accounting of the epochs they finished, `segments`), and the
+    steps this part trained since its last checkpoint, to take the accounting at the next checkpoint's step."""
+
+    steps_per_epoch: int
+    rows: list[dict[str, int]] = field(default_factory=list)
+    train_loss: dict[int, float] = field(default_factory=dict)  # epoch -> mean loss, for the epochs in `rows`
+    skipped: dict[str, str] = field(default_factory=dict)
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    _recent: deque = field(default_factory=deque)  # (global step, epoch, sample ids, loss x count)
+
+    def record_step(self, report: StepReport) -> None:
+        self._recent.append((report.global_step, report.epoch, report.sample_ids, report.loss * report.count))
+
+    def write_snapshot(self, stats: RunStats, global_step: int, folder: Path) -> tuple[str, str]:
+        """Write the accounting at `global_step` into a checkpoint folder; returns (file name, checksum)."""
+        while self._recent and self._recent[0][0] < global_step:
+            self._recent.popleft()  # before this checkpoint: never subtracted again
+        epochs = {e: EpochAccount(a.counts.copy(), a.expected, a.skipped_ids, a.loss_sum)
+                  for e, a in stats.epochs.items()}
+        for _, epoch, ids, loss in self._recent:  # trained after the checkpoint's step: a resume trains it again
+            np.subtract.at(epochs[epoch].counts, ids, 1)
+            epochs[epoch].loss_sum -= loss
+        split_epoch, split_step = divmod(global_step, self.steps_per_epoch)
+        done = {e: a for e, a in epochs.items() if e < split_epoch}
+        rows = self.rows + [row for row in accounting_rows(done) if row["epoch"] not in {r["epoch"] for r in self.rows}]
+        losses = {**self.train_loss, **{e: a.loss_sum / max(1, a.consumed()) for e, a in done.items()}}
+        split = epochs.get(split_epoch) if split_step else None
+        header = {"rows": rows, "train_loss": {str(e): v for e, v in losses.items()},
+                  "skipped": {**self.skipped, **stats.skipped}, "split_epoch": split_epoch if split else None,
+                  "loss_sum": split.loss_sum if split else 0.0}
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, header=np.array(json.dumps(header)),
+                            counts=split.counts if split else np.zeros(0, np.int32),
+                            expected=split.expected if split else np.zeros(0, bool),
+                            skipped_ids=np.array(sorted(split.skipped_ids) if split else [], np.int64))
+        return ACCOUNTING_FILE, write_atomic(folder / ACCOUNTING_FILE, buffer.getvalue())
+
+    def resume(self, checkpoint: Path, run_dir: Path, stats: RunStats) -> None:
+        """Start from a checkpoint's accounting (the split epoch's counts go into `stats`) and the segments of the
+        parts before. A checkpoint written before accounting was kept has none: this part then counts alone."""
+        self.segments = _previous_segments(run_dir)
+        path = checkpoint / ACCOUNTING_FILE
+        if not path.exists():
+            log.warning("%s has no %s: the summary accounts for the resumed part only", checkpoint, ACCOUNTING_FILE)
+            return
+        with np.load(path) as saved:
+            header = json.loads(str(saved["header"]))
+            self.rows = header["rows"]
+            self.train_loss = {int(e): v for e, v in header["train_loss"].items()}
+            self.skipped = header["skipped"]
+            if header["split_epoch"] is not None:
+                stats.epochs[header["split_epoch"]] = EpochAccount(
+                    saved["counts"].copy(), saved["expected"].copy(), set(saved["skipped_ids"].tolist()),
+                    header["loss_sum"])
+
+    def whole_run(self, part: dict[str, Any], stats: RunStats, start_step: int) -> dict[str, Any]:
+        """The summary of this part, with the fields that describe the run made to cover every part."""
+        mine = [row for row in stats.epoch_accounting() if row["epoch"] not in {r["epoch"] for r in self.rows}]
+        rows = sorted(self.rows + mine, key=lambda row: row["epoch"])
+        segment = {"start_step": start_step, "end_step": start_step + part["steps"], "status": part["status"],
+                   "wall_s": part["wall_s"], "throughput_samples_per_s": part["throughput_samples_per_s"]}
+        skipped = {**self.skipped, **stats.skipped}
+        return {**part,
+                "epochs": len(self.rows) + part["epochs"],
+                "steps": start_step + part["steps"],
+                "samples_consumed": [row["consumed"] for row in rows],
+                "duplicate_samples": sum(row["duplicates"] for row in rows),
+                "missing_samples": sum(row["missing"] for row in rows),
+                "missing_samples_skipped_as_unusable": sum(row["missing_unusable"] for row in rows),
+                "epoch_accounting": rows,
+                "skipped_files": [{"path": p, "reason": r} for p, r in skipped.items()],
+                "train_loss": part["train_loss"] if part["train_loss"] is not None
+                              else self.train_loss.get(max(self.train_loss, default=-1)),
+                "segments": [*self.segments, segment],
+                "wall_s": round(sum(s["wall_s"] for s in self.segments) + part["wall_s"], 3)}
+
+
+def _previous_segments(run_dir: Path) -> list[dict[str, Any]]:
+    try:
+        previous = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return []  # the part before was killed before it could write one
+    return previous.get("segments") or []
