@@ -39,7 +39,7 @@ from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDon
 from stoker.progress import ProgressView, Snapshot
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
-from stoker.summary import Ledger
+from stoker.summary import Ledger, exactly_once_breach
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +180,8 @@ class Controller:
             error = self._gather_machines()
             status = "failed" if error else status
         summary = self.summary(status, error)
+        if breach := exactly_once_breach(summary):
+            log.error("%s", breach)
         self.metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
         self.metrics.close()
         cluster.leave_controllers()

@@ -21,7 +21,7 @@ import time
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
 ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc",
-           "sigkill-mid-message", "term-self", "interrupt-group", "term-group")
+           "sigkill-mid-message", "term-self", "interrupt-group", "term-group", "repeat-batch")
 
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
@@ -43,6 +43,19 @@ def maybe_inject(role: str, where: str, channel=None) -> None:
         fault_role, action, match = one.split(":", 2)
         if fault_role == role and match in where and _first_time():
             _act(action, where, channel)
+
+
+def wants(role: str, action: str, where: str) -> bool:
+    """For a fault that changes what a process does instead of what happens to it: "producer-batch:repeat-batch:
+    task=5;" makes the producer of task 5 write the batch it built before again (one batch delivered twice)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return False
+    for one in spec.split("|"):
+        fault_role, fault_action, match = one.split(":", 2)
+        if (fault_role, fault_action) == (role, action) and match in where and _first_time():
+            return True
+    return False
 
 
 def _first_time() -> bool:

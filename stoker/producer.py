@@ -12,7 +12,7 @@ import os
 import queue
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -90,6 +90,7 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
 def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, stop) -> None:
     watch = ParentWatch()
     status = ring.status[producer]
+    previous: Task | None = None
     while not stop.is_set() and not watch.parent_gone():
         status[:] = (STATUS_IDLE, 0, time.monotonic_ns())
         try:
@@ -99,6 +100,9 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, s
         if task is None:
             return
         started = time.perf_counter()
+        if previous is not None and faults.wants("producer-batch", "repeat-batch", f"task={task.task_id};"):
+            task = replace(task, work=previous.work)
+        previous = task
         count, skipped = build_batch(task, setup, ring, status)
         faults.maybe_inject("producer-result", f"task={task.task_id};", outbox)
         outbox.send(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started))

@@ -108,6 +108,19 @@ class Ledger:
                 "wall_s": round(sum(s["wall_s"] for s in self.segments) + part["wall_s"], 3)}
 
 
+def exactly_once_breach(summary: dict[str, Any]) -> str | None:
+    """What a finished run must say when a sample was trained on twice, or never without being unusable."""
+    twice = summary["duplicate_samples"]
+    never = summary["missing_samples"] - summary["missing_samples_skipped_as_unusable"]
+    if summary["status"] != "completed" or not (twice or never):
+        return None
+    epochs = [row["epoch"] for row in summary["epoch_accounting"]
+              if row["duplicates"] or row["missing"] > row["missing_unusable"]]
+    return (f"exactly-once delivery broken: {twice} sample(s) trained on more than once and {never} never (not "
+            f"counting unusable files), in epoch(s) {', '.join(str(e + 1) for e in epochs)}; see epoch_accounting "
+            "in summary.json")
+
+
 def _previous_segments(run_dir: Path) -> list[dict[str, Any]]:
     try:
         previous = json.loads((run_dir / "summary.json").read_text())
