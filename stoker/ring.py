@@ -1,14 +1,17 @@
 """A fixed ring of preallocated batch slots in one shared-memory segment.
 
 Producers write a batch into a slot and send only its id; consumers read it and hand it back. Nothing image-sized
-is pickled, and the ring bounds memory. Only the controller creates and unlinks the segment; its name carries the
-controller's pid so that a later start can remove segments of controllers that died.
+is pickled, and the ring bounds memory. Only the controller creates and unlinks the segment, and holds an
+exclusive `flock` on it while it lives, so that a later start can remove segments of controllers that died: a
+lock is released by the kernel when its holder dies however it dies, and unlike a pid it means the same thing in
+every PID namespace (containers sharing /dev/shm with --ipc=host each have their own pids).
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -67,6 +70,7 @@ class SlotRing:
         self.spec = spec
         self._segment: shared_memory.SharedMemory | None = segment
         self._owner = owner
+        self._lock: int | None = None  # the creator's lock: "alive" for every sweep, in any PID namespace
         offset = 0
         for name, shape, dtype in spec._layout():
             size = int(np.prod(shape)) * dtype.itemsize
@@ -80,11 +84,18 @@ class SlotRing:
 
     @classmethod
     def create(cls, num_slots: int, batch_size: int, image_size: int, num_status: int) -> SlotRing:
-        name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-        spec = RingSpec(name, num_slots, batch_size, image_size, num_status)
-        check_shm_space(spec.nbytes)
-        segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
-        ring = cls(spec, segment, owner=True)
+        for _ in range(3):  # a start's sweep may take the segment between its creation and our lock: rare
+            name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
+            spec = RingSpec(name, num_slots, batch_size, image_size, num_status)
+            check_shm_space(spec.nbytes)
+            segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
+            ring = cls(spec, segment, owner=True)
+            ring._lock = _hold_lock(name)
+            if ring._lock is not None or not os.path.isdir(SHM_DIR):
+                break
+            ring.close()
+        else:
+            raise OSError(f"could not create and lock the batch slot ring in {SHM_DIR}")
         if _map_every_page(segment) in (errno.EFAULT, errno.ENOMEM):
             ring.close()
             raise _too_small(spec.nbytes, f"{SHM_DIR} could not allocate it")
@@ -110,6 +121,9 @@ class SlotRing:
                 segment.unlink()
             except FileNotFoundError:
                 pass
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)
 
 
 def _map_every_page(segment: shared_memory.SharedMemory) -> int:
@@ -145,34 +159,61 @@ def _suggest(needed: int) -> str:
     return f"{max(1, -(-needed * 2 // 2**30))}g"
 
 
+def _hold_lock(name: str) -> int | None:
+    """Lock the segment's file for as long as the descriptor stays open (not inherited: O_CLOEXEC). None when
+    there is no such file (no /dev/shm on this platform, or a sweep removed it before we locked it)."""
+    path = os.path.join(SHM_DIR, name)
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    fcntl.flock(descriptor, fcntl.LOCK_EX)  # waits while a sweep holds it to decide
+    try:
+        if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
+            return descriptor
+    except FileNotFoundError:
+        pass
+    os.close(descriptor)
+    return None
+
+
 def sweep_dead_segments() -> list[str]:
-    """Remove segments whose controller no longer runs (a SIGKILL of the process group kills the tracker too)."""
+    """Remove segments no live controller holds (a SIGKILL of the process group kills the tracker too)."""
     removed = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return removed
     for name in names:
-        match = _NAME_PATTERN.match(name)
-        if match and not _alive(int(match.group(1))):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed.append(name)
-            except OSError as error:
-                log.warning("could not remove stale shared memory %s: %s", name, error)
+        if _NAME_PATTERN.match(name) and _remove_if_unheld(os.path.join(SHM_DIR, name)):
+            removed.append(name)
     if removed:
         log.info("removed %d shared-memory segment(s) of dead runs: %s", len(removed), ", ".join(removed))
     return removed
 
 
-def _alive(pid: int) -> bool:
+def _remove_if_unheld(path: str) -> bool:
+    """Unlink the segment if its lock is free (its controller is gone), deciding while holding that lock."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False  # removed meanwhile, or not ours to open
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # a live controller holds it, in this PID namespace or another
+    except OSError as error:
+        log.warning("could not check stale shared memory %s: %s", path, error)
         return False
-    except PermissionError:
-        return True
-    return True
+    else:
+        try:
+            os.unlink(path)
+            return True
+        except OSError as error:
+            log.warning("could not remove stale shared memory %s: %s", path, error)
+            return False
+    finally:
+        os.close(descriptor)
 
 
 def live_segments(pid: int | None = None) -> list[str]:

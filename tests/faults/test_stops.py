@@ -175,3 +175,37 @@ def test_a_batch_delivered_twice_is_counted_and_reported(textures, tmp_path):
     assert summary["epoch_accounting"] == [{"epoch": 0, "consumed": 120, "duplicates": 8, "missing": 8,
                                             "missing_unusable": 0}]
     assert "exactly-once delivery broken: 8 sample(s) trained on more than once and 8 never" in result.stderr
+
+
+HOLDER = """
+import fcntl, os, sys
+descriptor = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+os.ftruncate(descriptor, 4096)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_the_stale_segment_sweep_keeps_a_segment_a_live_controller_holds_whatever_its_pid():
+    """A controller in another container (another PID namespace, /dev/shm shared with --ipc=host) names its
+    segment with a pid that means nothing here, 999999: only the lock it holds says it is alive."""
+    import os
+    import subprocess
+    import sys
+
+    from stoker.ring import NAME_PREFIX, SHM_DIR, sweep_dead_segments
+
+    name = f"{NAME_PREFIX}999999_cafe0001"
+    path = os.path.join(SHM_DIR, name)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert name not in sweep_dead_segments()
+        assert os.path.exists(path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)
+    assert sweep_dead_segments() == [name]  # its holder is gone: the lock went with it
+    assert not os.path.exists(path)
