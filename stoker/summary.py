@@ -94,7 +94,7 @@ class Ledger:
                    "wall_s": part["wall_s"], "throughput_samples_per_s": part["throughput_samples_per_s"]}
         skipped = {**self.skipped, **stats.skipped}
         return {**part,
-                "epochs": len(self.rows) + part["epochs"],
+                "epochs": start_step // self.steps_per_epoch + part["epochs"],  # the parts before finished those
                 "steps": start_step + part["steps"],
                 "samples_consumed": [row["consumed"] for row in rows],
                 "duplicate_samples": sum(row["duplicates"] for row in rows),
