@@ -422,6 +422,7 @@ class Controller:
         if len(parts) < self.num_consumers:
             return
         del self.pending_saves[message.global_step]
+        self.ledger.checkpointed(message.global_step)
         if not self.cluster.leader:
             return  # the first machine's rank 0 wrote every replica's state
         files = {name: digest for rank_files in parts.values() for name, digest in rank_files.items()}

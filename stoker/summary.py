@@ -44,10 +44,15 @@ class Ledger:
     def record_step(self, report: StepReport) -> None:
         self._recent.append((report.global_step, report.epoch, report.sample_ids, report.loss * report.count))
 
+    def checkpointed(self, global_step: int) -> None:
+        """Steps before a checkpoint are never taken out again: at most the steps between two checkpoints (an
+        epoch at most) are kept."""
+        while self._recent and self._recent[0][0] < global_step:
+            self._recent.popleft()
+
     def write_snapshot(self, stats: RunStats, global_step: int, folder: Path) -> tuple[str, str]:
         """Write the accounting at `global_step` into a checkpoint folder; returns (file name, checksum)."""
-        while self._recent and self._recent[0][0] < global_step:
-            self._recent.popleft()  # before this checkpoint: never subtracted again
+        self.checkpointed(global_step)
         epochs = {e: EpochAccount(a.counts.copy(), a.expected, a.skipped_ids, a.loss_sum)
                   for e, a in stats.epochs.items()}
         for _, epoch, ids, loss in self._recent:  # trained after the checkpoint's step: a resume trains it again
