@@ -28,6 +28,7 @@ CENTER_CROP_FRACTION = 0.875  # resize short side to size/0.875, then center-cro
 SCALE_RANGE = (0.08, 1.0)
 RATIO_RANGE = (3 / 4, 4 / 3)
 JPEG_MAGIC = b"\xff\xd8"
+JPEG_EOI = b"\xff\xd9"  # end of image: a complete JPEG ends with it (entropy-coded data can never hold it)
 
 cv2.setNumThreads(1)  # producers are processes; OpenCV's own thread pool would oversubscribe the cores
 
@@ -118,14 +119,24 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
     # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor.
     min_h = math.ceil(height * out_h / box.height)
     min_w = math.ceil(width * out_w / box.width)
+    # libjpeg-turbo decodes a file cut inside its scan data without error, the missing part grey, and only warns.
+    # A file that ends with EOI is whole: decode it leniently (a stray byte in one block costs one block). One
+    # that does not (cut short, or with a trailer after EOI) must decode without a single warning.
+    whole = data.endswith(JPEG_EOI)
     try:
-        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=False)
+        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=not whole)
     except ValueError as error:
-        raise UnusableImage(f"corrupt JPEG: {error}") from None
+        raise UnusableImage(_jpeg_failure(str(error))) from None
     scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
     scaled = Box(int(box.top * scale_y), int(box.left * scale_x),
                  max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
     resize_box_into(image, scaled, flip, out)
+
+
+def _jpeg_failure(message: str) -> str:
+    if message.startswith("Premature end"):  # libjpeg's JWRN_JPEG_EOF: the data ran out before EOI
+        return f"truncated: {message} (the file ends inside its image data)"
+    return f"corrupt JPEG: {message}"
 
 
 def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
@@ -143,7 +154,8 @@ def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.
     except Image.UnidentifiedImageError:
         raise UnusableImage(f"not an image in a supported format ({', '.join(PILLOW_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as error:
-        raise UnusableImage(f"corrupt image: {error}") from None
+        kind = "truncated" if "truncated" in str(error) else "corrupt image"  # Pillow: "image file is truncated"
+        raise UnusableImage(f"{kind}: {error}") from None
     resize_box_into(pixels, box, flip, out)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -62,6 +63,21 @@ def digits(tmp_path_factory) -> tuple[Path, Path]:
         target.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels, mode="L").resize((32, 32), Image.NEAREST).save(target / f"{index:04d}.png")
     return folder / "train", folder / "val"
+
+
+def photograph_jpeg(index: int, progressive: bool) -> bytes:
+    """One of scikit-learn's two sample photographs (china, flower; 427x640) saved as a baseline or progressive JPEG."""
+    from sklearn.datasets import load_sample_images
+
+    buffer = io.BytesIO()
+    Image.fromarray(load_sample_images().images[index]).save(buffer, "JPEG", quality=90, progressive=progressive)
+    return buffer.getvalue()
+
+
+def scan_data_start(data: bytes) -> int:
+    """Where the entropy-coded data of the first scan begins: after the SOS marker's segment."""
+    sos = data.index(b"\xff\xda")
+    return sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True

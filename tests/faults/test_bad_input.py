@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import read_summary, run_cli
+from tests.conftest import photograph_jpeg, read_summary, run_cli, scan_data_start
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,8 +42,15 @@ ODD_BUT_VALID = {
     "wide.png": lambda: encoded(Image.fromarray(np.full((30, 30), 40000, np.uint16)), "PNG"),
     "really_tiff.jpg": lambda: encoded(picture(10), "TIFF"),
 }
+def cut_in_scan_data(data: bytes, fraction: float) -> bytes:
+    start = scan_data_start(data)
+    return data[:start + int((len(data) - start) * fraction)]
+
+
 UNUSABLE = {
     "truncated.jpg": lambda: encoded(picture(5), "JPEG")[:200],
+    "photo_cut.jpg": lambda: cut_in_scan_data(photograph_jpeg(0, progressive=False), 0.7),
+    "progressive_photo_cut.jpg": lambda: cut_in_scan_data(photograph_jpeg(1, progressive=True), 0.4),
     "truncated.png": lambda: encoded(picture(6), "PNG")[:300],
     "empty.jpg": lambda: b"",
     "noise.jpg": lambda: np.random.default_rng(7).bytes(3000),
@@ -84,6 +91,8 @@ def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path
     assert set(skipped) == expected
     assert "bomb" in skipped["bomb.png"] and "not an image" in skipped["really_pdf.jpg"]
     assert "deleted during the run" in skipped["deleted.jpg"]
+    assert skipped["photo_cut.jpg"].startswith("truncated")
+    assert skipped["progressive_photo_cut.jpg"].startswith("truncated")
     total = 120 + len(ODD_BUT_VALID) + len(UNUSABLE) + 2
     assert summary["samples_expected"] == total
     assert summary["samples_consumed"] == [total - len(expected)] * 2

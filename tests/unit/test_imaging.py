@@ -17,6 +17,7 @@ from scipy import stats
 
 from stoker.imaging import (Box, UnusableImage, center_crop_box, load_into, make_decode_warnings_errors,
                             random_resized_crop_box, resize_box_into)
+from tests.conftest import photograph_jpeg, scan_data_start
 
 make_decode_warnings_errors()
 
@@ -74,7 +75,7 @@ PNG = encode(Image.fromarray(RGB), "PNG")
 @pytest.mark.parametrize("data,reason", [
     (b"", "empty"),
     (JPEG[: len(JPEG) // 3], "JPEG"),
-    (PNG[: len(PNG) // 2], "corrupt"),
+    (PNG[: len(PNG) // 2], "truncated"),
     (np.random.default_rng(1).bytes(5000), "not an image"),
     (encode(Image.fromarray(RGB), "GIF"), "not an image"),
     (b"%PDF-1.4\n1 0 obj << >> endobj\n", "not an image"),
@@ -83,6 +84,32 @@ PNG = encode(Image.fromarray(RGB), "PNG")
 def test_unusable_files_raise_with_a_reason(data, reason):
     with pytest.raises(UnusableImage, match=reason):
         load_into(data, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+@pytest.mark.parametrize("index", [0, 1], ids=["china", "flower"])
+def test_photograph_cut_inside_its_scan_data_is_refused_as_truncated(index, progressive):
+    data = photograph_jpeg(index, progressive)
+    start = scan_data_start(data)
+    for fraction in (0.02, 0.3, 0.6, 0.9, 0.999):
+        cut = start + int((len(data) - 2 - start) * fraction)
+        for augment in ("standard", "none"):  # reduced-size and full-size decodes
+            with pytest.raises(UnusableImage, match="^truncated"):
+                load_into(data[:cut], np.zeros((32, 32, 3), np.uint8), augment, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("trailer", [b"", b"\x00" * 64, b"trailer a camera appended"])
+def test_whole_photograph_decodes_also_with_a_trailer_after_its_end(trailer):
+    out = np.zeros((32, 32, 3), np.uint8)
+    load_into(photograph_jpeg(0, progressive=True) + trailer, out, "none", np.random.default_rng(0))
+    assert out.std() > 5
+
+
+def test_cmyk_jpeg_cut_inside_its_scan_data_is_refused_as_truncated():
+    data = encode(Image.fromarray(photo_like(200, 300, 3)).convert("CMYK"), "JPEG", quality=90)
+    with pytest.raises(UnusableImage, match="^truncated"):
+        load_into(data[:scan_data_start(data) + 2000], np.zeros((32, 32, 3), np.uint8), "none",
+                  np.random.default_rng(0))
 
 
 def test_decompression_bomb_is_refused_from_the_header():
