@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,17 @@ def scan_data_start(data: bytes) -> int:
     """Where the entropy-coded data of the first scan begins: after the SOS marker's segment."""
     sos = data.index(b"\xff\xda")
     return sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+
+
+def forged_png_header(width: int, height: int, bit_depth: int, colour_type: int) -> bytes:
+    """A PNG whose IHDR (with a valid checksum) claims this size and mode, and whose pixel data is tiny."""
+    buffer = io.BytesIO()
+    Image.new("L", (10, 10)).save(buffer, "PNG")
+    data = bytearray(buffer.getvalue())
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    data[24:26] = bytes([bit_depth, colour_type])
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True

@@ -6,13 +6,12 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import photograph_jpeg, read_summary, run_cli, scan_data_start
+from tests.conftest import forged_png_header, photograph_jpeg, read_summary, run_cli, scan_data_start
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,19 +26,13 @@ def encoded(image: Image.Image, fmt: str) -> bytes:
     return buffer.getvalue()
 
 
-def bomb_png() -> bytes:
-    data = bytearray(encoded(Image.new("L", (10, 10)), "PNG"))
-    data[16:24] = (30000).to_bytes(4, "big") * 2
-    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
-    return bytes(data)
-
-
 ODD_BUT_VALID = {
     "cmyk.jpg": lambda: encoded(picture(1).convert("CMYK"), "JPEG"),
     "gray.png": lambda: encoded(picture(2).convert("L"), "PNG"),
     "palette.png": lambda: encoded(picture(3).convert("P"), "PNG"),
     "rgba.png": lambda: encoded(picture(4).convert("RGBA"), "PNG"),
     "wide.png": lambda: encoded(Image.fromarray(np.full((30, 30), 40000, np.uint16)), "PNG"),
+    "wide.tif": lambda: encoded(Image.fromarray(np.full((30, 30), 50000, np.uint16)), "TIFF"),
     "really_tiff.jpg": lambda: encoded(picture(10), "TIFF"),
 }
 def cut_in_scan_data(data: bytes, fraction: float) -> bytes:
@@ -57,7 +50,8 @@ UNUSABLE = {
     "really_gif.jpg": lambda: encoded(picture(8), "GIF"),
     "really_psd.jpg": lambda: b"8BPS\x00\x01" + bytes(100),
     "really_pdf.jpg": lambda: b"%PDF-1.4\n%\xe2\xe3\n1 0 obj<<>>endobj\n",
-    "bomb.png": bomb_png,
+    "bomb.png": lambda: forged_png_header(30000, 30000, bit_depth=8, colour_type=0),
+    "too_large_to_decode.png": lambda: forged_png_header(8000, 7500, bit_depth=16, colour_type=6),
 }
 
 
@@ -89,6 +83,7 @@ def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path
     skipped = {os.path.basename(s["path"]): s["reason"] for s in summary["skipped_files"]}
     expected = set(UNUSABLE) | {"deleted.jpg"} | ({"unreadable.jpg"} if unreadable_expected else set())
     assert set(skipped) == expected
+    assert "too large to decode" in skipped["too_large_to_decode.png"]
     assert "bomb" in skipped["bomb.png"] and "not an image" in skipped["really_pdf.jpg"]
     assert "deleted during the run" in skipped["deleted.jpg"]
     assert skipped["photo_cut.jpg"].startswith("truncated")

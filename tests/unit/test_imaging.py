@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import math
 import random
+import subprocess
+import sys
 import zlib
 
 import cv2
@@ -15,9 +17,9 @@ import simplejpeg
 from PIL import Image
 from scipy import stats
 
-from stoker.imaging import (Box, UnusableImage, center_crop_box, load_into, make_decode_warnings_errors,
-                            random_resized_crop_box, resize_box_into)
-from tests.conftest import photograph_jpeg, scan_data_start
+from stoker.imaging import (MAX_IMAGE_PIXELS, Box, UnusableImage, center_crop_box, load_into,
+                            make_decode_warnings_errors, random_resized_crop_box, resize_box_into, to_rgb_array)
+from tests.conftest import forged_png_header, photograph_jpeg, scan_data_start
 
 make_decode_warnings_errors()
 
@@ -59,6 +61,53 @@ def test_16_bit_png_is_scaled_not_clipped():
     out = np.zeros((16, 16, 3), np.uint8)
     load_into(encode(Image.fromarray(wide), "PNG"), out, "none", np.random.default_rng(0))
     assert out.max() > 200 and out.min() < 50  # a full range of greys, not all 255
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16_bit_grey_is_rounded_to_8_bits_exactly(fmt):
+    every_value = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    with Image.open(io.BytesIO(encode(Image.fromarray(every_value), fmt))) as image:
+        assert image.mode.startswith("I;16")
+        rgb = to_rgb_array(image)
+    expected = np.round(every_value / 257.0).astype(np.uint8)  # v * 255 / 65535, never exactly halfway
+    for channel in range(3):
+        assert np.array_equal(rgb[:, :, channel], expected)
+
+
+PEAK_RSS_OF_ONE_DECODE = """
+import resource, sys
+import numpy as np
+from PIL import Image
+from stoker.imaging import decode_bytes, load_into
+data = open(sys.argv[1], "rb").read()
+out = np.zeros((32, 32, 3), np.uint8)
+with Image.open(sys.argv[1]) as image:
+    estimate = decode_bytes(image)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+load_into(data, out, "standard", np.random.default_rng(0))
+print(estimate, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_16_bit_tiff_decode_stays_within_its_memory_estimate(tmp_path):
+    """A 16-Mpixel 16-bit TIFF (32 MB): the float64 conversion took about 35 bytes a pixel at its peak."""
+    height, width = 4000, 4000
+    path = tmp_path / "wide.tif"
+    gradient = (np.arange(height * width, dtype=np.uint32) % 65536).astype(np.uint16).reshape(height, width)
+    Image.fromarray(gradient).save(path, "TIFF")
+    result = subprocess.run([sys.executable, "-c", PEAK_RSS_OF_ONE_DECODE, str(path)], capture_output=True,
+                            text=True, check=True, timeout=60)
+    estimate, peak_growth = map(int, result.stdout.split())
+    assert estimate <= 10 * height * width
+    assert peak_growth <= estimate, (peak_growth, estimate)
+
+
+def test_image_whose_decode_would_exceed_the_memory_bound_is_refused_from_its_header():
+    """8000x7500 is under the pixel cap, but RGBA through the transparency conversion needs about 1.3 GiB."""
+    assert 8000 * 7500 <= MAX_IMAGE_PIXELS
+    rgba_16_bit = forged_png_header(8000, 7500, bit_depth=16, colour_type=6)
+    with pytest.raises(UnusableImage, match="too large to decode: 8000x7500 RGBA needs about 1316 MiB"):
+        load_into(rgba_16_bit, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
 
 
 def test_transparent_pixels_become_white():
@@ -113,11 +162,9 @@ def test_cmyk_jpeg_cut_inside_its_scan_data_is_refused_as_truncated():
 
 
 def test_decompression_bomb_is_refused_from_the_header():
-    bomb = bytearray(encode(Image.new("L", (10, 10)), "PNG"))
-    bomb[16:24] = (30000).to_bytes(4, "big") * 2  # IHDR width and height claim 30000 x 30000
-    bomb[29:33] = zlib.crc32(bytes(bomb[12:29])).to_bytes(4, "big")  # with a valid checksum
+    bomb = forged_png_header(30000, 30000, bit_depth=8, colour_type=0)
     with pytest.raises(UnusableImage, match="bomb"):
-        load_into(bytes(bomb), np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
+        load_into(bomb, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
 
 
 def torchvision_crop(height: int, width: int) -> tuple[int, int, int, int]:
