@@ -5,7 +5,9 @@ reaches a file whose path contains broken_7.jpg) or "consumer:sigkill:rank=1,ste
 step 5, just before the averaging collective), "producer:delete:cat_3.jpg" (the file is deleted just before it
 is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
 full disk). With STOKER_FAULT_ONCE=FILE the fault fires in the first process
-that reaches it only (the one that creates FILE). Unset, every hook is a dictionary lookup and nothing more.
+that reaches it only (the one that creates FILE); without it, in every process that reaches it, so
+"producer:sigkill:huge.png" is a file that gets every producer decoding it killed, as the kernel's OOM killer does.
+Several faults: one spec per line. Unset, every hook is a dictionary lookup and nothing more.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ def simulated_delay(env: str) -> None:
 
 def maybe_inject(role: str, where: str, channel=None) -> None:
     """`channel`: the pipe to the controller, for "sigkill-mid-message" (half a message written, then SIGKILL)."""
-    spec = os.environ.get(ENV)
-    if not spec:
+    specs = os.environ.get(ENV)
+    if not specs:
         return
-    fault_role, action, match = spec.split(":", 2)
-    if fault_role == role and match in where and _first_time():
-        _act(action, where, channel)
+    for spec in specs.splitlines():
+        fault_role, action, match = spec.split(":", 2)
+        if fault_role == role and match in where and _first_time():
+            _act(action, where, channel)
 
 
 def _first_time() -> bool:

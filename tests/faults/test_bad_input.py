@@ -4,6 +4,7 @@ accounting stays exact, and too many bad files stop the run with a clear error."
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 
@@ -55,7 +56,9 @@ UNUSABLE = {
 }
 
 
-DELETED = {"STOKER_FAULT": "producer:delete:deleted.jpg"}  # deleted just before its first read
+# deleted.jpg is deleted just before its first read; every producer that decodes oom_killer.jpg is SIGKILLed, as
+# the kernel's OOM killer kills a producer whose decode takes more memory than the machine has
+FAULTS = {"STOKER_FAULT": "producer:delete:deleted.jpg\nproducer:sigkill:oom_killer.jpg"}
 
 
 @pytest.fixture()
@@ -66,7 +69,8 @@ def messy(textures, tmp_path):
     target = root / "0_horizontal"
     for name, make in {**ODD_BUT_VALID, **UNUSABLE}.items():
         (target / name).write_bytes(make())
-    (target / "deleted.jpg").write_bytes(encoded(picture(11), "JPEG"))  # removed after indexing: see DELETED
+    (target / "deleted.jpg").write_bytes(encoded(picture(11), "JPEG"))  # removed after indexing: see FAULTS
+    (target / "oom_killer.jpg").write_bytes(encoded(picture(12), "JPEG"))  # a valid JPEG: see FAULTS
     (target / "unreadable.jpg").write_bytes(encoded(picture(9), "JPEG"))
     os.chmod(target / "unreadable.jpg", 0)
     return root, val
@@ -77,18 +81,23 @@ def test_odd_files_are_used_and_unusable_ones_skipped_and_listed(messy, tmp_path
     unreadable_expected = os.geteuid() != 0  # root reads a mode-000 file anyway
     run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--image-size", "32",
             "--epochs", "2",
-            "--out", str(tmp_path / "run"), "--quiet", env=DELETED)
+            "--out", str(tmp_path / "run"), "--quiet", env=FAULTS)
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed"
     skipped = {os.path.basename(s["path"]): s["reason"] for s in summary["skipped_files"]}
-    expected = set(UNUSABLE) | {"deleted.jpg"} | ({"unreadable.jpg"} if unreadable_expected else set())
+    expected = set(UNUSABLE) | {"deleted.jpg", "oom_killer.jpg"} | ({"unreadable.jpg"} if unreadable_expected
+                                                                      else set())
     assert set(skipped) == expected
+    assert "killed by SIGKILL" in skipped["oom_killer.jpg"] and "2 producers in a row" in skipped["oom_killer.jpg"]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    losses = [r for r in map(json.loads, lines) if r["event"] == "producer_lost"]
+    assert len(losses) == 2  # and none in the second epoch: a file that killed producers stays skipped
     assert "too large to decode" in skipped["too_large_to_decode.png"]
     assert "bomb" in skipped["bomb.png"] and "not an image" in skipped["really_pdf.jpg"]
     assert "deleted during the run" in skipped["deleted.jpg"]
     assert skipped["photo_cut.jpg"].startswith("truncated")
     assert skipped["progressive_photo_cut.jpg"].startswith("truncated")
-    total = 120 + len(ODD_BUT_VALID) + len(UNUSABLE) + 2
+    total = 120 + len(ODD_BUT_VALID) + len(UNUSABLE) + 3
     assert summary["samples_expected"] == total
     assert summary["samples_consumed"] == [total - len(expected)] * 2
     assert summary["duplicate_samples"] == 0
