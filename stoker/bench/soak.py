@@ -1,9 +1,13 @@
 """`stoker bench soak`: a long run with producers SIGKILLed at random moments, watched from outside.
 
-Every half second it samples the resident memory of every process of the run and the bytes the run holds in
-/dev/shm. At the end it interrupts the run and checks: memory stays flat after warm-up (growth under
-`--max-rss-growth`), /dev/shm stays flat, every killed producer was replaced, every epoch had every sample exactly
-once, and nothing is left behind. Exit status 1 when a check fails.
+Every half second it samples the resident memory of every process of the run, the number of stoker segments in
+/dev/shm and the bytes in use there. Producer 0 is never killed: it is the witness whose memory is judged over its
+own life (a replaced producer is young; comparing a title across replacements compares different processes). At
+the end it interrupts the run and checks: the memory of every process that lived through the judged window stays
+flat (growth under `--max-rss-growth`), /dev/shm keeps the same segments and the same bytes in use (the ring is
+allocated up front, so a leak shows as new segments or new bytes, not as a ring that grows), every killed producer
+was replaced, every epoch had every sample exactly once, and nothing is left behind. Exit status 1 when a check
+fails.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from stoker.procs import stoker_processes
 from stoker.ring import SHM_DIR, live_segments
 
 SAMPLE_EVERY_S = 0.5
+WITNESS = "stoker producer 0"  # never killed: its memory over its own life is what the producer check judges
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -46,6 +51,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.producers < 2:
+        print(f"stoker bench soak: --producers {args.producers}: need at least 2 (producer 0 is never killed)",
+              file=sys.stderr)
+        return 2
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="stoker-soak-") as scratch:
         root = Path(scratch)
@@ -88,9 +97,9 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
     samples, kills = [], 0
     while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
         family = _family(run_process.pid)
-        samples.append({"t": now - started, "rss": {title: _rss_bytes(pid) for pid, title in family.items()},
-                        "shm_bytes": _shm_bytes(run_process.pid)})
-        producers = [pid for pid, title in family.items() if title.startswith("stoker producer")]
+        samples.append({"t": now - started, "rss": {pid: (title, _rss_bytes(pid)) for pid, title in family.items()},
+                        "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes()})
+        producers = [pid for pid, title in family.items() if title.startswith("stoker producer") and title != WITNESS]
         if now >= next_kill and producers:
             os.kill(rng.choice(producers), signal.SIGKILL)
             kills += 1
@@ -120,14 +129,11 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
-def _shm_bytes(controller_pid: int) -> int:
-    total = 0
-    for name in live_segments(controller_pid):
-        try:
-            total += os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512
-        except OSError:
-            pass
-    return total
+def _shm_used_bytes() -> int:
+    """Bytes in use in all of /dev/shm: also what a leak by anyone in the run's tree would leave there (a segment
+    under another name, an unlinked one still mapped)."""
+    stats = os.statvfs(SHM_DIR)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
 
 
 def _left_behind(controller_pid: int) -> dict[str, list]:
@@ -142,14 +148,15 @@ def _left_behind(controller_pid: int) -> dict[str, list]:
 
 def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: dict[str, Any],
            left: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
-    judged = [s for s in samples if s["t"] >= args.warmup_fraction * args.minutes * 60]
-    memory = _rss_growth(judged)
-    shm = [s["shm_bytes"] for s in judged]
+    running = _since_running(samples)
+    judged = running[int(args.warmup_fraction * len(running)):]
+    memory, replacements = _rss_growth(running, args.warmup_fraction)
+    segments, shm = [s["shm_segments"] for s in judged], [s["shm_used_bytes"] for s in judged]
     epochs = summary["epoch_accounting"]
     exact = [row["epoch"] for row in epochs if row["duplicates"] == 0 and row["missing"] == 0]
     checks = {
-        "rss_flat": all(row["growth"] < args.max_rss_growth for row in memory.values()),
-        "shm_flat": bool(shm) and max(shm) == min(shm),
+        "rss_flat": WITNESS in memory and all(row["growth"] < args.max_rss_growth for row in memory.values()),
+        "shm_flat": bool(shm) and max(shm) == min(shm) and max(segments) == min(segments),
         "killed_producers_replaced": kills > 0 and replaced == kills,
         "exactly_once_every_epoch": bool(epochs) and len(exact) == len(epochs),
         "interrupted_cleanly": summary["status"] == "interrupted",
@@ -158,35 +165,60 @@ def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: di
     return {"minutes": args.minutes, "status": summary["status"], "error": summary.get("error"), "kills": kills,
             "producers_replaced": replaced, "epochs": len(epochs), "epochs_exactly_once": len(exact),
             "samples_per_s": summary["throughput_samples_per_s"], "rss": memory,
-            "shm_bytes": {"min": min(shm, default=0), "max": max(shm, default=0)}, "left_behind": left,
+            "replacement_producers_rss_mb": replacements,
+            "shm_segments": {"min": min(segments, default=0), "max": max(segments, default=0)},
+            "shm_used_bytes": {"min": min(shm, default=0), "max": max(shm, default=0)}, "left_behind": left,
             "checks": checks, "passed": all(checks.values())}
 
 
-def _rss_growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per process title: median RSS over the first and last tenth of the judged samples.
+def _since_running(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples from the first one that shows a consumer: before it the run is still starting (seconds on a
+    loaded machine), and no warm-up fraction of the wall time stands in for that."""
+    for index, sample in enumerate(samples):
+        if any(title.startswith("stoker consumer") for title, _ in sample["rss"].values()):
+            return samples[index:]
+    return []
 
-    Producers are replaced when killed, so their title stands for a sequence of processes; the median over
-    several samples keeps one young replacement from reading as a change."""
-    series: dict[str, list[int]] = defaultdict(list)
+
+def _rss_growth(samples: list[dict[str, Any]], warmup_fraction: float
+                ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per process (keyed by its title), one pid over its own life: the first `warmup_fraction` of its own samples
+    are its warm-up (a consumer that started late is still importing and building its model when the run's
+    warm-up ends), then median RSS over the first and last tenth of the rest. Producers started after the run's
+    warm-up are replacements of killed ones, young processes: their RSS is summarized (median and max MB), not
+    judged as growth."""
+    series: dict[int, list[int]] = defaultdict(list)
+    titles: dict[int, str] = {}
     for sample in samples:
-        for title, rss in sample["rss"].items():
+        for pid, (title, rss) in sample["rss"].items():
             if rss:
-                series[title].append(rss)
-    rows = {}
-    for title, values in sorted(series.items()):
+                series[pid].append(rss)
+                titles[pid] = title
+    warm = samples[int(warmup_fraction * len(samples))]["rss"] if samples else {}
+    rows, young = {}, []
+    for pid, values in series.items():
+        if titles[pid].startswith("stoker producer") and (pid not in warm or pid not in samples[-1]["rss"]):
+            young.extend(values)
+            continue
+        values = values[int(warmup_fraction * len(values)):]
         tenth = max(1, len(values) // 10)
         first, last = statistics.median(values[:tenth]), statistics.median(values[-tenth:])
-        rows[title] = {"first_mb": round(first / 2**20, 1), "last_mb": round(last / 2**20, 1),
-                       "growth": round(last / first - 1, 4)}
-    return rows
+        rows[titles[pid]] = {"pid": pid, "first_mb": round(first / 2**20, 1), "last_mb": round(last / 2**20, 1),
+                             "growth": round(last / first - 1, 4)}
+    summary = {"median": round(statistics.median(young) / 2**20, 1), "max": round(max(young) / 2**20, 1)} \
+        if young else {}
+    return dict(sorted(rows.items())), summary
 
 
 def _print(result: dict[str, Any]) -> None:
     print(f"{'process':<22} {'RSS first MB':>12} {'RSS last MB':>12} {'growth':>8}")
     for title, row in result["rss"].items():
         print(f"{title:<22} {row['first_mb']:>12.1f} {row['last_mb']:>12.1f} {row['growth']:>8.1%}")
-    shm = result["shm_bytes"]
-    print(f"/dev/shm: {shm['min'] / 2**20:.1f}-{shm['max'] / 2**20:.1f} MiB; producers killed {result['kills']}, "
+    young, shm, segments = result["replacement_producers_rss_mb"], result["shm_used_bytes"], result["shm_segments"]
+    if young:
+        print(f"replaced producers (young, not judged): median {young['median']:.1f} MB, max {young['max']:.1f} MB")
+    print(f"/dev/shm: {segments['min']}-{segments['max']} stoker segments, {shm['min'] / 2**20:.2f}-"
+          f"{shm['max'] / 2**20:.2f} MiB in use; producers killed {result['kills']}, "
           f"replaced {result['producers_replaced']}; epochs {result['epochs']}, exactly once "
           f"{result['epochs_exactly_once']}; {result['samples_per_s']} samples/s")
     for name, ok in result["checks"].items():
