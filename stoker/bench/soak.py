@@ -1,7 +1,8 @@
 """`stoker bench soak`: a long run with producers SIGKILLed at random moments, watched from outside.
 
 Every half second it samples the resident memory of every process of the run, the number of stoker segments in
-/dev/shm and the bytes in use there. Producer 0 is never killed: it is the witness whose memory is judged over its
+/dev/shm and the bytes in use there. Samples are judged from the end of the first epoch (every process has trained
+or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the later. Producer 0 is never killed: it is the witness whose memory is judged over its
 own life (a replaced producer is young; comparing a title across replacements compares different processes). At
 the end it interrupts the run and checks: the memory of every process that lived through the judged window stays
 flat (growth under `--max-rss-growth`), /dev/shm keeps the same segments and the same bytes in use (the ring is
@@ -67,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         with open(log, "w") as log_handle:
             run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)
         try:
-            samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng)
+            first_epoch = _FirstEpoch(root / "run" / "metrics.jsonl")
+            samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng, first_epoch)
             if run_process.poll() is None:
                 run_process.send_signal(signal.SIGINT)
                 run_process.wait(timeout=120)
@@ -88,8 +90,29 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
-def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
-           rng: random.Random) -> tuple[list[dict[str, Any]], int]:
+class _FirstEpoch:
+    """Whether the run has finished its first epoch (trained and validated once: every process has allocated what
+    it will hold), read from the new lines of metrics.jsonl until it has."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.seen = path, 0, False
+
+    def done(self) -> bool:
+        if not self.seen:
+            try:
+                with open(self.path, "rb") as handle:
+                    handle.seek(self.offset)
+                    new = handle.read()
+            except OSError:
+                return False
+            lines = new[:new.rfind(b"\n") + 1]
+            self.offset += len(lines)
+            self.seen = b'{"event": "val"' in lines
+        return self.seen
+
+
+def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, rng: random.Random,
+           first_epoch: _FirstEpoch) -> tuple[list[dict[str, Any]], int]:
     """Sample memory and /dev/shm until the deadline (or the run's early end, which the checks then report),
     SIGKILLing a random producer now and then."""
     started = time.monotonic()
@@ -98,7 +121,8 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
     while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
         family = _family(run_process.pid)
         samples.append({"t": now - started, "rss": {pid: (title, _rss_bytes(pid)) for pid, title in family.items()},
-                        "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes()})
+                        "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes(),
+                        "warm": first_epoch.done()})
         producers = [pid for pid, title in family.items() if title.startswith("stoker producer") and title != WITNESS]
         if now >= next_kill and producers:
             os.kill(rng.choice(producers), signal.SIGKILL)
@@ -148,9 +172,9 @@ def _left_behind(controller_pid: int) -> dict[str, list]:
 
 def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: dict[str, Any],
            left: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
-    running = _since_running(samples)
-    judged = running[int(args.warmup_fraction * len(running)):]
-    memory, replacements = _rss_growth(running, args.warmup_fraction)
+    warm = next((index for index, sample in enumerate(samples) if sample["warm"]), len(samples))
+    judged = samples[max(warm, int(args.warmup_fraction * len(samples))):]
+    memory, replacements = _rss_growth(judged)
     segments, shm = [s["shm_segments"] for s in judged], [s["shm_used_bytes"] for s in judged]
     epochs = summary["epoch_accounting"]
     exact = [row["epoch"] for row in epochs if row["duplicates"] == 0 and row["missing"] == 0]
@@ -171,22 +195,10 @@ def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: di
             "checks": checks, "passed": all(checks.values())}
 
 
-def _since_running(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The samples from the first one that shows a consumer: before it the run is still starting (seconds on a
-    loaded machine), and no warm-up fraction of the wall time stands in for that."""
-    for index, sample in enumerate(samples):
-        if any(title.startswith("stoker consumer") for title, _ in sample["rss"].values()):
-            return samples[index:]
-    return []
-
-
-def _rss_growth(samples: list[dict[str, Any]], warmup_fraction: float
-                ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """Per process (keyed by its title), one pid over its own life: the first `warmup_fraction` of its own samples
-    are its warm-up (a consumer that started late is still importing and building its model when the run's
-    warm-up ends), then median RSS over the first and last tenth of the rest. Producers started after the run's
-    warm-up are replacements of killed ones, young processes: their RSS is summarized (median and max MB), not
-    judged as growth."""
+def _rss_growth(samples: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per process (keyed by its title), one pid over its own life in the judged samples: median RSS over the first
+    and last tenth of its samples. Producers not alive through the whole window are replacements of killed ones,
+    young processes: their RSS is summarized (median and max MB), not judged as growth."""
     series: dict[int, list[int]] = defaultdict(list)
     titles: dict[int, str] = {}
     for sample in samples:
@@ -194,13 +206,11 @@ def _rss_growth(samples: list[dict[str, Any]], warmup_fraction: float
             if rss:
                 series[pid].append(rss)
                 titles[pid] = title
-    warm = samples[int(warmup_fraction * len(samples))]["rss"] if samples else {}
     rows, young = {}, []
     for pid, values in series.items():
-        if titles[pid].startswith("stoker producer") and (pid not in warm or pid not in samples[-1]["rss"]):
+        if titles[pid].startswith("stoker producer") and not (pid in samples[0]["rss"] and pid in samples[-1]["rss"]):
             young.extend(values)
             continue
-        values = values[int(warmup_fraction * len(values)):]
         tenth = max(1, len(values) // 10)
         first, last = statistics.median(values[:tenth]), statistics.median(values[-tenth:])
         rows[titles[pid]] = {"pid": pid, "first_mb": round(first / 2**20, 1), "last_mb": round(last / 2**20, 1),

