@@ -129,12 +129,22 @@ def verify(folder: Path) -> dict[str, Any]:
     return meta
 
 
+def verify_loadable(folder: Path) -> dict[str, Any]:
+    """verify(), then load every tensor file as resuming will: a file can match its checksum and still hold a
+    pickle weights_only refuses (written by a forger who fixed meta.json, or by another torch)."""
+    meta = verify(folder)
+    for name in meta["files"]:
+        if name.endswith(".pt"):
+            load_verified(folder / name)
+    return meta
+
+
 def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint that verifies; each refused one is logged with its reason."""
+    """The newest checkpoint that verifies and loads; each refused one is logged with its reason."""
     candidates = sorted((run_dir / "checkpoints").glob(f"{PREFIX}*"), reverse=True)
     for folder in candidates:
         try:
-            return folder, verify(folder)
+            return folder, verify_loadable(folder)
         except CheckpointError as error:
             log.warning("skipping checkpoint: %s", error)
     raise CheckpointError(f"resume={str(run_dir)!r}: no valid checkpoint under {run_dir / 'checkpoints'}")

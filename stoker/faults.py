@@ -6,8 +6,9 @@ step 5, just before the averaging collective), "producer:delete:cat_3.jpg" (the 
 is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
 full disk); "controller:term-self:closing" sends SIGTERM to the controller from its own shutdown, and
 "consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group. Several faults: join them with "|".
-With STOKER_FAULT_ONCE=FILE the fault fires in the first process that reaches it only (the one that creates FILE).
-Unset, every hook is a dictionary lookup and nothing more.
+With STOKER_FAULT_ONCE=FILE the fault fires in the first process that reaches it only (the one that creates FILE);
+without it, in every process that reaches it, so "producer:sigkill:huge.png" is a file that gets every producer
+decoding it killed, as the kernel's OOM killer does. Unset, every hook is a dictionary lookup and nothing more.
 """
 
 from __future__ import annotations
@@ -36,11 +37,7 @@ def simulated_delay(env: str) -> None:
 
 def maybe_inject(role: str, where: str, channel=None) -> None:
     """`channel`: the pipe to the controller, for "sigkill-mid-message" (half a message written, then SIGKILL)."""
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    for one in spec.split("|"):  # several faults: "consumer:interrupt-parent:...|controller:term-self:..."
-        fault_role, action, match = one.split(":", 2)
+    for fault_role, action, match in _specs():
         if fault_role == role and match in where and _first_time():
             _act(action, where, channel)
 
@@ -48,14 +45,14 @@ def maybe_inject(role: str, where: str, channel=None) -> None:
 def wants(role: str, action: str, where: str) -> bool:
     """For a fault that changes what a process does instead of what happens to it: "producer-batch:repeat-batch:
     task=5;" makes the producer of task 5 write the batch it built before again (one batch delivered twice)."""
+    return any((fault_role, fault_action) == (role, action) and match in where and _first_time()
+               for fault_role, fault_action, match in _specs())
+
+
+def _specs() -> list[list[str]]:
+    """Several faults are joined with "|": "consumer:interrupt-parent:...|controller:term-self:..."."""
     spec = os.environ.get(ENV)
-    if not spec:
-        return False
-    for one in spec.split("|"):
-        fault_role, fault_action, match = one.split(":", 2)
-        if (fault_role, fault_action) == (role, action) and match in where and _first_time():
-            return True
-    return False
+    return [one.split(":", 2) for one in spec.split("|")] if spec else []
 
 
 def _first_time() -> bool:

@@ -24,10 +24,14 @@ Augment = Literal["standard", "noflip", "none"]
 # Pillow decodes only these; most Pillow CVEs are in formats it would otherwise auto-detect.
 PILLOW_FORMATS = ("JPEG", "PNG", "BMP", "WEBP", "TIFF", "PPM")
 MAX_IMAGE_PIXELS = 64_000_000
+# What one decode may hold at its peak (the decoded image and every copy the conversion to RGB makes), estimated
+# from the header before anything is decoded; more is refused as bad input. A 64-Mpixel RGB photo takes 704 MiB.
+MAX_DECODE_BYTES = 1 << 30
 CENTER_CROP_FRACTION = 0.875  # resize short side to size/0.875, then center-crop: the usual validation recipe
 SCALE_RANGE = (0.08, 1.0)
 RATIO_RANGE = (3 / 4, 4 / 3)
 JPEG_MAGIC = b"\xff\xd8"
+JPEG_EOI = b"\xff\xd9"  # end of image: a complete JPEG ends with it (entropy-coded data can never hold it)
 
 cv2.setNumThreads(1)  # producers are processes; OpenCV's own thread pool would oversubscribe the cores
 
@@ -118,20 +122,31 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
     # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor.
     min_h = math.ceil(height * out_h / box.height)
     min_w = math.ceil(width * out_w / box.width)
+    # libjpeg-turbo decodes a file cut inside its scan data without error, the missing part grey, and only warns.
+    # A file that ends with EOI is whole: decode it leniently (a stray byte in one block costs one block). One
+    # that does not (cut short, or with a trailer after EOI) must decode without a single warning.
+    whole = data.endswith(JPEG_EOI)
     try:
-        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=False)
+        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=not whole)
     except ValueError as error:
-        raise UnusableImage(f"corrupt JPEG: {error}") from None
+        raise UnusableImage(_jpeg_failure(str(error))) from None
     scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
     scaled = Box(int(box.top * scale_y), int(box.left * scale_x),
                  max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
     resize_box_into(image, scaled, flip, out)
 
 
+def _jpeg_failure(message: str) -> str:
+    if message.startswith("Premature end"):  # libjpeg's JWRN_JPEG_EOF: the data ran out before EOI
+        return f"truncated: {message} (the file ends inside its image data)"
+    return f"corrupt JPEG: {message}"
+
+
 def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
     try:
         with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
             _check_pixels(image.height, image.width)
+            _check_decode_bytes(image)
             box, flip = choose_box(image.height, image.width, augment, rng)
             pixels = to_rgb_array(image)
     except UnusableImage:
@@ -143,7 +158,8 @@ def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.
     except Image.UnidentifiedImageError:
         raise UnusableImage(f"not an image in a supported format ({', '.join(PILLOW_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as error:
-        raise UnusableImage(f"corrupt image: {error}") from None
+        kind = "truncated" if "truncated" in str(error) else "corrupt image"  # Pillow: "image file is truncated"
+        raise UnusableImage(f"{kind}: {error}") from None
     resize_box_into(pixels, box, flip, out)
 
 
@@ -154,22 +170,63 @@ def _check_pixels(height: int, width: int) -> None:
         raise UnusableImage(f"decompression bomb: {width}x{height} exceeds {MAX_IMAGE_PIXELS} pixels")
 
 
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+# 16-bit grey to 8-bit, rounded: round(v * 255 / 65535) for every v, in integers. One lookup per pixel writes the
+# uint8 result directly; float64 arithmetic held 8 bytes a pixel per temporary (1.5-2 GB for one large image).
+WIDE_TO_8BIT = ((np.arange(65536, dtype=np.uint32) * 255 + 65535 // 2) // 65535).astype(np.uint8)
+ROWS_PER_PASS_PIXELS = 1 << 20  # 32-bit images are clipped a band of rows at a time: temporaries stay ~4 MiB
+
+
+def _is_transparent(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
+
+
+def decode_bytes(image: Image.Image) -> int:
+    """Peak bytes of decoding `image` and converting it with to_rgb_array, from its header: Pillow's own copy
+    (1 byte a pixel for 1/L/P, 2 for 16-bit, 4 for every other mode) plus the conversion's copies alive at once."""
+    stored = 1 if image.mode in ("1", "L", "P") else 2 if image.mode.startswith("I;16") else 4
+    if image.mode in WIDE_MODES:
+        conversion = stored + 1 + 3  # the array Pillow hands numpy, the 8-bit grey, the RGB result
+    elif _is_transparent(image):
+        conversion = 4 + 4 + 4 + 4 + 3  # RGBA copy, white background, composite, its RGB, the array
+    else:
+        conversion = 4 + 3  # convert("RGB") (Pillow pads RGB to 4 bytes), the array
+    return image.width * image.height * (stored + conversion)
+
+
+def _check_decode_bytes(image: Image.Image) -> None:
+    needed = decode_bytes(image)
+    if needed > MAX_DECODE_BYTES:
+        raise UnusableImage(f"too large to decode: {image.width}x{image.height} {image.mode} needs about "
+                            f"{needed >> 20} MiB, over the {MAX_DECODE_BYTES >> 20} MiB one decode may take")
+
+
 def to_rgb_array(image: Image.Image) -> np.ndarray:
     """Any Pillow mode as an (H, W, 3) uint8 array; 16-bit and 32-bit integer images are scaled, not clipped."""
-    if image.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I"):
-        wide = np.asarray(image, dtype=np.float64)
-        peak = 65535.0 if image.mode.startswith("I;16") or wide.max(initial=0) > 255 else 255.0
-        gray = np.clip(wide * (255.0 / peak) + 0.5, 0, 255).astype(np.uint8)
+    if image.mode in WIDE_MODES:
+        gray = _wide_to_gray8(image)
         return np.repeat(gray[:, :, None], 3, axis=2)
-    if image.mode == "F":
-        gray = np.clip(np.asarray(image, dtype=np.float64), 0, 255).astype(np.uint8)
-        return np.repeat(gray[:, :, None], 3, axis=2)
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+    if _is_transparent(image):
         # Transparent areas become white, as a viewer shows them, not whatever colour hides under alpha 0.
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return np.asarray(Image.alpha_composite(background, rgba).convert("RGB"))
     return np.asarray(image.convert("RGB"))
+
+
+def _wide_to_gray8(image: Image.Image) -> np.ndarray:
+    """16-bit (full range 0-65535), 32-bit integer (0-255, or 0-65535 when any value exceeds 255) and float
+    (0-255, clipped) grey as 8-bit grey, in integer arithmetic except for the float mode's own values."""
+    wide = np.asarray(image)
+    if image.mode.startswith("I;16"):
+        return WIDE_TO_8BIT[wide]
+    gray = np.empty(wide.shape, np.uint8)
+    peak = 65535 if image.mode == "I" and image.getextrema()[1] > 255 else 255
+    rows = max(1, ROWS_PER_PASS_PIXELS // max(1, wide.shape[1]))
+    for top in range(0, wide.shape[0], rows):
+        band = np.clip(wide[top:top + rows], 0, peak)
+        gray[top:top + rows] = WIDE_TO_8BIT[band.astype(np.uint16)] if peak == 65535 else band
+    return gray
 
 
 def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) -> None:

@@ -3,7 +3,9 @@
 Each producer has its own task queue with at most `MAX_IN_FLIGHT` tasks, so the pool always knows which tasks a
 producer holds: when one dies or hangs, exactly those are re-issued. A producer killed from outside (SIGKILL,
 SIGTERM) gets its work re-issued as it was; one that crashed (a segfault, an abort) or hung on a file gets the
-file it was decoding skipped and listed, so the same file cannot take down its replacement.
+file it was decoding skipped and listed, so the same file cannot take down its replacement. The kernel's OOM
+killer also sends SIGKILL: a batch whose producers are killed from outside twice on the same file (the status row
+names the file each was decoding) gets that file skipped too, instead of being re-issued until the pool gives up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ MAX_IN_FLIGHT = 2  # one being built, one waiting: a producer never idles betwee
 # A crash loop (every new producer dies at once) ends the run; losses spread over a long run never do.
 MAX_LOSSES_WITHOUT_PROGRESS = 8
 _EXTERNAL_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT)
+# Outside kills on one file of one batch before it is skipped: one may be chance (an operator, a memory-hungry
+# neighbour the OOM killer spared); the same file again in a rebuilt batch is the file.
+OUTSIDE_KILLS_TO_SKIP = 2
 
 
 @dataclass
@@ -64,6 +69,9 @@ class ProducerPool:
         self.handles: dict[int, Handle] = {}
         self.losses_since_progress = 0
         self.max_alive = 0
+        self.outside_kills: dict[tuple, int] = {}  # (batch key, sample id) -> producers killed from outside on it
+        # (kind, sample id) -> why: files that took a producer down stay skipped in later epochs, without another loss
+        self.killers: dict[tuple[str, int], str] = {}
 
     @property
     def active(self) -> list[Handle]:
@@ -102,6 +110,7 @@ class ProducerPool:
         return any(len(h.in_flight) < MAX_IN_FLIGHT for h in self.active)
 
     def assign(self, task: Task) -> None:
+        task = self._skip_known_killers(task)
         handle = min(self.active, key=lambda h: len(h.in_flight))
         handle.in_flight[task.task_id] = task
         handle.tasks.put(task)
@@ -112,7 +121,10 @@ class ProducerPool:
             return None  # a producer declared dead managed to report: its task was already re-issued
         handle.busy_s += done.busy_s
         self.losses_since_progress = 0
-        return handle.in_flight.pop(done.task_id, None)
+        task = handle.in_flight.pop(done.task_id, None)
+        if task is not None and self.outside_kills:
+            self.outside_kills = {k: n for k, n in self.outside_kills.items() if k[0] != task.work.key}
+        return task
 
     def check(self) -> list[Loss]:
         """Reap retired producers; report dead or hung ones with the tasks they held."""
@@ -153,14 +165,34 @@ class ProducerPool:
             sample = int(current.work.sample_ids[position])
             path = (self.setup.train if current.work.kind == "train" else self.setup.val).paths[sample]
             where = f"while decoding {path}"
-            if not external:
-                reason = f"producer {handle.producer} (pid {handle.process.pid}) {how} on this file"
+            reason = self._skip_reason(handle, how, external, current, sample)
+            if reason is not None:
+                self.killers[(current.work.kind, sample)] = reason
                 reissue = [replace(t, skip={**t.skip, sample: reason}) if t is current else t for t in reissue]
         message = f"producer {handle.producer} (pid {handle.process.pid}) {how} {where}"
         if self.losses_since_progress > MAX_LOSSES_WITHOUT_PROGRESS:
             raise StokerRunError(f"{message}; {self.losses_since_progress} producers lost in a row without a "
                                  "batch finished in between, giving up")
         return Loss(message, reissue)
+
+    def _skip_known_killers(self, task: Task) -> Task:
+        if not self.killers:
+            return task
+        kind = task.work.kind
+        known = {s: self.killers[(kind, s)] for s in task.work.sample_ids.tolist() if (kind, s) in self.killers}
+        return replace(task, skip={**known, **task.skip}) if known else task
+
+    def _skip_reason(self, handle: Handle, how: str, external: bool, current: Task, sample: int) -> str | None:
+        """Why to skip the file a lost producer was decoding, or None to build its batch again unchanged."""
+        who = f"producer {handle.producer} (pid {handle.process.pid}) {how}"
+        if not external:
+            return f"{who} on this file"
+        key = (current.work.key, sample)
+        self.outside_kills[key] = kills = self.outside_kills.get(key, 0) + 1
+        if kills < OUTSIDE_KILLS_TO_SKIP:
+            return None
+        del self.outside_kills[key]
+        return f"{who} on this file, {kills} producers in a row (out of memory? the OOM killer sends SIGKILL)"
 
     def take_utilization(self, elapsed_s: float) -> float:
         """Busy share of the producers since the last call (which starts a new window)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +64,32 @@ def digits(tmp_path_factory) -> tuple[Path, Path]:
         target.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels, mode="L").resize((32, 32), Image.NEAREST).save(target / f"{index:04d}.png")
     return folder / "train", folder / "val"
+
+
+def photograph_jpeg(index: int, progressive: bool) -> bytes:
+    """One of scikit-learn's two sample photographs (china, flower; 427x640) saved as a baseline or progressive JPEG."""
+    from sklearn.datasets import load_sample_images
+
+    buffer = io.BytesIO()
+    Image.fromarray(load_sample_images().images[index]).save(buffer, "JPEG", quality=90, progressive=progressive)
+    return buffer.getvalue()
+
+
+def scan_data_start(data: bytes) -> int:
+    """Where the entropy-coded data of the first scan begins: after the SOS marker's segment."""
+    sos = data.index(b"\xff\xda")
+    return sos + 2 + int.from_bytes(data[sos + 2:sos + 4], "big")
+
+
+def forged_png_header(width: int, height: int, bit_depth: int, colour_type: int) -> bytes:
+    """A PNG whose IHDR (with a valid checksum) claims this size and mode, and whose pixel data is tiny."""
+    buffer = io.BytesIO()
+    Image.new("L", (10, 10)).save(buffer, "PNG")
+    data = bytearray(buffer.getvalue())
+    data[16:24] = width.to_bytes(4, "big") + height.to_bytes(4, "big")
+    data[24:26] = bytes([bit_depth, colour_type])
+    data[29:33] = zlib.crc32(bytes(data[12:29])).to_bytes(4, "big")
+    return bytes(data)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True,

@@ -1,9 +1,14 @@
 """`stoker bench soak`: a long run with producers SIGKILLed at random moments, watched from outside.
 
-Every half second it samples the resident memory of every process of the run and the bytes the run holds in
-/dev/shm. At the end it interrupts the run and checks: memory stays flat after warm-up (growth under
-`--max-rss-growth`), /dev/shm stays flat, every killed producer was replaced, every epoch had every sample exactly
-once, and nothing is left behind. Exit status 1 when a check fails.
+Every half second it samples the resident memory of every process of the run, the number of stoker segments in
+/dev/shm and the bytes in use there. Samples are judged from the end of the first epoch (every process has trained
+or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the later. Producer 0 is never killed: it is the witness whose memory is judged over its
+own life (a replaced producer is young; comparing a title across replacements compares different processes). At
+the end it interrupts the run and checks: the memory of every process that lived through the judged window stays
+flat (growth under `--max-rss-growth`), /dev/shm keeps the same segments and the same bytes in use (the ring is
+allocated up front, so a leak shows as new segments or new bytes, not as a ring that grows), every killed producer
+was replaced, every epoch had every sample exactly once, and nothing is left behind. Exit status 1 when a check
+fails.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from stoker.procs import stoker_processes
 from stoker.ring import SHM_DIR, live_segments
 
 SAMPLE_EVERY_S = 0.5
+WITNESS = "stoker producer 0"  # never killed: its memory over its own life is what the producer check judges
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -46,6 +52,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.producers < 2:
+        print(f"stoker bench soak: --producers {args.producers}: need at least 2 (producer 0 is never killed)",
+              file=sys.stderr)
+        return 2
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="stoker-soak-") as scratch:
         root = Path(scratch)
@@ -58,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
         with open(log, "w") as log_handle:
             run_process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_handle)
         try:
-            samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng)
+            first_epoch = _FirstEpoch(root / "run" / "metrics.jsonl")
+            samples, kills = _watch(run_process, args.minutes * 60, args.kill_every_s, rng, first_epoch)
             if run_process.poll() is None:
                 run_process.send_signal(signal.SIGINT)
                 run_process.wait(timeout=120)
@@ -79,8 +90,29 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
-def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
-           rng: random.Random) -> tuple[list[dict[str, Any]], int]:
+class _FirstEpoch:
+    """Whether the run has finished its first epoch (trained and validated once: every process has allocated what
+    it will hold), read from the new lines of metrics.jsonl until it has."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.seen = path, 0, False
+
+    def done(self) -> bool:
+        if not self.seen:
+            try:
+                with open(self.path, "rb") as handle:
+                    handle.seek(self.offset)
+                    new = handle.read()
+            except OSError:
+                return False
+            lines = new[:new.rfind(b"\n") + 1]
+            self.offset += len(lines)
+            self.seen = b'{"event": "val"' in lines
+        return self.seen
+
+
+def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, rng: random.Random,
+           first_epoch: _FirstEpoch) -> tuple[list[dict[str, Any]], int]:
     """Sample memory and /dev/shm until the deadline (or the run's early end, which the checks then report),
     SIGKILLing a random producer now and then."""
     started = time.monotonic()
@@ -88,9 +120,10 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
     samples, kills = [], 0
     while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
         family = _family(run_process.pid)
-        samples.append({"t": now - started, "rss": {title: _rss_bytes(pid) for pid, title in family.items()},
-                        "shm_bytes": _shm_bytes(run_process.pid)})
-        producers = [pid for pid, title in family.items() if title.startswith("stoker producer")]
+        samples.append({"t": now - started, "rss": {pid: (title, _rss_bytes(pid)) for pid, title in family.items()},
+                        "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes(),
+                        "warm": first_epoch.done()})
+        producers = [pid for pid, title in family.items() if title.startswith("stoker producer") and title != WITNESS]
         if now >= next_kill and producers:
             os.kill(rng.choice(producers), signal.SIGKILL)
             kills += 1
@@ -120,14 +153,11 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
-def _shm_bytes(controller_pid: int) -> int:
-    total = 0
-    for name in live_segments(controller_pid):
-        try:
-            total += os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512
-        except OSError:
-            pass
-    return total
+def _shm_used_bytes() -> int:
+    """Bytes in use in all of /dev/shm: also what a leak by anyone in the run's tree would leave there (a segment
+    under another name, an unlinked one still mapped)."""
+    stats = os.statvfs(SHM_DIR)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
 
 
 def _left_behind(controller_pid: int) -> dict[str, list]:
@@ -142,14 +172,15 @@ def _left_behind(controller_pid: int) -> dict[str, list]:
 
 def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: dict[str, Any],
            left: dict[str, list], args: argparse.Namespace) -> dict[str, Any]:
-    judged = [s for s in samples if s["t"] >= args.warmup_fraction * args.minutes * 60]
-    memory = _rss_growth(judged)
-    shm = [s["shm_bytes"] for s in judged]
+    warm = next((index for index, sample in enumerate(samples) if sample["warm"]), len(samples))
+    judged = samples[max(warm, int(args.warmup_fraction * len(samples))):]
+    memory, replacements = _rss_growth(judged)
+    segments, shm = [s["shm_segments"] for s in judged], [s["shm_used_bytes"] for s in judged]
     epochs = summary["epoch_accounting"]
     exact = [row["epoch"] for row in epochs if row["duplicates"] == 0 and row["missing"] == 0]
     checks = {
-        "rss_flat": all(row["growth"] < args.max_rss_growth for row in memory.values()),
-        "shm_flat": bool(shm) and max(shm) == min(shm),
+        "rss_flat": WITNESS in memory and all(row["growth"] < args.max_rss_growth for row in memory.values()),
+        "shm_flat": bool(shm) and max(shm) == min(shm) and max(segments) == min(segments),
         "killed_producers_replaced": kills > 0 and replaced == kills,
         "exactly_once_every_epoch": bool(epochs) and len(exact) == len(epochs),
         "interrupted_cleanly": summary["status"] == "interrupted",
@@ -158,35 +189,46 @@ def _judge(samples: list[dict[str, Any]], kills: int, replaced: int, summary: di
     return {"minutes": args.minutes, "status": summary["status"], "error": summary.get("error"), "kills": kills,
             "producers_replaced": replaced, "epochs": len(epochs), "epochs_exactly_once": len(exact),
             "samples_per_s": summary["throughput_samples_per_s"], "rss": memory,
-            "shm_bytes": {"min": min(shm, default=0), "max": max(shm, default=0)}, "left_behind": left,
+            "replacement_producers_rss_mb": replacements,
+            "shm_segments": {"min": min(segments, default=0), "max": max(segments, default=0)},
+            "shm_used_bytes": {"min": min(shm, default=0), "max": max(shm, default=0)}, "left_behind": left,
             "checks": checks, "passed": all(checks.values())}
 
 
-def _rss_growth(samples: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per process title: median RSS over the first and last tenth of the judged samples.
-
-    Producers are replaced when killed, so their title stands for a sequence of processes; the median over
-    several samples keeps one young replacement from reading as a change."""
-    series: dict[str, list[int]] = defaultdict(list)
+def _rss_growth(samples: list[dict[str, Any]]) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Per process (keyed by its title), one pid over its own life in the judged samples: median RSS over the first
+    and last tenth of its samples. Producers not alive through the whole window are replacements of killed ones,
+    young processes: their RSS is summarized (median and max MB), not judged as growth."""
+    series: dict[int, list[int]] = defaultdict(list)
+    titles: dict[int, str] = {}
     for sample in samples:
-        for title, rss in sample["rss"].items():
+        for pid, (title, rss) in sample["rss"].items():
             if rss:
-                series[title].append(rss)
-    rows = {}
-    for title, values in sorted(series.items()):
+                series[pid].append(rss)
+                titles[pid] = title
+    rows, young = {}, []
+    for pid, values in series.items():
+        if titles[pid].startswith("stoker producer") and not (pid in samples[0]["rss"] and pid in samples[-1]["rss"]):
+            young.extend(values)
+            continue
         tenth = max(1, len(values) // 10)
         first, last = statistics.median(values[:tenth]), statistics.median(values[-tenth:])
-        rows[title] = {"first_mb": round(first / 2**20, 1), "last_mb": round(last / 2**20, 1),
-                       "growth": round(last / first - 1, 4)}
-    return rows
+        rows[titles[pid]] = {"pid": pid, "first_mb": round(first / 2**20, 1), "last_mb": round(last / 2**20, 1),
+                             "growth": round(last / first - 1, 4)}
+    summary = {"median": round(statistics.median(young) / 2**20, 1), "max": round(max(young) / 2**20, 1)} \
+        if young else {}
+    return dict(sorted(rows.items())), summary
 
 
 def _print(result: dict[str, Any]) -> None:
     print(f"{'process':<22} {'RSS first MB':>12} {'RSS last MB':>12} {'growth':>8}")
     for title, row in result["rss"].items():
         print(f"{title:<22} {row['first_mb']:>12.1f} {row['last_mb']:>12.1f} {row['growth']:>8.1%}")
-    shm = result["shm_bytes"]
-    print(f"/dev/shm: {shm['min'] / 2**20:.1f}-{shm['max'] / 2**20:.1f} MiB; producers killed {result['kills']}, "
+    young, shm, segments = result["replacement_producers_rss_mb"], result["shm_used_bytes"], result["shm_segments"]
+    if young:
+        print(f"replaced producers (young, not judged): median {young['median']:.1f} MB, max {young['max']:.1f} MB")
+    print(f"/dev/shm: {segments['min']}-{segments['max']} stoker segments, {shm['min'] / 2**20:.2f}-"
+          f"{shm['max'] / 2**20:.2f} MiB in use; producers killed {result['kills']}, "
           f"replaced {result['producers_replaced']}; epochs {result['epochs']}, exactly once "
           f"{result['epochs_exactly_once']}; {result['samples_per_s']} samples/s")
     for name, ok in result["checks"].items():

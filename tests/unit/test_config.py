@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from stoker.config import ConfigError, load_toml, make_config
@@ -27,7 +29,7 @@ def test_bad_setting_is_named(settings, named):
 
 def test_config_is_frozen():
     config = make_config({})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="epochs"):
         config.epochs = 3
 
 

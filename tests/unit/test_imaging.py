@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import io
 import math
-import random
+import subprocess
+import sys
 import zlib
 
 import cv2
@@ -15,8 +16,9 @@ import simplejpeg
 from PIL import Image
 from scipy import stats
 
-from stoker.imaging import (Box, UnusableImage, center_crop_box, load_into, make_decode_warnings_errors,
-                            random_resized_crop_box, resize_box_into)
+from stoker.imaging import (MAX_IMAGE_PIXELS, Box, UnusableImage, center_crop_box, load_into,
+                            make_decode_warnings_errors, random_resized_crop_box, resize_box_into, to_rgb_array)
+from tests.conftest import forged_png_header, photograph_jpeg, scan_data_start
 
 make_decode_warnings_errors()
 
@@ -60,6 +62,53 @@ def test_16_bit_png_is_scaled_not_clipped():
     assert out.max() > 200 and out.min() < 50  # a full range of greys, not all 255
 
 
+@pytest.mark.parametrize("fmt", ["PNG", "TIFF"])
+def test_16_bit_grey_is_rounded_to_8_bits_exactly(fmt):
+    every_value = np.arange(65536, dtype=np.uint16).reshape(256, 256)
+    with Image.open(io.BytesIO(encode(Image.fromarray(every_value), fmt))) as image:
+        assert image.mode.startswith("I;16")
+        rgb = to_rgb_array(image)
+    expected = np.round(every_value / 257.0).astype(np.uint8)  # v * 255 / 65535, never exactly halfway
+    for channel in range(3):
+        assert np.array_equal(rgb[:, :, channel], expected)
+
+
+PEAK_RSS_OF_ONE_DECODE = """
+import resource, sys
+import numpy as np
+from PIL import Image
+from stoker.imaging import decode_bytes, load_into
+data = open(sys.argv[1], "rb").read()
+out = np.zeros((32, 32, 3), np.uint8)
+with Image.open(sys.argv[1]) as image:
+    estimate = decode_bytes(image)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+load_into(data, out, "standard", np.random.default_rng(0))
+print(estimate, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_16_bit_tiff_decode_stays_within_its_memory_estimate(tmp_path):
+    """A 16-Mpixel 16-bit TIFF (32 MB): the float64 conversion took about 35 bytes a pixel at its peak."""
+    height, width = 4000, 4000
+    path = tmp_path / "wide.tif"
+    gradient = (np.arange(height * width, dtype=np.uint32) % 65536).astype(np.uint16).reshape(height, width)
+    Image.fromarray(gradient).save(path, "TIFF")
+    result = subprocess.run([sys.executable, "-c", PEAK_RSS_OF_ONE_DECODE, str(path)], capture_output=True,
+                            text=True, check=True, timeout=60)
+    estimate, peak_growth = map(int, result.stdout.split())
+    assert estimate <= 10 * height * width
+    assert peak_growth <= estimate, (peak_growth, estimate)
+
+
+def test_image_whose_decode_would_exceed_the_memory_bound_is_refused_from_its_header():
+    """8000x7500 is under the pixel cap, but RGBA through the transparency conversion needs about 1.3 GiB."""
+    assert 8000 * 7500 <= MAX_IMAGE_PIXELS
+    rgba_16_bit = forged_png_header(8000, 7500, bit_depth=16, colour_type=6)
+    with pytest.raises(UnusableImage, match="too large to decode: 8000x7500 RGBA needs about 1316 MiB"):
+        load_into(rgba_16_bit, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
+
+
 def test_transparent_pixels_become_white():
     rgba = np.zeros((20, 20, 4), np.uint8)
     out = np.zeros((8, 8, 3), np.uint8)
@@ -74,7 +123,7 @@ PNG = encode(Image.fromarray(RGB), "PNG")
 @pytest.mark.parametrize("data,reason", [
     (b"", "empty"),
     (JPEG[: len(JPEG) // 3], "JPEG"),
-    (PNG[: len(PNG) // 2], "corrupt"),
+    (PNG[: len(PNG) // 2], "truncated"),
     (np.random.default_rng(1).bytes(5000), "not an image"),
     (encode(Image.fromarray(RGB), "GIF"), "not an image"),
     (b"%PDF-1.4\n1 0 obj << >> endobj\n", "not an image"),
@@ -85,45 +134,87 @@ def test_unusable_files_raise_with_a_reason(data, reason):
         load_into(data, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
 
 
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+@pytest.mark.parametrize("index", [0, 1], ids=["china", "flower"])
+def test_photograph_cut_inside_its_scan_data_is_refused_as_truncated(index, progressive):
+    data = photograph_jpeg(index, progressive)
+    start = scan_data_start(data)
+    for fraction in (0.02, 0.3, 0.6, 0.9, 0.999):
+        cut = start + int((len(data) - 2 - start) * fraction)
+        for augment in ("standard", "none"):  # reduced-size and full-size decodes
+            with pytest.raises(UnusableImage, match="^truncated"):
+                load_into(data[:cut], np.zeros((32, 32, 3), np.uint8), augment, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("trailer", [b"", b"\x00" * 64, b"trailer a camera appended"])
+def test_whole_photograph_decodes_also_with_a_trailer_after_its_end(trailer):
+    out = np.zeros((32, 32, 3), np.uint8)
+    load_into(photograph_jpeg(0, progressive=True) + trailer, out, "none", np.random.default_rng(0))
+    assert out.std() > 5
+
+
+def test_cmyk_jpeg_cut_inside_its_scan_data_is_refused_as_truncated():
+    data = encode(Image.fromarray(photo_like(200, 300, 3)).convert("CMYK"), "JPEG", quality=90)
+    with pytest.raises(UnusableImage, match="^truncated"):
+        load_into(data[:scan_data_start(data) + 2000], np.zeros((32, 32, 3), np.uint8), "none",
+                  np.random.default_rng(0))
+
+
 def test_decompression_bomb_is_refused_from_the_header():
-    bomb = bytearray(encode(Image.new("L", (10, 10)), "PNG"))
-    bomb[16:24] = (30000).to_bytes(4, "big") * 2  # IHDR width and height claim 30000 x 30000
-    bomb[29:33] = zlib.crc32(bytes(bomb[12:29])).to_bytes(4, "big")  # with a valid checksum
+    bomb = forged_png_header(30000, 30000, bit_depth=8, colour_type=0)
     with pytest.raises(UnusableImage, match="bomb"):
-        load_into(bytes(bomb), np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
+        load_into(bomb, np.zeros((8, 8, 3), np.uint8), "standard", np.random.default_rng(0))
 
 
-def torchvision_crop(height: int, width: int) -> tuple[int, int, int, int]:
-    """torchvision.transforms.RandomResizedCrop.get_params, transcribed with Python's own RNG."""
-    area = height * width
-    log_ratio = (math.log(3 / 4), math.log(4 / 3))
-    for _ in range(10):
-        target_area = area * random.uniform(0.08, 1.0)
-        aspect = math.exp(random.uniform(*log_ratio))
-        w = int(round(math.sqrt(target_area * aspect)))
-        h = int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return random.randint(0, height - h), random.randint(0, width - w), h, w
-    side = min(height, width)
-    return (height - side) // 2, (width - side) // 2, side, side
+# torchvision's RandomResizedCrop, as its documentation states it: area fraction s ~ U(0.08, 1) and log aspect ratio
+# ~ U(log 3/4, log 4/3), redrawn (up to 10 times) until the box fits, so accepted (s, log r) are uniform on the set
+# where it fits; the box's top-left corner uniform over the positions where it fits. For a 375x500 (4:3) image the
+# box fits when r >= (4/3) s, which binds for s > 9/16: the densities of s and log r follow in closed form below,
+# and a try fails with probability 0.26 (ten in a row: 1.4e-6, so the fallback is negligible here).
+CROP_H, CROP_W = 375, 500
+LOW, LOG_R0, LOG_R1 = 0.08, math.log(3 / 4), math.log(4 / 3)
 
 
-def test_crop_boxes_follow_torchvisions_distribution():
-    random.seed(0)
+def scale_cdf(x: np.ndarray) -> np.ndarray:
+    """P(s <= x): density proportional to log(16/9) below 9/16, to -log(s) above (the log r that still fit)."""
+    knee, flat = 9 / 16, math.log(16 / 9)
+
+    def integral(t: np.ndarray) -> np.ndarray:
+        below = flat * (np.minimum(t, knee) - LOW)
+        above_to = np.maximum(t, knee)
+        above = (above_to - above_to * np.log(above_to)) - (knee - knee * math.log(knee))
+        return below + above
+
+    return integral(np.clip(x, LOW, 1.0)) / integral(np.array(1.0))
+
+
+def log_ratio_cdf(x: np.ndarray) -> np.ndarray:
+    """P(log r <= x): density proportional to the scales that fit, 3 r / 4 - 0.08."""
+    def integral(t: np.ndarray) -> np.ndarray:
+        return 0.75 * (np.exp(t) - 0.75) - LOW * (t - LOG_R0)
+
+    return integral(np.clip(x, LOG_R0, LOG_R1)) / integral(np.array(LOG_R1))
+
+
+def test_crop_boxes_follow_torchvisions_documented_distribution():
+    rng, jitter = np.random.default_rng(0), np.random.default_rng(1)
+    boxes = np.array([[b.top, b.left, b.height, b.width] for b in
+                      (random_resized_crop_box(CROP_H, CROP_W, rng) for _ in range(20000))], dtype=float)
+    top, left, height, width = boxes.T
+    assert stats.kstest(height * width / (CROP_H * CROP_W), scale_cdf).pvalue > 1e-3
+    assert stats.kstest(np.log(width / height), log_ratio_cdf).pvalue > 1e-3
+    # a corner uniform over its n positions, plus an independent U(0, 1), divided by n, is U(0, 1)
+    for corner, room in ((top, CROP_H - height + 1), (left, CROP_W - width + 1)):
+        assert stats.kstest((corner + jitter.uniform(size=len(corner))) / room, "uniform").pvalue > 1e-3
+    assert 0.08 * 0.99 <= (height * width).min() / (CROP_H * CROP_W) and (height * width).max() <= CROP_H * CROP_W
+
+
+@pytest.mark.parametrize("height,width,expected", [(10, 1000, Box(0, 493, 10, 13)), (1000, 10, Box(493, 0, 13, 10))])
+def test_crop_falls_back_to_the_centre_clamped_to_the_ratio_range_when_nothing_fits(height, width, expected):
+    """torchvision: after 10 failed tries, the whole short side and the long side cut to the nearest allowed ratio
+    (4/3 or 3/4, rounded), centred. No box of area >= 8% with ratio <= 4/3 fits in 10x1000."""
     rng = np.random.default_rng(0)
-    height, width, draws = 375, 500, 20000
-    ours = np.array([[b.top, b.left, b.height, b.width] for b in
-                     (random_resized_crop_box(height, width, rng) for _ in range(draws))], dtype=float)
-    theirs = np.array([torchvision_crop(height, width) for _ in range(draws)], dtype=float)
-    features = {
-        "area": lambda a: a[:, 2] * a[:, 3] / (height * width),
-        "ratio": lambda a: a[:, 3] / a[:, 2],
-        "centre_y": lambda a: (a[:, 0] + a[:, 2] / 2) / height,
-        "centre_x": lambda a: (a[:, 1] + a[:, 3] / 2) / width,
-    }
-    for name, feature in features.items():
-        assert stats.ks_2samp(feature(ours), feature(theirs)).pvalue > 1e-3, name
-    assert 0.08 * 0.99 <= features["area"](ours).min() and features["area"](ours).max() <= 1.0
+    assert {random_resized_crop_box(height, width, rng) for _ in range(50)} == {expected}
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
