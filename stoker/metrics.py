@@ -7,12 +7,14 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.consumer import StepReport
 from stoker.dataset import Skipped
+
+if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
+    from stoker.consumer import StepReport
 
 
 RATE_WINDOW_S = 5.0

@@ -21,15 +21,14 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from stoker import builtin_data, faults
 from stoker.bench.group import run_group
 from stoker.metrics import read_events
+
+if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench scaling --help` need not wait for it
+    from torch import nn
 
 PARAMS_ENV = "STOKER_SIMULATED_PARAMS"
 BATCH_SIZE = 16
@@ -79,17 +78,9 @@ def run(args: argparse.Namespace) -> int:
 def simulated_model(num_classes: int) -> nn.Module:
     """A tiny classifier plus parameters that make the model `STOKER_SIMULATED_PARAMS` large: they take no part
     in the forward pass (the device time is the sleep) but are averaged like any other."""
-    return _Simulated(num_classes, int(os.environ.get(PARAMS_ENV, "1000000")))
+    from stoker.bench.simulated import SimulatedModel
 
-
-class _Simulated(nn.Module):
-    def __init__(self, num_classes: int, params: int) -> None:
-        super().__init__()
-        self.head = nn.Linear(3, num_classes)
-        self.ballast = nn.Parameter(torch.zeros(max(0, params - 4 * num_classes)))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(images.mean(dim=(2, 3)))
+    return SimulatedModel(num_classes, int(os.environ.get(PARAMS_ENV, "1000000")))
 
 
 # ---- measured runs -------------------------------------------------------------------------------------------
@@ -170,6 +161,9 @@ def bare_allreduce_ms(processes: int, params: int, repeats: int = 20) -> float:
 
 
 def _time_allreduce(rank: int, world: int, params: int, repeats: int) -> float:
+    import torch
+    import torch.distributed as dist
+
     tensor = torch.ones(params)
     times = []
     for _ in range(repeats + 2):
