@@ -1,8 +1,11 @@
 """Where the time goes: the verdict on three constructed runs, the report drawn from a real run's files, the
-TensorBoard sink, and plain log lines without control characters when output is not a terminal."""
+TensorBoard sink, and plain log lines without control characters when output is not a terminal. The log lines,
+summary.json and report.txt of the input-bound and the sync-bound run must tell the same verdict with the same
+numbers, and no share may pass 100%."""
 
 from __future__ import annotations
 
+import re
 import struct
 
 import pytest
@@ -40,17 +43,41 @@ def test_slow_device_step_is_called_compute_bound(textures, tmp_path):
 
 
 def test_large_averaging_cost_is_called_sync_bound_with_a_suggestion(textures, tmp_path):
-    train(textures, tmp_path, "--quiet", "--devices", "cpu:2", "--model", "stoker.bench.scaling:simulated_model",
-          env={"STOKER_SIMULATED_PARAMS": "30000000"})
+    result = train(textures, tmp_path, "--devices", "cpu:2", "--model", "stoker.bench.scaling:simulated_model",
+                   "--log-every-s", "0.5", "--report", "true", env={"STOKER_SIMULATED_PARAMS": "30000000"})
     verdict = read_summary(tmp_path)["verdict"]
     assert verdict["kind"] == "sync-bound", verdict
     assert "try --sync-every" in verdict["text"] and "or --overlap-averaging true" in verdict["text"]
+    assert_one_verdict(tmp_path, result.stderr)
+
+
+def test_input_bound_run_tells_one_verdict_everywhere(slow_input_run):
+    assert_one_verdict(slow_input_run[0], slow_input_run[1].stderr)
+
+
+def progress_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "samples/s" in line and "producers" in line]
+
+
+def assert_one_verdict(run_dir, stderr: str) -> None:
+    """The last progress line, summary.json and report.txt: the same verdict text (numbers included), and the
+    shares of the consumers' time in every progress line and in the summary at most 100%."""
+    summary = read_summary(run_dir)
+    lines = progress_lines(stderr)
+    assert lines[-1].rsplit(" | ", 1)[1] == summary["verdict"]["text"]
+    assert (run_dir / "report.txt").read_text().splitlines()[-1] == summary["verdict"]["text"]
+    for line in lines:
+        shares = re.search(r"compute (\d+)% input wait (\d+)% averaging (\d+)%", line).groups()
+        assert all(int(share) <= 100 for share in shares) and sum(map(int, shares)) <= 101, line  # 3 roundings
+    for rank in range(summary["num_consumers"]):
+        parts = [summary[key][rank] for key in ("compute_fraction", "input_stall_fraction", "averaging_fraction")]
+        assert all(0 <= part <= 1 for part in parts) and sum(parts) <= 1 + 1e-3, parts
 
 
 def test_output_without_a_terminal_is_plain_lines_with_the_verdict(slow_input_run):
     stderr = slow_input_run[1].stderr
     assert "\x1b" not in stderr and "\r" not in stderr
-    progress = [line for line in stderr.splitlines() if "samples/s" in line and "producers" in line]
+    progress = progress_lines(stderr)
     assert progress and any("input-bound" in line for line in progress)
 
 
