@@ -200,7 +200,7 @@ class Controller:
         from stoker.report import write_report
 
         try:
-            log.info("%s", write_report(self.run_dir).replace("\n", "\n    "))
+            write_report(self.run_dir)  # its text ends the command's output (cli), not the log
         except Exception as error:  # the run itself is done and saved; a report that cannot be drawn is not fatal
             log.warning("could not draw the run report: %s: %s", type(error).__name__, error)
 

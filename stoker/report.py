@@ -82,6 +82,32 @@ def describe(runs: list[RunRecord]) -> str:
     return "\n".join(lines)
 
 
+def ending(summary: dict[str, Any], run_dir: Path) -> str:
+    """What `stoker train` prints last: the report's table and verdict, then where the run's files are."""
+    lines = [describe([RunRecord(run_dir.name, summary, {})])]
+    if summary.get("error"):
+        lines.append(f"error: {summary['error'].splitlines()[0]}")
+    files = run_files(summary, run_dir)
+    width = max((len(name) for name, _ in files), default=0)
+    lines += [f"files in {run_dir}:", *(f"  {name:<{width}}  {what}" for name, what in files)]
+    return "\n".join(lines)
+
+
+def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
+    """(path relative to the run folder, what it holds) for the files this run left there."""
+    files = [("summary.json", "every number of this run: exactly-once accounting, skipped files, timeline"),
+             (REPORT_PNG, "where the time went, in four panels (report.txt: the table above)"),
+             ("metrics.jsonl", "every step and event"),
+             ("model.pt", "the final averaged model")]
+    found = [(name, what) for name, what in files if (run_dir / name).exists()]
+    if summary.get("checkpoint"):
+        checkpoint = Path(summary["checkpoint"])
+        resume = "" if summary["status"] == "completed" else f": stoker train --resume {run_dir} continues"
+        name = str(checkpoint.relative_to(run_dir)) if checkpoint.is_relative_to(run_dir) else str(checkpoint)
+        found.append((name, f"the last checkpoint{resume}"))
+    return found
+
+
 # ---- the panels ------------------------------------------------------------------------------------------------
 
 def throughput_series(run: RunRecord) -> tuple[list[float], list[float]]:

@@ -5,8 +5,10 @@ numbers, and no share may pass 100%."""
 
 from __future__ import annotations
 
+import json
 import re
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -42,17 +44,47 @@ def test_slow_device_step_is_called_compute_bound(textures, tmp_path):
     assert verdict["kind"] == "compute-bound", verdict
 
 
-def test_large_averaging_cost_is_called_sync_bound_with_a_suggestion(textures, tmp_path):
-    result = train(textures, tmp_path, "--devices", "cpu:2", "--model", "stoker.bench.scaling:simulated_model",
-                   "--log-every-s", "0.5", "--report", "true", env={"STOKER_SIMULATED_PARAMS": "30000000"})
-    verdict = read_summary(tmp_path)["verdict"]
+@pytest.fixture(scope="module")
+def sync_bound_run(textures, tmp_path_factory):
+    """Two consumers averaging 30M parameters after every step: sync-bound. Not quiet, --json."""
+    out = tmp_path_factory.mktemp("sync_bound")
+    result = train(textures, out, "--devices", "cpu:2", "--model", "stoker.bench.scaling:simulated_model",
+                   "--log-every-s", "0.5", "--report", "true", "--json", env={"STOKER_SIMULATED_PARAMS": "30000000"})
+    return out, result
+
+
+def test_large_averaging_cost_is_called_sync_bound_with_a_suggestion(sync_bound_run):
+    verdict = read_summary(sync_bound_run[0])["verdict"]
     assert verdict["kind"] == "sync-bound", verdict
     assert "try --sync-every" in verdict["text"] and "or --overlap-averaging true" in verdict["text"]
-    assert_one_verdict(tmp_path, result.stderr)
+
+
+def test_sync_bound_run_tells_one_verdict_everywhere(sync_bound_run):
+    assert_one_verdict(sync_bound_run[0], sync_bound_run[1].stderr)
 
 
 def test_input_bound_run_tells_one_verdict_everywhere(slow_input_run):
     assert_one_verdict(slow_input_run[0], slow_input_run[1].stderr)
+
+
+def test_the_ending_is_the_table_the_verdict_and_where_the_files_are_without_json(slow_input_run):
+    run_dir, result = slow_input_run
+    summary = read_summary(run_dir)
+    lines = result.stdout.splitlines()
+    assert "{" not in result.stdout and '"status"' not in result.stdout
+    assert len(lines) < 25 and summary["verdict"]["text"] in lines
+    assert f"files in {run_dir}:" in lines
+    for name in ("summary.json", "report.png", "metrics.jsonl", "model.pt"):
+        assert any(line.split()[:1] == [name] for line in lines), name
+        assert (run_dir / name).exists()
+    checkpoint = Path(summary["checkpoint"]).relative_to(run_dir)
+    assert any(line.split()[:1] == [str(checkpoint)] for line in lines)
+
+
+def test_json_asked_for_is_the_summary_on_stdout_and_the_ending_on_stderr(sync_bound_run):
+    run_dir, result = sync_bound_run
+    assert json.loads(result.stdout) == read_summary(run_dir)
+    assert f"files in {run_dir}:" in result.stderr.splitlines()
 
 
 def progress_lines(stderr: str) -> list[str]:
