@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,9 @@ def train_command(args: argparse.Namespace) -> int:
     summary = controller.run()
     from stoker.report import ending
 
-    print(ending(summary, controller.run_dir), file=sys.stderr if getattr(args, "json", False) else sys.stdout)
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
+    width = shutil.get_terminal_size().columns if out.isatty() else None
+    print(ending(summary, controller.run_dir, width), file=out)
     if getattr(args, "json", False):
         print(json.dumps(summary, indent=2, default=str))
     return {"completed": 0, "interrupted": 130}.get(summary["status"], 1)

@@ -212,6 +212,9 @@ class Controller:
         self.interrupted = True
 
     def _start(self) -> None:
+        # First: children started after it write their warnings above the live panel, not through it.
+        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
+                                 self.config.log_every_s, self.show_progress)
         sweep_dead_segments()
         self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
@@ -228,8 +231,6 @@ class Controller:
         auto = self.config.producers == "auto"
         self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if auto else None
         self._start_consumers()
-        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
-                                 self.config.log_every_s, self.show_progress)
         self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
                            resume_from=self.resume_from)
 

@@ -1,18 +1,23 @@
-"""Progress while a run goes: on a terminal, a rich live panel (epoch and run bars with ETA, each consumer's time
-split, queue fill, producers, loss, accuracy and the verdict); otherwise plain log lines with the same numbers and
-no control characters."""
+"""Progress while a run goes: on a terminal, one rich live panel updated in place for the whole run (epoch and
+run bars with ETA, each consumer's time split, queue fill, producers, loss, accuracy and the verdict) with every
+log line and every child's warning printed above it; otherwise plain log lines with the same numbers and no
+control characters."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 log = logging.getLogger("stoker")
 REFRESH_S = 0.25
@@ -56,13 +61,17 @@ class ProgressView:
         self.enabled = enabled
         self._last_shown = 0.0
         self._live: Live | None = None
+        self._stderr: StderrAbovePanel | None = None
         if enabled and sys.stderr.isatty():
             self._bars = Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
                                   TimeRemainingColumn())
             self._epoch_bar = self._bars.add_task("epoch", total=steps_per_epoch)
             self._run_bar = self._bars.add_task("run", total=total_steps)
-            self._live = Live(self._bars, console=Console(stderr=True), refresh_per_second=1 / REFRESH_S)
+            self._stderr = StderrAbovePanel()
+            console = Console(file=self._stderr.terminal)
+            self._live = Live(self._bars, console=console, refresh_per_second=1 / REFRESH_S, redirect_stderr=False)
             self._live.start()
+            self._stderr.start(console)
 
     def due(self) -> bool:
         interval = REFRESH_S if self._live is not None else self.interval_s
@@ -82,6 +91,43 @@ class ProgressView:
         live, self._live = self._live, None
         if live is not None:
             live.stop()
+        stderr, self._stderr = self._stderr, None
+        if stderr is not None:
+            stderr.restore()
+
+
+class StderrAbovePanel:
+    """While the panel is live, file descriptor 2 is a pipe, and each line that comes through it is printed above
+    the panel: this process's log lines, and the warnings and tracebacks of the producers and consumers, which
+    inherit descriptor 2 when they start. Written straight to the terminal, each would push the panel up and leave
+    a stale copy of it behind. Create it before starting children; `restore()` gives this process the terminal
+    back, and lines from children still running then are printed as they come."""
+
+    def __init__(self) -> None:
+        # The resource tracker outlives the panel and warns when this process exits: it keeps the real stderr.
+        resource_tracker.ensure_running()
+        sys.stderr.flush()
+        self.terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="replace")
+        self._saved = os.dup(2)
+        read, write = os.pipe()
+        os.dup2(write, 2)
+        os.close(write)
+        self._read = read
+        self._console: Console | None = None
+
+    def start(self, console: Console) -> None:
+        self._console = console
+        threading.Thread(target=self._forward, name="stoker stderr", daemon=True).start()
+
+    def _forward(self) -> None:
+        with os.fdopen(self._read, "rb") as pipe:
+            for line in pipe:  # until every process holding the pipe has closed it
+                self._console.print(Text.from_ansi(line.decode(errors="replace").rstrip("\n")))
+
+    def restore(self) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
 
 
 def panel(snapshot: Snapshot) -> Group:

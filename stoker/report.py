@@ -8,6 +8,7 @@ panels and prints their numbers side by side.
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,15 +83,20 @@ def describe(runs: list[RunRecord]) -> str:
     return "\n".join(lines)
 
 
-def ending(summary: dict[str, Any], run_dir: Path) -> str:
-    """What `stoker train` prints last: the report's table and verdict, then where the run's files are."""
+def ending(summary: dict[str, Any], run_dir: Path, width: int | None = None) -> str:
+    """What `stoker train` prints last: the report's table and verdict, then where the run's files are; lines
+    longer than `width` (a terminal's) wrapped at spaces."""
     lines = [describe([RunRecord(run_dir.name, summary, {})])]
     if summary.get("error"):
         lines.append(f"error: {summary['error'].splitlines()[0]}")
     files = run_files(summary, run_dir)
-    width = max((len(name) for name, _ in files), default=0)
-    lines += [f"files in {run_dir}:", *(f"  {name:<{width}}  {what}" for name, what in files)]
-    return "\n".join(lines)
+    name_width = max((len(name) for name, _ in files), default=0)
+    lines += [f"files in {run_dir}:", *(f"  {name:<{name_width}}  {what}" for name, what in files)]
+    text = "\n".join(lines)
+    if width is None:
+        return text
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
+                     for line in text.splitlines())
 
 
 def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
