@@ -207,8 +207,8 @@ class Controller:
     def _on_signal(self, signum: int, _frame) -> None:
         if self.interrupted:
             raise Interrupted  # a second signal: stop now, the last committed checkpoint stands
-        log.warning("%s: finishing the current step, saving a checkpoint and stopping (again to force)",
-                    signal.Signals(signum).name)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        log.warning("%s: stopping after the current step (%s again to stop now)", name, name)
         self.interrupted = True
 
     def _start(self) -> None:

@@ -38,10 +38,10 @@ def _take_terminal() -> None:
 
 
 def run_in_terminal(args: list[str], env: dict[str, str], columns: int = 140, rows: int = 40,
-                    timeout_s: float = 180, on_output: Callable[[bytes, Callable[[bytes], None]], None] | None = None
+                    timeout_s: float = 180, on_output: Callable[[list[str], Callable[[bytes], None]], None] | None = None
                     ) -> Terminal:
-    """Run `python -m stoker ARGS` on a `columns` x `rows` terminal until it exits. `on_output(all_so_far, type)`
-    is called after every read and may type keys."""
+    """Run `python -m stoker ARGS` on a `columns` x `rows` terminal until it exits. `on_output(screen, type)` is
+    called after every read with the lines on the screen now and may type keys."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     environment = {**env, "TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": str(rows)}
@@ -69,7 +69,7 @@ def run_in_terminal(args: list[str], env: dict[str, str], columns: int = 140, ro
             raw += chunk
             stream.feed(chunk)
             if on_output is not None:
-                on_output(bytes(raw), lambda keys: os.write(master, keys))
+                on_output([line.rstrip() for line in screen.display], lambda keys: os.write(master, keys))
         returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if process.poll() is None:

@@ -10,18 +10,19 @@ import re
 import pytest
 
 from tests.conftest import HELPERS, read_summary
-from tests.helpers.terminal import Terminal, run_in_terminal
+from tests.helpers.terminal import CTRL_C, Terminal, run_in_terminal
 
 pytestmark = pytest.mark.timeout(240)
 WARNING = "noisy: a warning written by a consumer"  # tests/helpers/noisy.py writes it
 
 
-def stoker_in_terminal(textures, out, *extra: str, env: dict | None = None) -> Terminal:
+def stoker_in_terminal(textures, out, *extra: str, env: dict | None = None, on_output=None) -> Terminal:
     train_dir, val_dir = textures
     environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    **(env or {})}
     return run_in_terminal(["train", "--data", str(train_dir), "--val", str(val_dir), "--batch-size", "8",
-                            "--image-size", "32", "--out", str(out), *extra], env=environment)
+                            "--image-size", "32", "--out", str(out), *extra], env=environment,
+                           on_output=on_output)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,50 @@ def test_the_live_verdict_is_the_summarys_and_the_reports(three_epochs):
     verdict = read_summary(out)["verdict"]["text"]
     assert live_verdict(terminal.lines) == verdict
     assert (out / "report.txt").read_text().splitlines()[-1] == verdict
+
+
+@pytest.fixture(scope="module")
+def interrupted(textures, tmp_path_factory):
+    """Two consumers averaging 30M parameters after every step (sync-bound), Ctrl-C typed once the run bar shows
+    two steps done."""
+    out = tmp_path_factory.mktemp("interrupted")
+    typed = []
+
+    def interrupt_at_step_two(screen: list[str], type_keys) -> None:
+        done = [int(m.group(1)) for line in screen if (m := re.match(r"\s*run\s+\S+\s+(\d+)/\d+", line))]
+        if not typed and done and done[0] >= 2:
+            type_keys(CTRL_C)
+            typed.append(done[0])
+
+    terminal = stoker_in_terminal(textures, out, "--epochs", "20", "--devices", "cpu:2", "--model",
+                                  "stoker.bench.scaling:simulated_model", "--report", "true",
+                                  env={"STOKER_SIMULATED_PARAMS": "30000000"}, on_output=interrupt_at_step_two)
+    assert typed, terminal.text
+    return out, terminal
+
+
+def test_ctrl_c_says_what_it_does_then_the_usual_ending(interrupted):
+    out, terminal = interrupted
+    assert terminal.returncode == 130, terminal.text
+    lines = terminal.lines
+    rows = panel_rows(lines)
+    assert all(len(found) == 1 for found in rows.values()), f"{rows}\n{terminal.text}"
+    said = [i for i, line in enumerate(lines)
+            if line.endswith("Ctrl-C: stopping after the current step (Ctrl-C again to stop now)")]
+    assert len(said) == 1 and said[0] < rows["epoch bar"][0], terminal.text
+    summary = read_summary(out)
+    assert summary["status"] == "interrupted"
+    ending = " ".join(line.strip() for line in lines[rows["numbers"][0]:])
+    assert "status interrupted" in " ".join(ending.split())
+    assert f"the last checkpoint: stoker train --resume {out} continues" in ending, terminal.text
+
+
+def test_the_live_verdict_of_a_sync_bound_run_is_the_summarys_and_the_reports(interrupted):
+    out, terminal = interrupted
+    verdict = read_summary(out)["verdict"]
+    assert verdict["kind"] == "sync-bound", verdict
+    assert live_verdict(terminal.lines) == verdict["text"]
+    assert (out / "report.txt").read_text().splitlines()[-1] == verdict["text"]
 
 
 def test_the_ending_has_the_table_the_verdict_and_the_files_and_no_json(three_epochs):
