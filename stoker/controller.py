@@ -39,6 +39,7 @@ from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDon
 from stoker.progress import ProgressView, Snapshot
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
+from stoker.waiting import waiting
 
 log = logging.getLogger(__name__)
 
@@ -619,11 +620,18 @@ def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
 
 def load_data(config: TrainConfig) -> Data:
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    train = scan_image_folder(train_root)
+    train = _scan(train_root)
     if val_root is not None:
-        return Data(train, scan_image_folder(val_root, classes=train.classes))
+        return Data(train, _scan(val_root, classes=train.classes))
     train, val = split_validation(train, config.val_fraction, config.seed)
     return Data(train, val)
+
+
+def _scan(root: Path, classes: tuple[str, ...] | None = None) -> ImageIndex:
+    with waiting(f"scanning {root}", unit="files") as progress:
+        index = scan_image_folder(root, classes=classes)
+        progress.update(len(index))
+    return index
 
 
 def default_run_dir() -> Path:

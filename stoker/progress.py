@@ -6,18 +6,16 @@ control characters."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
-from multiprocessing import resource_tracker
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
-from rich.text import Text
+
+from stoker.terminal import StderrAbove
 
 log = logging.getLogger("stoker")
 REFRESH_S = 0.25
@@ -61,17 +59,16 @@ class ProgressView:
         self.enabled = enabled
         self._last_shown = 0.0
         self._live: Live | None = None
-        self._stderr: StderrAbovePanel | None = None
+        self._stderr: StderrAbove | None = None
         if enabled and sys.stderr.isatty():
             self._bars = Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
                                   TimeRemainingColumn())
             self._epoch_bar = self._bars.add_task("epoch", total=steps_per_epoch)
             self._run_bar = self._bars.add_task("run", total=total_steps)
-            self._stderr = StderrAbovePanel()
-            console = Console(file=self._stderr.terminal)
-            self._live = Live(self._bars, console=console, refresh_per_second=1 / REFRESH_S, redirect_stderr=False)
+            self._stderr = StderrAbove()  # before any child starts: they inherit descriptor 2
+            self._live = Live(self._bars, console=self._stderr.console, refresh_per_second=1 / REFRESH_S,
+                              redirect_stderr=False)
             self._live.start()
-            self._stderr.start(console)
 
     def due(self) -> bool:
         interval = REFRESH_S if self._live is not None else self.interval_s
@@ -94,40 +91,6 @@ class ProgressView:
         stderr, self._stderr = self._stderr, None
         if stderr is not None:
             stderr.restore()
-
-
-class StderrAbovePanel:
-    """While the panel is live, file descriptor 2 is a pipe, and each line that comes through it is printed above
-    the panel: this process's log lines, and the warnings and tracebacks of the producers and consumers, which
-    inherit descriptor 2 when they start. Written straight to the terminal, each would push the panel up and leave
-    a stale copy of it behind. Create it before starting children; `restore()` gives this process the terminal
-    back, and lines from children still running then are printed as they come."""
-
-    def __init__(self) -> None:
-        # The resource tracker outlives the panel and warns when this process exits: it keeps the real stderr.
-        resource_tracker.ensure_running()
-        sys.stderr.flush()
-        self.terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="replace")
-        self._saved = os.dup(2)
-        read, write = os.pipe()
-        os.dup2(write, 2)
-        os.close(write)
-        self._read = read
-        self._console: Console | None = None
-
-    def start(self, console: Console) -> None:
-        self._console = console
-        threading.Thread(target=self._forward, name="stoker stderr", daemon=True).start()
-
-    def _forward(self) -> None:
-        with os.fdopen(self._read, "rb") as pipe:
-            for line in pipe:  # until every process holding the pipe has closed it
-                self._console.print(Text.from_ansi(line.decode(errors="replace").rstrip("\n")))
-
-    def restore(self) -> None:
-        sys.stderr.flush()
-        os.dup2(self._saved, 2)
-        os.close(self._saved)
 
 
 def panel(snapshot: Snapshot) -> Group:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from stoker import builtin_data, faults
 from stoker.bench.group import run_group
 from stoker.metrics import read_events
+from stoker.waiting import waiting
 
 if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench scaling --help` need not wait for it
     from torch import nn
@@ -97,12 +98,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         grid = [(n, h, overlap) for n in sorted(set(args.devices)) for h in (args.sync_every if n > 1 else [1])
                 for overlap in (modes if n > 1 else [False])]
         bare = {n: bare_allreduce_ms(n, args.params) for n in sorted(set(args.devices)) if n > 1}
-        for devices, sync_every, overlap in grid:
-            data = _subset(root, devices * BATCH_SIZE * args.steps)
-            rows = [_one_run(root / f"run-{devices}-{sync_every}-{overlap}-{repeat}", data, root / "all" / "val",
-                             devices, sync_every, overlap, bare.get(devices, 0.0), args)
-                    for repeat in range(args.repeats)]
-            runs.append(sorted(rows, key=lambda row: row["samples_per_s"])[len(rows) // 2])
+        with waiting("bench scaling", total=len(grid) * args.repeats, unit="runs") as progress:
+            for devices, sync_every, overlap in grid:
+                data = _subset(root, devices * BATCH_SIZE * args.steps)
+                rows = []
+                for repeat in range(args.repeats):
+                    rows.append(_one_run(root / f"run-{devices}-{sync_every}-{overlap}-{repeat}", data,
+                                         root / "all" / "val", devices, sync_every, overlap, bare.get(devices, 0.0),
+                                         args))
+                    progress.advance()
+                runs.append(sorted(rows, key=lambda row: row["samples_per_s"])[len(rows) // 2])
     base = next(r for r in runs if r["devices"] == 1)["samples_per_s"]
     for row in runs:
         row["speedup"] = round(row["samples_per_s"] / base, 3)

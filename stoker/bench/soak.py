@@ -26,6 +26,7 @@ from stoker import builtin_data
 from stoker.metrics import read_events
 from stoker.procs import stoker_processes
 from stoker.ring import SHM_DIR, live_segments
+from stoker.waiting import waiting
 
 SAMPLE_EVERY_S = 0.5
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -86,16 +87,18 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float,
     started = time.monotonic()
     next_kill = started + rng.uniform(0.5, 1.5) * kill_every_s
     samples, kills = [], 0
-    while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
-        family = _family(run_process.pid)
-        samples.append({"t": now - started, "rss": {title: _rss_bytes(pid) for pid, title in family.items()},
-                        "shm_bytes": _shm_bytes(run_process.pid)})
-        producers = [pid for pid, title in family.items() if title.startswith("stoker producer")]
-        if now >= next_kill and producers:
-            os.kill(rng.choice(producers), signal.SIGKILL)
-            kills += 1
-            next_kill = now + rng.uniform(0.5, 1.5) * kill_every_s
-        time.sleep(SAMPLE_EVERY_S)
+    with waiting("bench soak", total=round(seconds), unit="s", rate=False) as progress:
+        while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
+            progress.update(round(now - started))
+            family = _family(run_process.pid)
+            samples.append({"t": now - started, "rss": {title: _rss_bytes(pid) for pid, title in family.items()},
+                            "shm_bytes": _shm_bytes(run_process.pid)})
+            producers = [pid for pid, title in family.items() if title.startswith("stoker producer")]
+            if now >= next_kill and producers:
+                os.kill(rng.choice(producers), signal.SIGKILL)
+                kills += 1
+                next_kill = now + rng.uniform(0.5, 1.5) * kill_every_s
+            time.sleep(SAMPLE_EVERY_S)
     return samples, kills
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stoker.bench.group import run_group
+from stoker.waiting import waiting
 
 if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench sync --help` need not wait for it
     import torch
@@ -44,7 +45,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = {k: getattr(args, k) for k in ("model", "batch_size", "image_size", "steps", "repeats", "optimizer")}
-    result = run_group(_compare, WORLD, (settings,), timeout_s=600)
+    with waiting("bench sync: stoker against DDP, 2 processes", total=1, unit="runs") as progress:
+        result = run_group(_compare, WORLD, (settings,), timeout_s=600)
+        progress.advance()
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")

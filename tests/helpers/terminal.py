@@ -1,5 +1,5 @@
-"""The real CLI in a pseudo-terminal, its output read through a terminal emulator (pyte): what a person would see,
-scrollback included. The child gets the pty as its controlling terminal, so writing Ctrl-C to it signals the
+"""A command (the real CLI) in a pseudo-terminal, its output read through a terminal emulator (pyte): what a person
+would see, scrollback included. The child gets the pty as its controlling terminal, so writing Ctrl-C to it signals the
 whole foreground process group, as a keyboard does."""
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import pty
 import select
 import struct
 import subprocess
-import sys
 import termios
 import time
 from collections.abc import Callable
@@ -37,16 +36,18 @@ def _take_terminal() -> None:
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
-def run_in_terminal(args: list[str], env: dict[str, str], columns: int = 140, rows: int = 40,
-                    timeout_s: float = 180, on_output: Callable[[list[str], Callable[[bytes], None]], None] | None = None
-                    ) -> Terminal:
-    """Run `python -m stoker ARGS` on a `columns` x `rows` terminal until it exits. `on_output(screen, type)` is
-    called after every read with the lines on the screen now and may type keys."""
+OnOutput = Callable[[list[str], Callable[[bytes], None]], None]
+
+
+def run_in_terminal(command: list[str], env: dict[str, str], columns: int = 140, rows: int = 40,
+                    timeout_s: float = 180, on_output: OnOutput | None = None) -> Terminal:
+    """Run `command` on a `columns` x `rows` terminal until it exits. `on_output(screen, type)` is called after
+    every read with the lines on the screen now and may type keys."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     environment = {**env, "TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": str(rows)}
     environment.pop("NO_COLOR", None)
-    process = subprocess.Popen([sys.executable, "-m", "stoker", *args], stdin=slave, stdout=slave, stderr=slave,
+    process = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave,
                                env=environment, preexec_fn=_take_terminal, close_fds=True)
     os.close(slave)
     screen = pyte.HistoryScreen(columns, rows, history=10_000)
