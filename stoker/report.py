@@ -104,7 +104,7 @@ def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
     files = [("summary.json", "every number of this run: exactly-once accounting, skipped files, timeline"),
              (REPORT_PNG, "where the time went, in four panels (report.txt: the table above)"),
              ("metrics.jsonl", "every step and event"),
-             ("model.pt", "the final averaged model")]
+             ("model.pt", "the averaged model where the run ended")]
     found = [(name, what) for name, what in files if (run_dir / name).exists()]
     if summary.get("checkpoint"):
         checkpoint = Path(summary["checkpoint"])

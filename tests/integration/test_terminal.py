@@ -67,9 +67,13 @@ def test_one_panel_for_the_whole_run_with_log_lines_and_warnings_above_it(three_
 
 def test_the_live_verdict_is_the_summarys_and_the_reports(three_epochs):
     out, terminal = three_epochs
-    verdict = read_summary(out)["verdict"]["text"]
+    summary = read_summary(out)
+    verdict = summary["verdict"]["text"]
     assert live_verdict(terminal.lines) == verdict
     assert (out / "report.txt").read_text().splitlines()[-1] == verdict
+    [numbers] = panel_rows(terminal.lines)["numbers"]
+    shown = float(terminal.lines[numbers].split(" samples/s")[0].replace(",", ""))
+    assert abs(shown - summary["throughput_samples_per_s"]) <= 1  # the last panel: the run's, not the last 5 s
 
 
 @pytest.fixture(scope="module")
