@@ -34,8 +34,9 @@ class StderrAbove:
 
     def _forward(self, read: int) -> None:
         with os.fdopen(read, "rb") as pipe:
-            for line in pipe:  # until every process holding the pipe has closed it
+            for line in pipe:  # until every process holding the pipe has closed it (after `restore`)
                 self.console.print(Text.from_ansi(line.decode(errors="replace").rstrip("\n")))
+        self.terminal.close()
 
     def restore(self) -> None:
         """Idempotent."""

@@ -76,7 +76,7 @@ class Waiting:
             log.info("%s", self.line(now))
 
     def line(self, now: float | None = None) -> str:
-        elapsed = (now or time.monotonic()) - self.started
+        elapsed = (time.monotonic() if now is None else now) - self.started
         count = f"{self.count:,}" if self.total is None else f"{self.count:,}/{self.total:,}"
         rate = f" ({rate_text(self.count, elapsed, self.unit)})" if self.rate else ""
         return f"{self.description}: {count} {self.unit} in {elapsed:.1f} s{rate}"

@@ -26,10 +26,12 @@ def train(textures, out, *extra, env=None):
 
 @pytest.fixture(scope="module")
 def slow_input_run(textures, tmp_path_factory):
-    """Every file read waits 25 ms and one producer does all the reading: input-bound. Not quiet, TensorBoard on."""
+    """Every file read waits 25 ms and one producer does all the reading: input-bound. Two slots per consumer: the
+    batches built while the consumer starts (seconds on a loaded machine) cover two of the 15 steps, not four.
+    Not quiet, TensorBoard on."""
     out = tmp_path_factory.mktemp("slow_input")
-    result = train(textures, out, "--producers", "1", "--log-every-s", "0.5", "--tensorboard", "true",
-                   "--report", "true", env={"STOKER_READ_LATENCY_MS": "25"})
+    result = train(textures, out, "--producers", "1", "--slots-per-consumer", "2", "--log-every-s", "0.5",
+                   "--tensorboard", "true", "--report", "true", env={"STOKER_READ_LATENCY_MS": "25"})
     return out, result
 
 
