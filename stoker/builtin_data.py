@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from stoker.waiting import waiting
+
 log = logging.getLogger(__name__)
 
 VERSION = 1
@@ -43,14 +45,17 @@ def builtin_dataset(root: Path | None = None) -> tuple[Path, Path]:
 def generate(folder: Path, train_per_class: int, val_per_class: int, seed: int = GENERATOR_SEED) -> None:
     temporary = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(temporary, ignore_errors=True)
-    for split, count, offset in (("train", train_per_class, 0), ("val", val_per_class, 10**6)):
-        for label, (name, draw) in enumerate(CLASSES.items()):
-            target = temporary / split / f"{label}_{name}"
-            target.mkdir(parents=True)
-            for index in range(count):
-                rng = np.random.default_rng([seed, label, offset + index])
-                pixels = render(draw, rng)
-                Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=int(rng.integers(70, 95)))
+    total = len(CLASSES) * (train_per_class + val_per_class)
+    with waiting(f"generating {folder}", total=total, unit="images") as progress:
+        for split, count, offset in (("train", train_per_class, 0), ("val", val_per_class, 10**6)):
+            for label, (name, draw) in enumerate(CLASSES.items()):
+                target = temporary / split / f"{label}_{name}"
+                target.mkdir(parents=True)
+                for index in range(count):
+                    rng = np.random.default_rng([seed, label, offset + index])
+                    pixels = render(draw, rng)
+                    Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=int(rng.integers(70, 95)))
+                    progress.advance()
     folder.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.rename(temporary, folder)

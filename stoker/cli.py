@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (help_text, metavar) in TRAIN_FLAGS.items():
         train.add_argument("--" + name.replace("_", "-"), dest=name, metavar=metavar, help=help_text)
     train.add_argument("--quiet", action="store_true", help="no progress display")
+    train.add_argument("--json", action="store_true", help="print summary.json to stdout at the end (the short "
+                       "table, the verdict and where the files are go to stderr instead)")
     report = commands.add_parser("report", help="redraw a run's report.png, or compare two runs")
     report.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="one run, or two to compare")
     report.add_argument("--out", type=Path, help="where the PNG goes (default RUN_DIR/report.png, or "
@@ -123,8 +126,13 @@ def train_command(args: argparse.Namespace) -> int:
         print("stoker: interrupted before training started", file=sys.stderr)
         return 130
     summary = controller.run()
-    shown = {k: v for k, v in summary.items() if k not in ("skipped_files", "producers_timeline")}
-    print(json.dumps(shown, indent=2, default=str))
+    from stoker.report import ending
+
+    out = sys.stderr if getattr(args, "json", False) else sys.stdout
+    width = shutil.get_terminal_size().columns if out.isatty() else None
+    print(ending(summary, controller.run_dir, width), file=out)
+    if getattr(args, "json", False):
+        print(json.dumps(summary, indent=2, default=str))
     return {"completed": 0, "interrupted": 130}.get(summary["status"], 1)
 
 

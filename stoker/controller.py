@@ -29,7 +29,7 @@ from stoker.dataset import ImageIndex, scan_image_folder, split_validation
 from stoker.devices import resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.lifecycle import Interrupted, Lifecycle
-from stoker.metrics import MetricsLog, RunStats
+from stoker.metrics import MetricsLog, RunStats, time_shares
 from stoker.models import check_model
 from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool, check_hang_timeout
@@ -40,6 +40,7 @@ from stoker.progress import ProgressView, Snapshot
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
 from stoker.summary import Ledger, exactly_once_breach
+from stoker.waiting import waiting
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class Controller:
         self.producers_initial = 0
         self.timeline: list[dict[str, Any]] = []
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
-        self.split: TimeSplit | None = None  # the latest window's, for the live view
+        self.split: TimeSplit | None = None  # the latest window's, for the autoscaler and `pipeline` events
         self.last_queue_fill = 0.0
         self.lifecycle = Lifecycle()  # what a signal means now; `lifecycle.interrupted`: one arrived here
         self.stopping = False  # stopping early: this machine or another one was interrupted
@@ -165,6 +166,7 @@ class Controller:
         try:
             self._start()
             self._loop()
+            self._show(final=True)  # the last panel or log line holds the numbers of the summary
             if self.stopping:
                 status = "interrupted"
         except Interrupted:
@@ -210,11 +212,14 @@ class Controller:
 
         try:
             faults.maybe_inject("controller", "drawing the report")
-            log.info("%s", write_report(self.run_dir).replace("\n", "\n    "))
+            write_report(self.run_dir)  # its text ends the command's output (cli), not the log
         except Exception as error:  # the run itself is done and saved; a report that cannot be drawn is not fatal
             log.warning("could not draw the run report: %s: %s", type(error).__name__, error)
 
     def _start(self) -> None:
+        # First: children started after it write their warnings above the live panel, not through it.
+        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
+                                 self.config.log_every_s, self.show_progress)
         sweep_dead_segments()
         self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
@@ -232,8 +237,6 @@ class Controller:
         self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if auto else None
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
-        self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
-                                 self.config.log_every_s, self.show_progress)
         self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
                            resume_from=self.resume_from)
 
@@ -474,14 +477,14 @@ class Controller:
                     log.error("%s", message.error)
 
     def _close_window(self, window: _WindowTotals, elapsed_s: float) -> None:
-        """Every SCALE_WINDOW_S: record the pipeline's state, update the verdict, let the autoscaler decide."""
+        """Every SCALE_WINDOW_S: record the pipeline's state and let the autoscaler decide."""
         consumer_time = max(1e-9, elapsed_s * self.num_consumers)
-        utilization = self.pool.take_utilization(elapsed_s)
+        utilization = min(1.0, self.pool.take_utilization(elapsed_s))  # a task counts in the window it ends in
         self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
         queue_fill = window.queue_fill / max(1, window.queue_samples)
         self.last_queue_fill = queue_fill
-        self.split = TimeSplit(compute=window.compute_s / consumer_time, input_wait=window.wait_s / consumer_time,
-                               averaging=window.averaging_s / consumer_time, producers=len(self.pool.active),
+        compute, wait, averaging = time_shares(window.compute_s, window.wait_s, window.averaging_s, consumer_time)
+        self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=len(self.pool.active),
                                producer_budget=self.budget, producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging)
         self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
@@ -500,39 +503,40 @@ class Controller:
             self._record_producers(decision.reason)
 
     def run_verdict(self) -> Verdict:
-        """The verdict over the whole run, from every consumer's totals."""
+        """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
+        and the report all show this one."""
         if not self.stats.consumers[0].steps:
             return Verdict("starting", "no training step finished")
-        busy, seconds = self.producer_busy
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
             averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
-            producer_budget=self.budget, producer_utilization=busy / seconds if seconds else 0.0,
+            producer_budget=self.budget, producer_utilization=self._producer_utilization(),
             sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
+
+    def _producer_utilization(self) -> float:
+        busy, seconds = self.producer_busy
+        return busy / seconds if seconds else 0.0
 
     def _record_producers(self, reason: str) -> None:
         count = len(self.pool.active)
         self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason})
         self.metrics.write("producers", count=count, reason=reason)
 
-    def _show(self) -> None:
-        if not self.view.due():
+    def _show(self, final: bool = False) -> None:
+        if not (final or self.view.due()):
             return
         steps_per_epoch = self.plan.steps_per_epoch
         step = self.start_at.global_step + self.stats.consumers[0].steps
         epoch = min(self.config.epochs - 1, step // steps_per_epoch)
-        split = self.split
         self.view.update(Snapshot(
             epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
-            samples_per_s=self.stats.rate(time.monotonic()),
+            samples_per_s=self.stats.throughput() if final else self.stats.rate(time.monotonic()),
             loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
-            consumers=tuple(zip(self.stats.compute_fractions(), self.stats.stall_fractions(),
-                                self.stats.averaging_fractions())),
+            consumers=tuple(self.stats.shares()),
             queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self.budget,
-            producer_utilization=split.producer_utilization if split else 0.0,
-            verdict=diagnose(split).text if split else "starting"))
+            producer_utilization=self._producer_utilization(), verdict=self.run_verdict().text))
 
     # ---- the end ------------------------------------------------------------------------------------------------
 
@@ -627,11 +631,18 @@ def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
 
 def load_data(config: TrainConfig) -> Data:
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    train = scan_image_folder(train_root)
+    train = _scan(train_root)
     if val_root is not None:
-        return Data(train, scan_image_folder(val_root, classes=train.classes))
+        return Data(train, _scan(val_root, classes=train.classes))
     train, val = split_validation(train, config.val_fraction, config.seed)
     return Data(train, val)
+
+
+def _scan(root: Path, classes: tuple[str, ...] | None = None) -> ImageIndex:
+    with waiting(f"scanning {root}", unit="files") as progress:
+        index = scan_image_folder(root, classes=classes)
+        progress.update(len(index))
+    return index
 
 
 def default_run_dir() -> Path:

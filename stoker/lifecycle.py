@@ -76,7 +76,7 @@ class Lifecycle:
             self.phase = "closing"
 
     def _on_signal(self, signum: int, _frame: Any) -> None:
-        name = signal.Signals(signum).name
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.phase == "reporting":
             raise ReportInterrupted
         if self.phase == "closing":
@@ -86,7 +86,7 @@ class Lifecycle:
             return
         if self.interrupted:
             raise Interrupted  # a second signal: stop now, the last committed checkpoint stands
-        log.warning("%s: finishing the current step, saving a checkpoint and stopping (again to force)", name)
+        log.warning("%s: stopping after the current step (%s again to stop now)", name, name)
         self.interrupted = True
 
 

@@ -7,12 +7,14 @@ import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.consumer import StepReport
 from stoker.dataset import Skipped
+
+if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
+    from stoker.consumer import StepReport
 
 
 RATE_WINDOW_S = 5.0
@@ -90,6 +92,17 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return str(value)
+
+
+def time_shares(compute_s: float, wait_s: float, averaging_s: float, wall_s: float) -> tuple[float, float, float]:
+    """Device compute, input wait and averaging as shares of a consumer's wall time: the one definition behind
+    the live view, the log lines, summary.json, the report and the verdict. The parts are timed on the consumer and
+    the wall time on the controller, which hears of each step a message later; where the parts add up to more than
+    the wall time they are shares of their sum instead, so no share passes 1 and together they never do."""
+    whole = max(wall_s, compute_s + wait_s + averaging_s)
+    if whole <= 0:
+        return 0.0, 0.0, 0.0
+    return compute_s / whole, wait_s / whole, averaging_s / whole
 
 
 @dataclass
@@ -242,18 +255,20 @@ class RunStats:
             return None
         return account.loss_sum / account.consumed()
 
-    def stall_fractions(self) -> list[float]:
-        return self._shares("wait_s")
+    def shares(self) -> list[tuple[float, float, float]]:
+        """Per consumer: (compute, input wait, averaging) as `time_shares` of its wall time, from its first step's
+        start to its last step's end (waiting for the very first batch is start-up, not counted)."""
+        return [tuple(round(share, 4) for share in time_shares(c.compute_s, c.wait_s, c.averaging_s, c.wall_s()))
+                for c in self.consumers]
 
     def compute_fractions(self) -> list[float]:
-        return self._shares("compute_s")
+        return [compute for compute, _, _ in self.shares()]
+
+    def stall_fractions(self) -> list[float]:
+        return [wait for _, wait, _ in self.shares()]
 
     def averaging_fractions(self) -> list[float]:
-        return self._shares("averaging_s")
-
-    def _shares(self, part: str) -> list[float]:
-        """Per consumer: the share of its wall time spent in `part`."""
-        return [round(getattr(c, part) / c.wall_s(), 4) if c.wall_s() > 0 else 0.0 for c in self.consumers]
+        return [averaging for _, _, averaging in self.shares()]
 
     def throughput(self) -> float:
         walls = [c.wall_s() for c in self.consumers if c.wall_s() > 0]

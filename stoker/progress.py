@@ -1,6 +1,7 @@
-"""Progress while a run goes: on a terminal, a rich live panel (epoch and run bars with ETA, each consumer's time
-split, queue fill, producers, loss, accuracy and the verdict); otherwise plain log lines with the same numbers and
-no control characters."""
+"""Progress while a run goes: on a terminal, one rich live panel updated in place for the whole run (epoch and
+run bars with ETA, each consumer's time split, queue fill, producers, loss, accuracy and the verdict) with every
+log line and every child's warning printed above it; otherwise plain log lines with the same numbers and no
+control characters."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import sys
 import time
 from dataclasses import dataclass
 
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+
+from stoker.terminal import StderrAbove
 
 log = logging.getLogger("stoker")
 REFRESH_S = 0.25
@@ -56,12 +59,15 @@ class ProgressView:
         self.enabled = enabled
         self._last_shown = 0.0
         self._live: Live | None = None
+        self._stderr: StderrAbove | None = None
         if enabled and sys.stderr.isatty():
             self._bars = Progress(TextColumn("{task.description:>6}"), BarColumn(), MofNCompleteColumn(),
                                   TimeRemainingColumn())
             self._epoch_bar = self._bars.add_task("epoch", total=steps_per_epoch)
             self._run_bar = self._bars.add_task("run", total=total_steps)
-            self._live = Live(self._bars, console=Console(stderr=True), refresh_per_second=1 / REFRESH_S)
+            self._stderr = StderrAbove()  # before any child starts: they inherit descriptor 2
+            self._live = Live(self._bars, console=self._stderr.console, refresh_per_second=1 / REFRESH_S,
+                              redirect_stderr=False)
             self._live.start()
 
     def due(self) -> bool:
@@ -82,6 +88,9 @@ class ProgressView:
         live, self._live = self._live, None
         if live is not None:
             live.stop()
+        stderr, self._stderr = self._stderr, None
+        if stderr is not None:
+            stderr.restore()
 
 
 def panel(snapshot: Snapshot) -> Group:

@@ -8,6 +8,7 @@ panels and prints their numbers side by side.
 from __future__ import annotations
 
 import json
+import textwrap
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,37 @@ def describe(runs: list[RunRecord]) -> str:
         prefix = f"{run.name}: " if len(runs) > 1 else ""
         lines.append(f"{prefix}{(run.summary.get('verdict') or {}).get('text', 'no verdict')}")
     return "\n".join(lines)
+
+
+def ending(summary: dict[str, Any], run_dir: Path, width: int | None = None) -> str:
+    """What `stoker train` prints last: the report's table and verdict, then where the run's files are; lines
+    longer than `width` (a terminal's) wrapped at spaces."""
+    lines = [describe([RunRecord(run_dir.name, summary, {})])]
+    if summary.get("error"):
+        lines.append(f"error: {summary['error'].splitlines()[0]}")
+    files = run_files(summary, run_dir)
+    name_width = max((len(name) for name, _ in files), default=0)
+    lines += [f"files in {run_dir}:", *(f"  {name:<{name_width}}  {what}" for name, what in files)]
+    text = "\n".join(lines)
+    if width is None:
+        return text
+    return "\n".join(textwrap.fill(line, width, break_long_words=False, break_on_hyphens=False)
+                     for line in text.splitlines())
+
+
+def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
+    """(path relative to the run folder, what it holds) for the files this run left there."""
+    files = [("summary.json", "every number of this run: exactly-once accounting, skipped files, timeline"),
+             (REPORT_PNG, "where the time went, in four panels (report.txt: the table above)"),
+             ("metrics.jsonl", "every step and event"),
+             ("model.pt", "the averaged model where the run ended")]
+    found = [(name, what) for name, what in files if (run_dir / name).exists()]
+    if summary.get("checkpoint"):
+        checkpoint = Path(summary["checkpoint"])
+        resume = "" if summary["status"] == "completed" else f": stoker train --resume {run_dir} continues"
+        name = str(checkpoint.relative_to(run_dir)) if checkpoint.is_relative_to(run_dir) else str(checkpoint)
+        found.append((name, f"the last checkpoint{resume}"))
+    return found
 
 
 # ---- the panels ------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 
 from stoker import builtin_data, faults
 from stoker.metrics import read_events
+from stoker.waiting import waiting
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -41,13 +42,15 @@ def run(args: argparse.Namespace) -> int:
         common = dict(data=root / "data" / "train", val=root / "data" / "val", devices="cpu:1", image_size=32,
                       batch_size=args.batch_size, epochs=args.epochs, seed=0, show_progress=False, report=False)
         fixed = []
-        for producers in range(1, args.max_producers + 1):
-            out = root / f"fixed-{producers}"
-            stoker.train(producers=producers, out=out, **common)
-            fixed.append({"producers": producers, "samples_per_s": steady_rate(out)})
-        out = root / "auto"
-        summary = stoker.train(producers="auto", max_producers=args.max_producers, out=out, **common)
-        auto_rate = steady_rate(out)
+        with waiting("bench autoscale", total=args.max_producers + 1, unit="runs") as progress:
+            for producers in range(1, args.max_producers + 1):
+                out = root / f"fixed-{producers}"
+                stoker.train(producers=producers, out=out, **common)
+                fixed.append({"producers": producers, "samples_per_s": steady_rate(out)})
+                progress.advance()
+            out = root / "auto"
+            summary = stoker.train(producers="auto", max_producers=args.max_producers, out=out, **common)
+            auto_rate = steady_rate(out)
     best = max(fixed, key=lambda row: row["samples_per_s"])
     result = {
         "workload": {"read_latency_ms": args.read_latency_ms, "step_ms": args.step_ms,

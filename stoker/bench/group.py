@@ -6,9 +6,6 @@ import datetime
 from collections.abc import Callable
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 LOOPBACK = "127.0.0.1"
 
 
@@ -16,6 +13,8 @@ def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: fl
     """Start `world` processes running `worker(rank, world, *args)` in one gloo group; return rank 0's result.
 
     A worker's exception comes back as a RuntimeError naming the rank; every process is gone when this returns."""
+    import torch.distributed as dist  # here, not at the top: `stoker --help` must not wait for torch
+
     from stoker.procs import CONTEXT
 
     store = dist.TCPStore(LOOPBACK, 0, world + 1, is_master=True, wait_for_workers=False,
@@ -39,6 +38,9 @@ def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: fl
 
 
 def _member(worker: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results) -> None:
+    import torch
+    import torch.distributed as dist
+
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore(LOOPBACK, port, world + 1, is_master=False)

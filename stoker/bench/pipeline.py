@@ -40,6 +40,7 @@ from stoker.pool import MAX_IN_FLIGHT, ProducerPool
 from stoker.procs import CONTEXT, Mailbox
 from stoker.producer import ProducerSetup, Source, Task, TaskDone
 from stoker.ring import SlotRing
+from stoker.waiting import waiting
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
 QUALITY = 90
@@ -113,12 +114,14 @@ def generate(folder: Path, small: int, large: int, seed: int = 0) -> None:
     upscaling: upscaled or flat images compress and decode unrealistically fast)."""
     photos = photographs()
     rng = np.random.default_rng(seed)
-    for (name, (width, height)), count in zip(SETS.items(), (small, large)):
-        target = folder / name / "photos"
-        target.mkdir(parents=True, exist_ok=True)
-        for index in range(count):
-            pixels = _mosaic(photos, height, width, rng)
-            Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=QUALITY)
+    with waiting(f"generating {folder}", total=small + large, unit="images") as progress:
+        for (name, (width, height)), count in zip(SETS.items(), (small, large)):
+            target = folder / name / "photos"
+            target.mkdir(parents=True, exist_ok=True)
+            for index in range(count):
+                pixels = _mosaic(photos, height, width, rng)
+                Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=QUALITY)
+                progress.advance()
 
 
 def _mosaic(photos: list[np.ndarray], height: int, width: int, rng: np.random.Generator) -> np.ndarray:
@@ -143,11 +146,16 @@ def measure_set(folder: Path, name: str, args: argparse.Namespace) -> dict[str, 
     index = scan_image_folder(folder)
     paths, labels = index.paths, index.labels
     runs: dict[str, list[float]] = {"stoker": [], "dataloader_uint8": [], "dataloader_float": [], "ceiling": []}
-    for _ in range(args.repeats):  # interleaved, so drift in the machine's speed hits every variant alike
-        runs["stoker"].append(time_stoker(paths, labels, args))
-        runs["dataloader_uint8"].append(time_dataloader(paths, labels, args, to_float=False))
-        runs["dataloader_float"].append(time_dataloader(paths, labels, args, to_float=True))
-        runs["ceiling"].append(time_decode_only(paths, args))
+    with waiting(f"bench pipeline {name}", total=args.repeats * len(runs), unit="runs") as progress:
+        for _ in range(args.repeats):  # interleaved, so drift in the machine's speed hits every variant alike
+            runs["stoker"].append(time_stoker(paths, labels, args))
+            progress.advance()
+            runs["dataloader_uint8"].append(time_dataloader(paths, labels, args, to_float=False))
+            progress.advance()
+            runs["dataloader_float"].append(time_dataloader(paths, labels, args, to_float=True))
+            progress.advance()
+            runs["ceiling"].append(time_decode_only(paths, args))
+            progress.advance()
     medians = {key: round(statistics.median(values), 1) for key, values in runs.items()}
     return {"name": name, "images": len(paths), "stoker_img_s": medians["stoker"],
             "dataloader_uint8_img_s": medians["dataloader_uint8"],
@@ -306,10 +314,12 @@ def measure_transport(args: argparse.Namespace) -> dict[str, Any]:
     samples = max(4 * args.batch_size, 256)
     batches = argparse.Namespace(**{**vars(args), "images_per_run": TRANSPORT_BATCHES * args.batch_size})
     received, memcpy = [], []
-    for _ in range(args.repeats):
-        rate = time_stoker([""] * samples, np.zeros(samples, np.int64), batches, transport_only=True)
-        received.append(rate / args.batch_size * batch_bytes / 1e9)
-        memcpy.append(memcpy_gb_s(batch_bytes))
+    with waiting("bench pipeline transport", total=args.repeats, unit="runs") as progress:
+        for _ in range(args.repeats):
+            rate = time_stoker([""] * samples, np.zeros(samples, np.int64), batches, transport_only=True)
+            received.append(rate / args.batch_size * batch_bytes / 1e9)
+            memcpy.append(memcpy_gb_s(batch_bytes))
+            progress.advance()
     consumer, baseline = statistics.median(received), statistics.median(memcpy)
     return {"batch_shape": [args.batch_size, 3, args.image_size, args.image_size], "consumer_gb_s":
             round(consumer, 3), "memcpy_gb_s": round(baseline, 3), "consumer_over_memcpy":

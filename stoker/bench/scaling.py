@@ -21,15 +21,15 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from stoker import builtin_data, faults
 from stoker.bench.group import run_group
 from stoker.metrics import read_events
+from stoker.waiting import waiting
+
+if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench scaling --help` need not wait for it
+    from torch import nn
 
 PARAMS_ENV = "STOKER_SIMULATED_PARAMS"
 BATCH_SIZE = 16
@@ -79,17 +79,9 @@ def run(args: argparse.Namespace) -> int:
 def simulated_model(num_classes: int) -> nn.Module:
     """A tiny classifier plus parameters that make the model `STOKER_SIMULATED_PARAMS` large: they take no part
     in the forward pass (the device time is the sleep) but are averaged like any other."""
-    return _Simulated(num_classes, int(os.environ.get(PARAMS_ENV, "1000000")))
+    from stoker.bench.simulated import SimulatedModel
 
-
-class _Simulated(nn.Module):
-    def __init__(self, num_classes: int, params: int) -> None:
-        super().__init__()
-        self.head = nn.Linear(3, num_classes)
-        self.ballast = nn.Parameter(torch.zeros(max(0, params - 4 * num_classes)))
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(images.mean(dim=(2, 3)))
+    return SimulatedModel(num_classes, int(os.environ.get(PARAMS_ENV, "1000000")))
 
 
 # ---- measured runs -------------------------------------------------------------------------------------------
@@ -106,12 +98,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         grid = [(n, h, overlap) for n in sorted(set(args.devices)) for h in (args.sync_every if n > 1 else [1])
                 for overlap in (modes if n > 1 else [False])]
         bare = {n: bare_allreduce_ms(n, args.params) for n in sorted(set(args.devices)) if n > 1}
-        for devices, sync_every, overlap in grid:
-            data = _subset(root, devices * BATCH_SIZE * args.steps)
-            rows = [_one_run(root / f"run-{devices}-{sync_every}-{overlap}-{repeat}", data, root / "all" / "val",
-                             devices, sync_every, overlap, bare.get(devices, 0.0), args)
-                    for repeat in range(args.repeats)]
-            runs.append(sorted(rows, key=lambda row: row["samples_per_s"])[len(rows) // 2])
+        with waiting("bench scaling", total=len(grid) * args.repeats, unit="runs") as progress:
+            for devices, sync_every, overlap in grid:
+                data = _subset(root, devices * BATCH_SIZE * args.steps)
+                rows = []
+                for repeat in range(args.repeats):
+                    rows.append(_one_run(root / f"run-{devices}-{sync_every}-{overlap}-{repeat}", data,
+                                         root / "all" / "val", devices, sync_every, overlap, bare.get(devices, 0.0),
+                                         args))
+                    progress.advance()
+                runs.append(sorted(rows, key=lambda row: row["samples_per_s"])[len(rows) // 2])
     base = next(r for r in runs if r["devices"] == 1)["samples_per_s"]
     for row in runs:
         row["speedup"] = round(row["samples_per_s"] / base, 3)
@@ -170,6 +166,9 @@ def bare_allreduce_ms(processes: int, params: int, repeats: int = 20) -> float:
 
 
 def _time_allreduce(rank: int, world: int, params: int, repeats: int) -> float:
+    import torch
+    import torch.distributed as dist
+
     tensor = torch.ones(params)
     times = []
     for _ in range(repeats + 2):

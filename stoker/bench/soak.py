@@ -31,6 +31,7 @@ from stoker import builtin_data
 from stoker.metrics import read_events
 from stoker.procs import stoker_processes
 from stoker.ring import SHM_DIR, live_segments
+from stoker.waiting import waiting
 
 SAMPLE_EVERY_S = 0.5
 WITNESS = "stoker producer 0"  # never killed: its memory over its own life is what the producer check judges
@@ -118,17 +119,19 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, r
     started = time.monotonic()
     next_kill = started + rng.uniform(0.5, 1.5) * kill_every_s
     samples, kills = [], 0
-    while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
-        family = _family(run_process.pid)
-        samples.append({"t": now - started, "rss": {pid: (title, _rss_bytes(pid)) for pid, title in family.items()},
-                        "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes(),
-                        "warm": first_epoch.done()})
-        producers = [pid for pid, title in family.items() if title.startswith("stoker producer") and title != WITNESS]
-        if now >= next_kill and producers:
-            os.kill(rng.choice(producers), signal.SIGKILL)
-            kills += 1
-            next_kill = now + rng.uniform(0.5, 1.5) * kill_every_s
-        time.sleep(SAMPLE_EVERY_S)
+    with waiting("bench soak", total=round(seconds), unit="s", rate=False) as progress:
+        while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
+            progress.update(round(now - started))
+            family = _family(run_process.pid)
+            samples.append({"t": now - started, "rss": {pid: (title, _rss_bytes(pid)) for pid, title in family.items()},
+                            "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes(),
+                            "warm": first_epoch.done()})
+            producers = [pid for pid, title in family.items() if title.startswith("stoker producer") and title != WITNESS]
+            if now >= next_kill and producers:
+                os.kill(rng.choice(producers), signal.SIGKILL)
+                kills += 1
+                next_kill = now + rng.uniform(0.5, 1.5) * kill_every_s
+            time.sleep(SAMPLE_EVERY_S)
     return samples, kills
 
 

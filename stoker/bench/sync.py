@@ -15,14 +15,14 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from stoker.bench.group import run_group
+from stoker.waiting import waiting
+
+if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench sync --help` need not wait for it
+    import torch
+    from torch import nn
 
 WORLD = 2
 # Weights are compared after this many steps: float32 rounding differs between the two methods (they add the
@@ -45,7 +45,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = {k: getattr(args, k) for k in ("model", "batch_size", "image_size", "steps", "repeats", "optimizer")}
-    result = run_group(_compare, WORLD, (settings,), timeout_s=600)
+    with waiting("bench sync: stoker against DDP, 2 processes", total=1, unit="runs") as progress:
+        result = run_group(_compare, WORLD, (settings,), timeout_s=600)
+        progress.advance()
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -53,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     from stoker.averager import Averager
@@ -105,6 +109,8 @@ def small_cnn(num_classes: int) -> nn.Module:
     """A small CNN without BatchNorm. With BatchNorm the two methods still agree in exact arithmetic, but batch
     statistics amplify float32 rounding step after step (resnet8: 1e-7 after one step, 4e-4 after eight), so a
     weight comparison would measure that amplification instead of the averaging."""
+    from torch import nn
+
     def block(inputs: int, outputs: int) -> list[nn.Module]:
         return [nn.Conv2d(inputs, outputs, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
 
@@ -113,6 +119,8 @@ def small_cnn(num_classes: int) -> nn.Module:
 
 
 def _model(settings: dict[str, Any]) -> torch.nn.Module:
+    import torch
+
     from stoker.models import build_model
 
     torch.manual_seed(0)  # both replicas and both methods start from the same weights
@@ -120,6 +128,8 @@ def _model(settings: dict[str, Any]) -> torch.nn.Module:
 
 
 def _optimizer(model: torch.nn.Module, settings: dict[str, Any]) -> torch.optim.Optimizer:
+    import torch
+
     if settings["optimizer"] == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4)
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
@@ -127,6 +137,8 @@ def _optimizer(model: torch.nn.Module, settings: dict[str, Any]) -> torch.optim.
 
 def _batches(rank: int, settings: dict[str, Any], steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each rank its own batches, the same for both methods: class-dependent patterns plus noise."""
+    import torch
+
     generator = torch.Generator().manual_seed(1000 + rank)
     size, batch = settings["image_size"], settings["batch_size"]
     prototypes = torch.randn(10, 3, size, size, generator=torch.Generator().manual_seed(7))
@@ -141,6 +153,8 @@ def _batches(rank: int, settings: dict[str, Any], steps: int) -> list[tuple[torc
 def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> tuple[bool, float]:
     """Parameters agree to float32 rounding (the two methods add the same numbers in a different order).
     Buffers are not compared: DDP copies rank 0's BatchNorm statistics, stoker averages them."""
+    import torch
+
     difference = max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
     agree = all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(a.parameters(), b.parameters()))
     return agree, difference
@@ -149,6 +163,9 @@ def _same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> tuple[bool, floa
 def _averaging_costs(model: torch.nn.Module, repeats: int = 200) -> tuple[float, float, float, float]:
     """Median seconds of averaging: the whole model with stoker's Averager, one flat tensor of the same size, and
     the model tensor by tensor (what averaging without buckets would cost). Each is all_reduce then divide."""
+    import torch
+    import torch.distributed as dist
+
     from stoker.averager import Averager
 
     averager = Averager(model, 1, WORLD, batch_size=1)

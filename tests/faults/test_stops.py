@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from tests.conftest import read_summary, run_cli
-from tests.faults.test_faults import events, fault, train_args
+from tests.faults.test_faults import fault, train_args
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -7,7 +7,6 @@ import io
 import math
 import subprocess
 import sys
-import zlib
 
 import cv2
 import numpy as np

@@ -1,0 +1,35 @@
+"""One definition of the consumers' time shares: parts over the wall time, never more than 100% together."""
+
+from __future__ import annotations
+
+from stoker.consumer import StepReport
+from stoker.metrics import RunStats, time_shares
+
+
+def test_shares_are_parts_of_the_wall_time():
+    assert time_shares(3.0, 1.0, 0.5, 10.0) == (0.3, 0.1, 0.05)
+
+
+def test_parts_longer_than_the_wall_time_are_shares_of_their_sum():
+    # The controller heard of the first step late, so it saw 1.0 s of wall time for 1.05 s of timed work.
+    compute, wait, averaging = time_shares(0.84, 0.0, 0.21, 1.0)
+    assert (round(compute, 6), wait, round(averaging, 6)) == (0.8, 0.0, 0.2)
+
+
+def test_no_time_no_shares():
+    assert time_shares(0.0, 0.0, 0.0, 0.0) == (0.0, 0.0, 0.0)
+
+
+def test_a_run_whose_reports_arrive_late_keeps_every_consumer_under_100_percent():
+    import numpy as np
+
+    stats = RunStats(num_consumers=1, samples_per_epoch=4, steps_per_epoch=2)
+
+    def report(step: int, wait_s: float) -> StepReport:
+        return StepReport(0, 0, step, step, 2, 1.0, wait_s, 0.6, 0.3, np.array([2 * step, 2 * step + 1]), None)
+
+    stats.record_step(report(0, 0.0), now=10.0)  # heard of at once: the run starts at 10.0 - 0.9
+    stats.record_step(report(1, 0.2), now=10.5)  # 1.1 s of work heard of 0.5 s later: a late first report
+    [(compute, wait, averaging)] = stats.shares()
+    assert compute + wait + averaging <= 1.0
+    assert (compute, wait, averaging) == (0.6, 0.1, 0.3)  # 1.2 s, 0.2 s and 0.6 s of the 2.0 s timed
