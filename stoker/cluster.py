@@ -20,10 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stoker.rendezvous import StoreAddress
+
 log = logging.getLogger(__name__)
-
-LOOPBACK = "127.0.0.1"
-
 
 @dataclass(frozen=True)
 class Cluster:
@@ -125,10 +124,10 @@ class StopAgreement:
         self._next_poll = 0.0
 
     @classmethod
-    def join(cls, cluster: Cluster, leader_store: dist.Store | None, address: tuple[str, int],
+    def join(cls, cluster: Cluster, leader_store: dist.Store | None, address: StoreAddress,
              timeout_s: float) -> StopAgreement:
         """On the first machine, over its own store; elsewhere as a client of it."""
-        store = leader_store or dist.TCPStore(address[0], address[1], is_master=False,
+        store = leader_store or dist.TCPStore(address.host, address.port, is_master=False,
                                               timeout=datetime.timedelta(seconds=timeout_s))
         return cls(cluster, store)
 

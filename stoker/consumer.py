@@ -24,6 +24,7 @@ from stoker.averager import Averager, OuterSpec
 from stoker.models import build_model
 from stoker.plan import Kind
 from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.rendezvous import StoreAddress, bind_to_loopback
 from stoker.ring import RingSpec, SlotRing
 
 MEAN = (0.485, 0.456, 0.406)
@@ -36,8 +37,7 @@ class ConsumerSetup:
     local_rank: int  # on this machine: how the controller knows this consumer
     world_size: int
     device: str
-    store_host: str
-    store_port: int
+    store: StoreAddress
     ring: RingSpec
     model: str
     num_classes: int
@@ -389,7 +389,9 @@ def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup) -> torch.optim
 
 def _join_group(setup: ConsumerSetup) -> None:
     timeout = timedelta(seconds=setup.collective_timeout_s)
-    store = dist.TCPStore(setup.store_host, setup.store_port, setup.world_size, is_master=False, timeout=timeout)
+    if setup.store.local:
+        bind_to_loopback()
+    store = setup.store.connect(setup.world_size, setup.collective_timeout_s)
     backend = "nccl" if setup.device.startswith("cuda") else "gloo"
     dist.init_process_group(backend, store=store, rank=setup.rank, world_size=setup.world_size, timeout=timeout)
 

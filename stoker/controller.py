@@ -16,7 +16,6 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-import torch.distributed as dist
 
 from stoker import checkpoint, cluster
 from stoker.autoscale import Autoscaler, Window
@@ -37,6 +36,7 @@ from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exi
                           stop_processes)
 from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
+from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
 
@@ -119,6 +119,7 @@ class Controller:
         self.consumers: list = []
         self.ready_queues: list = []
         self.store = None
+        self.local_store: LocalStore | None = None
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
@@ -237,20 +238,22 @@ class Controller:
         return ProducerSetup(self.ring.spec, Source(self.data.train.paths, self.data.train.labels),
                              Source(val.paths, val.labels) if val else None, self.config.augment, self.config.seed)
 
-    def _consumer_store(self) -> tuple[str, int]:
-        """The first machine hosts the store through which every machine's consumers form their group."""
+    def _consumer_store(self) -> StoreAddress:
+        """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
+        the store through which every machine's consumers form their group."""
+        if not self.cluster.multi:
+            self.local_store = LocalStore()
+            return self.local_store.address
         address = None
         if self.cluster.leader:
-            host = os.environ.get("MASTER_ADDR", cluster.LOOPBACK) if self.cluster.multi else cluster.LOOPBACK
-            self.store = dist.TCPStore(host, 0, self.cluster.world + 1, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
-            address = (host, self.store.port)
+            self.store, address = host_tcp_store(os.environ.get("MASTER_ADDR", LOOPBACK), self.cluster.world,
+                                                 self.config.collective_timeout_s)
         return cluster.from_leader(self.cluster, address)
 
     def _start_consumers(self) -> None:
-        store_host, store_port = self._consumer_store()
+        store = self._consumer_store()
         if self.cluster.multi:
-            self.agreement = cluster.StopAgreement.join(self.cluster, self.store, (store_host, store_port),
+            self.agreement = cluster.StopAgreement.join(self.cluster, self.store, store,
                                                         self.config.collective_timeout_s)
         config = self.config
         threads = threads_per_consumer(self.devices)
@@ -259,7 +262,7 @@ class Controller:
         for rank, device in enumerate(self.devices):
             setup = ConsumerSetup(
                 rank=self.cluster.first_rank + rank, local_rank=rank, world_size=self.cluster.world, device=device,
-                store_host=store_host, store_port=store_port, ring=self.ring.spec, model=config.model,
+                store=store, ring=self.ring.spec, model=config.model,
                 num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
                 schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
                 momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
@@ -544,6 +547,8 @@ class Controller:
         if self.ring is not None:
             self.ring.close()
         checkpoint.discard_incomplete(self.run_dir)
+        if self.local_store is not None:
+            self.local_store.close()
         self.agreement = self.store = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-LOOPBACK = "127.0.0.1"
+from stoker.rendezvous import LocalStore, StoreAddress, bind_to_loopback
 
 
 def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: float) -> Any:
@@ -18,10 +17,9 @@ def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: fl
     A worker's exception comes back as a RuntimeError naming the rank; every process is gone when this returns."""
     from stoker.procs import CONTEXT
 
-    store = dist.TCPStore(LOOPBACK, 0, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = LocalStore()
     results = CONTEXT.Queue()
-    processes = [CONTEXT.Process(target=_member, args=(worker, rank, world, store.port, args, results))
+    processes = [CONTEXT.Process(target=_member, args=(worker, rank, world, store.address, timeout_s, args, results))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -33,16 +31,18 @@ def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: fl
             if process.is_alive():
                 process.kill()
                 process.join()
+        store.close()
     if isinstance(outcome, BaseException):
         raise RuntimeError(str(outcome))
     return outcome
 
 
-def _member(worker: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results) -> None:
+def _member(worker: Callable[..., Any], rank: int, world: int, address: StoreAddress, timeout_s: float, args: tuple,
+            results) -> None:
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore(LOOPBACK, port, world + 1, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        bind_to_loopback()
+        dist.init_process_group("gloo", store=address.connect(world, timeout_s), rank=rank, world_size=world)
         result = worker(rank, world, *args)
         if rank == 0:
             results.put(result)
