@@ -98,7 +98,7 @@ class Controller:
         if self.cluster.leader:
             try:
                 folder, meta = checkpoint.newest_valid(self.config.resume)
-                found = (folder, meta["position"], meta["num_consumers"], None)
+                found = (str(folder), meta["position"], meta["num_consumers"], None)
             except checkpoint.CheckpointError as error:
                 found = (None, None, None, str(error))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
@@ -107,7 +107,7 @@ class Controller:
         if consumers != self.cluster.world:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
-        return Position(**position), folder
+        return Position(**position), Path(folder)
 
     def _ring_bytes_check(self) -> None:
         spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
@@ -248,7 +248,8 @@ class Controller:
         if self.cluster.leader:
             self.store, address = host_tcp_store(os.environ.get("MASTER_ADDR", LOOPBACK), self.cluster.world,
                                                  self.config.collective_timeout_s)
-        return cluster.from_leader(self.cluster, address)
+        host, port = cluster.from_leader(self.cluster, (address.host, address.port) if address else None)
+        return StoreAddress(host=host, port=port)
 
     def _start_consumers(self) -> None:
         store = self._consumer_store()
