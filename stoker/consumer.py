@@ -7,6 +7,7 @@ normalizes on the device, runs forward, backward and the optimizer step, and joi
 from __future__ import annotations
 
 import math
+import os
 import queue
 import signal
 import time
@@ -24,7 +25,7 @@ from stoker.averager import Averager, OuterSpec
 from stoker.models import build_model
 from stoker.plan import Kind
 from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
-from stoker.rendezvous import StoreAddress, bind_to_loopback
+from stoker.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.ring import RingSpec, SlotRing
 
 MEAN = (0.485, 0.456, 0.406)
@@ -376,8 +377,10 @@ def _join_group(setup: ConsumerSetup) -> dist.Store:
     if setup.store.local:
         bind_to_loopback()
     store = setup.store.connect(setup.world_size, setup.collective_timeout_s)
-    backend = "nccl" if setup.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, store=store, rank=setup.rank, world_size=setup.world_size, timeout=timeout)
+    options = group_options(torch.device(setup.device))
+    os.environ.update(options.env)  # read when the backend starts, so before init
+    dist.init_process_group(options.backend, store=store, rank=setup.rank, world_size=setup.world_size,
+                            timeout=timeout, **options.init_kwargs)
     return store
 
 

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SCALE_WINDOW_S = 1.0
 KEEP_CHECKPOINTS = 3
+STUCK_GRACE_S = 3.0  # after one consumer's collective timed out, how long its peers' reports may take
 
 
 class Interrupted(Exception):
@@ -379,7 +380,7 @@ class Controller:
             self.finished[message.rank] = message
             self.final_digests[self.cluster.first_rank + message.rank] = message.digest
         elif isinstance(message, ConsumerFailed):
-            causes = self._dead_peers(message.rank)
+            causes = self._dead_peers(message.rank) or self._stuck_peers(message)
             if not causes and self.cluster.multi:
                 causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
             raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
@@ -459,6 +460,19 @@ class Controller:
             if process.exitcode not in (None, 0):
                 dead.append(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
         return dead
+
+    def _stuck_peers(self, first: ConsumerFailed) -> list[str]:
+        """A collective timed out and no peer died: every peer waiting in it times out too, within moments; one
+        that is alive and does not report that never reached the collective."""
+        if "timed out" not in first.error.error.lower() and "timeout" not in first.error.error.lower():
+            return []
+        reported = {first.rank}
+        deadline = time.monotonic() + STUCK_GRACE_S
+        while len(reported) < self.num_consumers and time.monotonic() < deadline:
+            reported |= {m.rank for m in self.mailbox.receive(timeout_s=POLL_S) if isinstance(m, ConsumerFailed)}
+        return [f"consumer {rank} (pid {process.pid}) is stuck: it did not reach the collective within "
+                f"collective_timeout_s={self.config.collective_timeout_s:g} while its peers waited in it"
+                for rank, process in enumerate(self.consumers) if rank not in reported and process.is_alive()]
 
     def _drain_failures(self) -> None:
         """A consumer died: if another one reported why (a collective error, say), say that first."""

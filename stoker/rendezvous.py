@@ -14,7 +14,9 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
@@ -82,3 +84,23 @@ def loopback_interface() -> str:
     except (OSError, ValueError):
         pass
     return "lo"
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """How a consumer on `device` joins the group: the backend, init_process_group's extra arguments and the
+    environment the backend reads at init."""
+
+    backend: str
+    init_kwargs: dict[str, Any]
+    env: dict[str, str]
+
+
+def group_options(device: torch.device) -> GroupOptions:
+    """gloo on CPU. NCCL on GPU, initialised eagerly on this consumer's device (`device_id`: a bad setup fails at
+    start, not at the first average) and with asynchronous error handling that aborts the communicator and raises
+    in the consumer (mode 2, CleanUpOnly) instead of torch's default (3), which kills the process with SIGABRT: a
+    raised error reaches the controller, which names the dead or stuck peer as it does on CPU."""
+    if device.type != "cuda":
+        return GroupOptions("gloo", {}, {})
+    return GroupOptions("nccl", {"device_id": device}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"})
