@@ -437,6 +437,9 @@ class Controller:
     def _check_processes(self) -> None:
         for rank, process in enumerate(self.consumers):
             if not process.is_alive() and rank not in self.finished:
+                self._read_last_messages(rank)
+                if rank in self.finished:
+                    continue
                 self._drain_failures()
                 raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
         for loss in self.pool.check():
@@ -449,6 +452,12 @@ class Controller:
                 if issued is not None:
                     del self.tasks[task.task_id]
                     self._assign(issued, task.skip)
+
+    def _read_last_messages(self, rank: int) -> None:
+        """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
+        while rank not in self.finished and (messages := self.mailbox.receive(timeout_s=POLL_S)):
+            for message in messages:
+                self._handle(message, _WindowTotals())
 
     def _dead_peers(self, reporter: int) -> list[str]:
         """A collective error usually means a peer died: name it first, it is the cause."""

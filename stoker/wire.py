@@ -37,8 +37,8 @@ def pack(value: Any) -> torch.Tensor:
 
 def unpack(buffer: torch.Tensor) -> Any:
     buffer = buffer.cpu()
-    length = int(buffer[:8].clone().view(_LENGTH))
     try:
+        length = int(buffer[:8].clone().view(_LENGTH))
         header = json.loads(bytes(buffer[8:8 + length].numpy()))
         tensors, offset = [], 8 + length
         for dtype_name, shape in header["tensors"]:
@@ -49,7 +49,7 @@ def unpack(buffer: torch.Tensor) -> Any:
             tensors.append(buffer[offset:offset + size].clone().view(dtype).reshape(shape))
             offset += size
         return _decode(header["tree"], tensors)
-    except (KeyError, TypeError, ValueError, IndexError) as error:
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as error:
         raise WireError(f"not a stoker message ({type(error).__name__}: {error})") from None
 
 

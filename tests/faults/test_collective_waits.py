@@ -18,15 +18,15 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_checkpoint_writes_and_resume_reads_longer_than_the_collective_timeout_do_not_fail_the_run(
         textures, tmp_path):
-    """Each checkpoint file takes 1.8 s to write or read on rank 0, against a 3 s collective timeout: rank 1 waits
-    5.4 s for the three files of the checkpoint that ends epoch 1 before training on, and 5.4 s while rank 0 reads
+    """Each checkpoint file takes 2.8 s to write or read on rank 0, against a 5 s collective timeout: rank 1 waits
+    8.4 s for the three files of the checkpoint that ends epoch 1 before training on, and 8.4 s while rank 0 reads
     them to resume."""
-    common = ("--devices", "cpu:2", "--collective-timeout-s", "3", "--seed", "2")
-    run_cli(*train_args(textures, tmp_path, "--epochs", "2", *common), env={CHECKPOINT_WRITE_ENV: "1800"})
+    common = ("--devices", "cpu:2", "--collective-timeout-s", "5", "--seed", "2")
+    run_cli(*train_args(textures, tmp_path, "--epochs", "2", *common), env={CHECKPOINT_WRITE_ENV: "2800"})
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and summary["checkpoint"].endswith("step_00000016")
     run_cli(*train_args(textures, tmp_path, "--epochs", "3", "--resume", str(tmp_path), *common),
-            env={CHECKPOINT_READ_ENV: "1800"})
+            env={CHECKPOINT_READ_ENV: "2800"})
     resumed = read_summary(tmp_path)
     assert resumed["status"] == "completed" and resumed["start_step"] == 16
 
