@@ -23,9 +23,10 @@ import torch.distributed as dist
 from stoker import wire
 from stoker.rendezvous import StoreAddress
 
+log = logging.getLogger(__name__)
+
 CPU = torch.device("cpu")  # the controllers' group is gloo
 
-log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Cluster:

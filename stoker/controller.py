@@ -16,7 +16,6 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-
 from stoker import checkpoint, cluster
 from stoker.autoscale import Autoscaler, Window
 from stoker.averager import OuterSpec
