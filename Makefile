@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 		echo "torch already installed: keeping it"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PIP) install "torch>=2.1"; \
+		$(PIP) install "torch>=2.6"; \
 	elif $(PIP) install -q --no-index --no-deps "$(CPU_TORCH)" 2>/dev/null; then \
 		echo "installed the CPU build of torch found locally"; \
 	else \

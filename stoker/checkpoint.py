@@ -60,6 +60,7 @@ def write_atomic(path: Path, payload: bytes) -> str:
     try:
         with open(temporary, "wb") as handle:
             faults.maybe_inject("checkpoint", str(path))
+            faults.simulated_delay(faults.CHECKPOINT_WRITE_ENV)
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())
@@ -107,6 +108,7 @@ def _prune(folder: Path, keep: int) -> None:
 
 def load_verified(path: Path) -> Any:
     """Load one file with weights_only=True; anything that is not plain tensors and containers is refused."""
+    faults.simulated_delay(faults.CHECKPOINT_READ_ENV)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:

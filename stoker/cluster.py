@@ -20,9 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stoker import wire
+from stoker.rendezvous import StoreAddress
+
 log = logging.getLogger(__name__)
 
-LOOPBACK = "127.0.0.1"
+CPU = torch.device("cpu")  # the controllers' group is gloo
 
 
 @dataclass(frozen=True)
@@ -73,22 +76,24 @@ def leave_controllers() -> None:
         dist.destroy_process_group()
 
 
+# Machines exchange tensors and JSON only (`wire`): a pickle from another machine would run its code here.
+
 def from_leader(cluster: Cluster, value: Any) -> Any:
     """The leader's `value` on every machine (`value` is ignored elsewhere)."""
     if not cluster.multi:
         return value
-    box = [value if cluster.leader else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return wire.broadcast(value, 0, CPU)
 
 
 def gather_to_leader(cluster: Cluster, value: Any) -> list[Any] | None:
-    """Every machine's `value`, in machine order, on the leader; None elsewhere."""
+    """Every machine's `value`, in machine order, on the leader (each sends its own to the leader only); None
+    elsewhere."""
     if not cluster.multi:
         return [value]
-    gathered = [None] * cluster.nodes if cluster.leader else None
-    dist.gather_object(value, gathered, dst=0)
-    return gathered
+    if not cluster.leader:
+        wire.send(value, 0, CPU)
+        return None
+    return [value, *(wire.recv(node, CPU) for node in range(1, cluster.nodes))]
 
 
 def check_same_settings(cluster: Cluster, settings: dict[str, Any]) -> None:
@@ -125,10 +130,10 @@ class StopAgreement:
         self._next_poll = 0.0
 
     @classmethod
-    def join(cls, cluster: Cluster, leader_store: dist.Store | None, address: tuple[str, int],
+    def join(cls, cluster: Cluster, leader_store: dist.Store | None, address: StoreAddress,
              timeout_s: float) -> StopAgreement:
         """On the first machine, over its own store; elsewhere as a client of it."""
-        store = leader_store or dist.TCPStore(address[0], address[1], is_master=False,
+        store = leader_store or dist.TCPStore(address.host, address.port, is_master=False,
                                               timeout=datetime.timedelta(seconds=timeout_s))
         return cls(cluster, store)
 

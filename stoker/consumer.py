@@ -7,6 +7,7 @@ normalizes on the device, runs forward, backward and the optimizer step, and joi
 from __future__ import annotations
 
 import math
+import os
 import queue
 import signal
 import time
@@ -19,11 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stoker import checkpoint, faults
+from stoker import checkpoint, exchange, faults
 from stoker.averager import Averager, OuterSpec
 from stoker.models import build_model
 from stoker.plan import Kind
 from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.ring import RingSpec, SlotRing
 
 MEAN = (0.485, 0.456, 0.406)
@@ -36,8 +38,7 @@ class ConsumerSetup:
     local_rank: int  # on this machine: how the controller knows this consumer
     world_size: int
     device: str
-    store_host: str
-    store_port: int
+    store: StoreAddress
     ring: RingSpec
     model: str
     num_classes: int
@@ -145,7 +146,7 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
     ring = SlotRing.attach(setup.ring)
     doing = "starting"
     try:
-        replica = Replica(setup, ring, outbox)
+        replica = Replica(setup, ring, outbox, stop)
         doing = "training"
         replica.serve(ready, stop)
     except Stopped:
@@ -159,7 +160,7 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
 
 
 class Replica:
-    def __init__(self, setup: ConsumerSetup, ring: SlotRing, outbox) -> None:
+    def __init__(self, setup: ConsumerSetup, ring: SlotRing, outbox, stop) -> None:
         self.setup = setup
         self.ring = ring
         self.outbox = outbox
@@ -168,7 +169,9 @@ class Replica:
         self.device = torch.device(setup.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        _join_group(setup)
+        self.stop = stop
+        self.watch = ParentWatch()
+        self.store = _join_group(setup)
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
         self.averager = Averager(self.model, setup.sync_every, setup.world_size, setup.ring.batch_size,
                                  setup.outer, setup.overlap_averaging)
@@ -255,14 +258,10 @@ class Replica:
     def save(self, message: Save) -> None:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
         has the run folder's checkpoints, so resuming needs nothing from the others' disks."""
-        states = _collect_on_rank0(_to_cpu(self._rank_state()), self.setup.rank, self.setup.world_size)
-        files = {}
-        if self.setup.rank == 0:
-            files[checkpoint.MODEL_FILE] = checkpoint.save_tensors(message.folder / checkpoint.MODEL_FILE,
-                                                                   self.model.state_dict())
-            for rank, state in enumerate(states):
-                name = checkpoint.rank_file(rank)
-                files[name] = checkpoint.save_tensors(message.folder / name, state)
+        work = self._rank_zero_work(f"checkpoint at step {message.global_step}")
+        model_state = self.model.state_dict() if self.setup.rank == 0 else {}
+        files = exchange.save(work, message.folder, model_state, _to_cpu(self._rank_state()), self.setup.rank,
+                              self.setup.world_size, self._wire_device())
         self.outbox.send(Saved(self.setup.local_rank, message.global_step, files))
 
     def _rank_state(self) -> dict:
@@ -278,13 +277,12 @@ class Replica:
 
     def _restore(self, folder: Path) -> None:
         """Rank 0 reads the checkpoint and hands every replica the averaged model and its own state."""
-        states = None
-        if self.setup.rank == 0:
-            self.model.load_state_dict(checkpoint.load_verified(folder / checkpoint.MODEL_FILE))
-            states = [checkpoint.load_verified(folder / checkpoint.rank_file(rank))
-                      for rank in range(self.setup.world_size)]
+        work = self._rank_zero_work("resume")
+        model_state = exchange.load_model(work, folder, self.setup.rank)
+        if model_state is not None:
+            self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
-        state = _hand_out_from_rank0(states, self.setup.rank, self.setup.world_size)
+        state = exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size, self._wire_device())
         if "model" in state:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -294,6 +292,18 @@ class Replica:
             self.averager.outer.load_state_dict(state["outer"])
         if self.averager.delayed is not None:
             self.averager.delayed.load_state_dict(state["delayed"])
+
+    def _rank_zero_work(self, name: str) -> exchange.RankZeroWork:
+        return exchange.RankZeroWork(self.store, name, exchange.allowance_s(self.setup.collective_timeout_s,
+                                                                            self.model), self._check_alive)
+
+    def _check_alive(self) -> None:
+        if self.stop.is_set() or self.watch.parent_gone():
+            raise Stopped
+
+    def _wire_device(self) -> torch.device:
+        """Where point-to-point transfers start from: NCCL moves device memory only."""
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def finish(self, message: Finish) -> None:
         self.averager.settle()
@@ -344,31 +354,6 @@ def _next_message(ready, stop, watch: ParentWatch):
             continue
 
 
-# Replica states travel by broadcasts: after gloo's gather or all_gather of a few hundred KB, its threads kept
-# the CPU busy and every later training step ran 2x slower on 2 cores (measured); broadcast leaves no such trace.
-
-def _collect_on_rank0(mine: dict, rank: int, world: int) -> list[dict] | None:
-    """Every replica's state, in rank order, on rank 0 (None elsewhere): one broadcast per rank."""
-    collected = []
-    for source in range(world):
-        box = [mine if source == rank else None]
-        dist.broadcast_object_list(box, src=source)
-        if rank == 0:
-            collected.append(box[0])
-    return collected if rank == 0 else None
-
-
-def _hand_out_from_rank0(states: list[dict] | None, rank: int, world: int) -> dict:
-    """Rank 0's `states[r]` on rank r: one broadcast per rank."""
-    mine = None
-    for target in range(world):
-        box = [states[target] if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        if target == rank:
-            mine = box[0]
-    return mine
-
-
 def _to_cpu(state):
     """A copy with every tensor on the CPU: what crosses to rank 0 and lands in a checkpoint."""
     if isinstance(state, torch.Tensor):
@@ -387,11 +372,16 @@ def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup) -> torch.optim
                            weight_decay=setup.weight_decay)
 
 
-def _join_group(setup: ConsumerSetup) -> None:
+def _join_group(setup: ConsumerSetup) -> dist.Store:
     timeout = timedelta(seconds=setup.collective_timeout_s)
-    store = dist.TCPStore(setup.store_host, setup.store_port, setup.world_size, is_master=False, timeout=timeout)
-    backend = "nccl" if setup.device.startswith("cuda") else "gloo"
-    dist.init_process_group(backend, store=store, rank=setup.rank, world_size=setup.world_size, timeout=timeout)
+    if setup.store.local:
+        bind_to_loopback()
+    store = setup.store.connect(setup.world_size, setup.collective_timeout_s)
+    options = group_options(torch.device(setup.device))
+    os.environ.update(options.env)  # read when the backend starts, so before init
+    dist.init_process_group(options.backend, store=store, rank=setup.rank, world_size=setup.world_size,
+                            timeout=timeout, **options.init_kwargs)
+    return store
 
 
 def _broadcast_initial_state(averager: Averager) -> None:

@@ -15,8 +15,6 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-import torch.distributed as dist
-
 from stoker import checkpoint, cluster, faults, rundir
 from stoker.autoscale import Autoscaler, Window
 from stoker.averager import OuterSpec
@@ -37,6 +35,7 @@ from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exi
                           stop_processes)
 from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
+from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
 from stoker.summary import Ledger, exactly_once_breach
@@ -46,6 +45,7 @@ log = logging.getLogger(__name__)
 
 SCALE_WINDOW_S = 1.0
 KEEP_CHECKPOINTS = 3
+STUCK_GRACE_S = 3.0  # after one consumer's collective timed out, how long its peers' reports may take
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Controller:
         if self.cluster.leader:
             try:
                 folder, meta = rundir.newest_checkpoint(self.config.resume)
-                found = (folder, meta["position"], meta["num_consumers"], None)
+                found = (str(folder), meta["position"], meta["num_consumers"], None)
             except rundir.RunDirError as error:
                 found = (None, None, None, str(error))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
@@ -108,7 +108,7 @@ class Controller:
         if consumers != self.cluster.world:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
-        return Position(**position), folder
+        return Position(**position), Path(folder)
 
     def _ring_bytes_check(self) -> None:
         spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
@@ -120,6 +120,7 @@ class Controller:
         self.consumers: list = []
         self.ready_queues: list = []
         self.store = None
+        self.local_store: LocalStore | None = None
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
@@ -245,20 +246,23 @@ class Controller:
         return ProducerSetup(self.ring.spec, Source(self.data.train.paths, self.data.train.labels),
                              Source(val.paths, val.labels) if val else None, self.config.augment, self.config.seed)
 
-    def _consumer_store(self) -> tuple[str, int]:
-        """The first machine hosts the store through which every machine's consumers form their group."""
+    def _consumer_store(self) -> StoreAddress:
+        """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
+        the store through which every machine's consumers form their group."""
+        if not self.cluster.multi:
+            self.local_store = LocalStore()
+            return self.local_store.address
         address = None
         if self.cluster.leader:
-            host = os.environ.get("MASTER_ADDR", cluster.LOOPBACK) if self.cluster.multi else cluster.LOOPBACK
-            self.store = dist.TCPStore(host, 0, self.cluster.world + 1, is_master=True, wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
-            address = (host, self.store.port)
-        return cluster.from_leader(self.cluster, address)
+            self.store, address = host_tcp_store(os.environ.get("MASTER_ADDR", LOOPBACK), self.cluster.world,
+                                                 self.config.collective_timeout_s)
+        host, port = cluster.from_leader(self.cluster, (address.host, address.port) if address else None)
+        return StoreAddress(host=host, port=port)
 
     def _start_consumers(self) -> None:
-        store_host, store_port = self._consumer_store()
+        store = self._consumer_store()
         if self.cluster.multi:
-            self.agreement = cluster.StopAgreement.join(self.cluster, self.store, (store_host, store_port),
+            self.agreement = cluster.StopAgreement.join(self.cluster, self.store, store,
                                                         self.config.collective_timeout_s)
         config = self.config
         threads = threads_per_consumer(self.devices)
@@ -267,7 +271,7 @@ class Controller:
         for rank, device in enumerate(self.devices):
             setup = ConsumerSetup(
                 rank=self.cluster.first_rank + rank, local_rank=rank, world_size=self.cluster.world, device=device,
-                store_host=store_host, store_port=store_port, ring=self.ring.spec, model=config.model,
+                store=store, ring=self.ring.spec, model=config.model,
                 num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
                 schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
                 momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
@@ -384,7 +388,7 @@ class Controller:
             self.finished[message.rank] = message
             self.final_digests[self.cluster.first_rank + message.rank] = message.digest
         elif isinstance(message, ConsumerFailed):
-            causes = self._dead_peers(message.rank)
+            causes = self._dead_peers(message.rank) or self._stuck_peers(message)
             if not causes and self.cluster.multi:
                 causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
             raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
@@ -445,6 +449,9 @@ class Controller:
     def _check_processes(self) -> None:
         for rank, process in enumerate(self.consumers):
             if not process.is_alive() and rank not in self.finished:
+                self._read_last_messages(rank)
+                if rank in self.finished:
+                    continue
                 self._drain_failures()
                 raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
         for loss in self.pool.check():
@@ -458,6 +465,12 @@ class Controller:
                     del self.tasks[task.task_id]
                     self._assign(issued, task.skip)
 
+    def _read_last_messages(self, rank: int) -> None:
+        """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
+        while rank not in self.finished and (messages := self.mailbox.receive(timeout_s=POLL_S)):
+            for message in messages:
+                self._handle(message, _WindowTotals())
+
     def _dead_peers(self, reporter: int) -> list[str]:
         """A collective error usually means a peer died: name it first, it is the cause."""
         dead = []
@@ -468,6 +481,19 @@ class Controller:
             if process.exitcode not in (None, 0):
                 dead.append(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
         return dead
+
+    def _stuck_peers(self, first: ConsumerFailed) -> list[str]:
+        """A collective timed out and no peer died: every peer waiting in it times out too, within moments; one
+        that is alive and does not report that never reached the collective."""
+        if "timed out" not in first.error.error.lower() and "timeout" not in first.error.error.lower():
+            return []
+        reported = {first.rank}
+        deadline = time.monotonic() + STUCK_GRACE_S
+        while len(reported) < self.num_consumers and time.monotonic() < deadline:
+            reported |= {m.rank for m in self.mailbox.receive(timeout_s=POLL_S) if isinstance(m, ConsumerFailed)}
+        return [f"consumer {rank} (pid {process.pid}) is stuck: it did not reach the collective within "
+                f"collective_timeout_s={self.config.collective_timeout_s:g} while its peers waited in it"
+                for rank, process in enumerate(self.consumers) if rank not in reported and process.is_alive()]
 
     def _drain_failures(self) -> None:
         """A consumer died: if another one reported why (a collective error, say), say that first."""
@@ -559,6 +585,8 @@ class Controller:
         if self.ring is not None:
             self.ring.close()
         checkpoint.discard_incomplete(self.run_dir)
+        if self.local_store is not None:
+            self.local_store.close()
         self.agreement = self.store = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:

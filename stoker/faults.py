@@ -27,6 +27,8 @@ ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-par
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
 STEP_TIME_ENV = "STOKER_STEP_TIME_MS"  # every training step holds its consumer this long, like a slow device
+CHECKPOINT_WRITE_ENV = "STOKER_CHECKPOINT_WRITE_MS"  # every checkpoint file takes this long to write, like a slow disk
+CHECKPOINT_READ_ENV = "STOKER_CHECKPOINT_READ_MS"  # and this long to read back
 
 
 def simulated_delay(env: str) -> None:

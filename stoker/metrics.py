@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from stoker.dataset import Skipped
 
@@ -193,25 +194,30 @@ class RunStats:
         return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
 
     def export(self) -> dict[str, Any]:
-        """What another machine's stats need from this one to merge it (picklable)."""
-        return {"consumers": self.consumers, "epochs": self.epochs, "skipped": self.skipped,
-                "digests": dict(self.digests), "finished_last_step": dict(self._finished_last_step)}
+        """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.wire`)."""
+        return {"consumers": [asdict(times) for times in self.consumers],
+                "epochs": {epoch: {"counts": torch.from_numpy(account.counts),
+                                   "expected": torch.from_numpy(account.expected),
+                                   "skipped_ids": sorted(map(int, account.skipped_ids)), "loss_sum": account.loss_sum}
+                           for epoch, account in self.epochs.items()},
+                "skipped": self.skipped, "digests": dict(self.digests),
+                "finished_last_step": {epoch: sorted(ranks) for epoch, ranks in self._finished_last_step.items()}}
 
     def merge(self, other: dict[str, Any]) -> None:
         """Add another machine's consumers, acknowledged ids, skipped files and hashes to these."""
-        self.consumers.extend(other["consumers"])
+        self.consumers.extend(ConsumerTimes(**times) for times in other["consumers"])
         for epoch, theirs in other["epochs"].items():
             mine = self._account(epoch)
-            mine.counts += theirs.counts
-            mine.expected |= theirs.expected
-            mine.skipped_ids |= theirs.skipped_ids
-            mine.loss_sum += theirs.loss_sum
+            mine.counts += theirs["counts"].numpy()
+            mine.expected |= theirs["expected"].numpy()
+            mine.skipped_ids.update(theirs["skipped_ids"])
+            mine.loss_sum += theirs["loss_sum"]
         for path, reason in other["skipped"].items():
             self.skipped.setdefault(path, reason)
         for step, check in other["digests"].items():
             self.digests[step].update(check)
         for epoch, ranks in other["finished_last_step"].items():
-            self._finished_last_step[epoch] |= ranks
+            self._finished_last_step[epoch] |= set(ranks)
 
     @property
     def completed_epochs(self) -> list[int]:

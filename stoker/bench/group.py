@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-LOOPBACK = "127.0.0.1"
+if TYPE_CHECKING:
+    from stoker.rendezvous import StoreAddress
 
 
 def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: float) -> Any:
     """Start `world` processes running `worker(rank, world, *args)` in one gloo group; return rank 0's result.
 
     A worker's exception comes back as a RuntimeError naming the rank; every process is gone when this returns."""
-    import torch.distributed as dist  # here, not at the top: `stoker --help` must not wait for torch
+    from stoker.procs import CONTEXT  # here, not at the top: `stoker --help` must not wait for torch
+    from stoker.rendezvous import LocalStore
 
-    from stoker.procs import CONTEXT
-
-    store = dist.TCPStore(LOOPBACK, 0, world + 1, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=timeout_s))
+    store = LocalStore()
     results = CONTEXT.Queue()
-    processes = [CONTEXT.Process(target=_member, args=(worker, rank, world, store.port, args, results))
+    processes = [CONTEXT.Process(target=_member, args=(worker, rank, world, store.address, timeout_s, args, results))
                  for rank in range(world)]
     for process in processes:
         process.start()
@@ -32,19 +30,23 @@ def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: fl
             if process.is_alive():
                 process.kill()
                 process.join()
+        store.close()
     if isinstance(outcome, BaseException):
         raise RuntimeError(str(outcome))
     return outcome
 
 
-def _member(worker: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results) -> None:
+def _member(worker: Callable[..., Any], rank: int, world: int, address: StoreAddress, timeout_s: float, args: tuple,
+            results) -> None:
     import torch
     import torch.distributed as dist
 
+    from stoker.rendezvous import bind_to_loopback
+
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore(LOOPBACK, port, world + 1, is_master=False)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        bind_to_loopback()
+        dist.init_process_group("gloo", store=address.connect(world, timeout_s), rank=rank, world_size=world)
         result = worker(rank, world, *args)
         if rank == 0:
             results.put(result)
