@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from stoker.dataset import Skipped
 
@@ -195,6 +194,8 @@ class RunStats:
 
     def export(self) -> dict[str, Any]:
         """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.wire`)."""
+        import torch  # only the controllers of several machines call this; `stoker report` and `--help` need not
+
         return {"consumers": [asdict(times) for times in self.consumers],
                 "epochs": {epoch: {"counts": torch.from_numpy(account.counts),
                                    "expected": torch.from_numpy(account.expected),
