@@ -26,19 +26,21 @@ from stoker.checkpoint import Position
 from stoker.config import RUN_CONFIG_FILE, TrainConfig
 from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
                              StepReport, ValReport, consumer_main)
-from stoker.dataset import ImageIndex, scan_image_folder, split_validation
+from stoker.dataset import Skipped
 from stoker.devices import resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.index import PackedIndex
 from stoker.metrics import MetricsLog, RunStats
 from stoker.models import check_model
 from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool
 from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
                           stop_processes)
-from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
+from stoker.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
+from stoker.sources import load_source, log_refused, split_source
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +54,9 @@ class Interrupted(Exception):
 
 @dataclass(frozen=True)
 class Data:
-    train: ImageIndex
-    val: ImageIndex | None
+    train: PackedIndex
+    val: PackedIndex | None
+    refused: tuple[Skipped, ...] = ()  # entries the scan or the shard index could not use
 
 
 class Controller:
@@ -124,6 +127,8 @@ class Controller:
         self.mailbox = Mailbox()
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
+        for item in self.data.refused:
+            self.stats.skipped.setdefault(item.path, item.reason)
         self.tasks: dict[int, Issue] = {}
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}
@@ -233,9 +238,8 @@ class Controller:
                            resume_from=self.resume_from)
 
     def _producer_setup(self) -> ProducerSetup:
-        val = self.data.val
-        return ProducerSetup(self.ring.spec, Source(self.data.train.paths, self.data.train.labels),
-                             Source(val.paths, val.labels) if val else None, self.config.augment, self.config.seed)
+        # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
+        return ProducerSetup(self.ring.spec, self.data.train, self.data.val, self.config.augment, self.config.seed)
 
     def _consumer_store(self) -> tuple[str, int]:
         """The first machine hosts the store through which every machine's consumers form their group."""
@@ -616,11 +620,15 @@ def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
 
 def load_data(config: TrainConfig) -> Data:
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    train = scan_image_folder(train_root)
+    train = load_source(train_root)
     if val_root is not None:
-        return Data(train, scan_image_folder(val_root, classes=train.classes))
-    train, val = split_validation(train, config.val_fraction, config.seed)
-    return Data(train, val)
+        val = load_source(val_root, classes=train.classes)
+        refused = train.skipped + val.skipped
+    else:
+        refused = train.skipped
+        train, val = split_source(train, config.val_fraction, config.seed)
+    log_refused(refused)
+    return Data(train, val, refused)
 
 
 def default_run_dir() -> Path:

@@ -1,0 +1,218 @@
+"""WebDataset-layout tar shards: which shards a `--data` value names, and the member index of each shard.
+
+A sample is `KEY.jpg` (or another image extension) with `KEY.cls` holding its integer label, KEY being the
+member's path up to the first dot of its file name, as WebDataset defines it. Each shard is read once with the
+standard library's `tarfile` to find where every member's bytes lie; producers then read a sample with one `pread`.
+Samples are numbered in shard order, then member order: the plan picks samples exactly as it picks files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from stoker.dataset import IMAGE_EXTENSIONS, Skipped
+from stoker.index import Packed, PackedIndex, _key, _stamps, index_cache_dir, load_cached, write_entry
+
+log = logging.getLogger(__name__)
+
+CLASSES_FILE = "classes.json"
+IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`train-{000000..000003}.tar` -> four names (zero padding kept), `{a,b}` -> two; several braces multiply."""
+    match = _RANGE.search(pattern) or _ALTERNATIVES.search(pattern)
+    if match is None:
+        return [pattern]
+    if match.re is _RANGE:
+        first, last = match.group(1), match.group(2)
+        if int(last) < int(first):
+            raise ValueError(f"data={pattern!r}: the range {{{first}..{last}}} counts down")
+        width = len(first) if first.startswith("0") else 0
+        choices = [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
+    else:
+        choices = match.group(1).split(",")
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    return list(itertools.chain.from_iterable(expand_braces(head + c + tail) for c in choices))
+
+
+def shard_paths(spec: Path) -> list[str] | None:
+    """The shards `spec` names (a brace pattern, one .tar, a folder of .tar files, a list file), or None for an
+    ImageFolder. Raises ValueError naming what is missing."""
+    text = str(spec)
+    if "{" in text:
+        paths = expand_braces(text)
+    elif spec.is_dir():
+        paths = sorted(str(p) for p in spec.glob("*.tar"))
+        if not paths:
+            return None
+    elif spec.suffix == ".tar":
+        paths = [text]
+    elif spec.is_file():
+        paths = _read_list_file(spec)
+    else:
+        raise ValueError(f"data={text!r}: no such folder, shard or list file")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"data={text!r}: {len(missing)} of {len(paths)} shards do not exist, e.g. {missing[0]!r}")
+    return paths
+
+
+def _read_list_file(spec: Path) -> list[str]:
+    """One shard per line (relative to the list file's folder); blank lines and # comments ignored."""
+    lines = [line.strip() for line in spec.read_text().splitlines()]
+    paths = [os.path.join(spec.parent, line) for line in lines if line and not line.startswith("#")]
+    if not paths:
+        raise ValueError(f"data={str(spec)!r}: the list file names no shards")
+    return paths
+
+
+def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:
+    """The packed index of these shards, from the cache while every shard keeps its modification time."""
+    cache = cache or index_cache_dir()
+    paths = [os.path.realpath(p) for p in paths]
+    classes_file = os.path.join(os.path.dirname(paths[0]), CLASSES_FILE)
+    key = _key("shards", paths, classes)
+    cached = load_cached(cache, key)
+    if cached is not None:
+        return cached
+    started = time.time_ns()
+    inputs = paths + ([classes_file] if os.path.exists(classes_file) else [])
+    packed = index_shards(paths, classes or _classes_beside(classes_file))
+    return PackedIndex(write_entry(cache, key, packed, _stamps(inputs, started)))
+
+
+def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
+    try:
+        with open(classes_file) as handle:
+            names = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except ValueError as error:
+        raise ValueError(f"{classes_file}: not a JSON list of class names ({error})") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{classes_file}: expected a JSON list of class names")
+    return tuple(names)
+
+
+def index_shards(paths: list[str], classes: tuple[str, ...] | None) -> Packed:
+    """Every shard's samples in order; without class names, classes are '0'..'max label'."""
+    from stoker.waits import progress_bar
+
+    members = ShardMembers()
+    with progress_bar("indexing shards", len(paths)) as advance:
+        for shard_id, path in enumerate(paths):
+            index_one_shard(path, shard_id, members)
+            advance(1)
+    labels = np.asarray(members.labels, dtype=np.int64)
+    if classes is None:
+        classes = tuple(str(i) for i in range(int(labels.max(initial=-1)) + 1))
+    outside = labels >= len(classes)
+    if outside.any():
+        members.drop(outside, f"label outside the {len(classes)} classes")
+        labels = labels[~outside]
+    if not members.keys:
+        raise ValueError(f"data={paths[0]!r}...: no sample (KEY.jpg|png|... with KEY.cls) in {len(paths)} shard(s)")
+    return Packed("", members.keys, labels, classes, members.skipped, paths, np.asarray(members.shard_ids),
+                  np.asarray(members.starts), np.asarray(members.sizes))
+
+
+@dataclass
+class ShardMembers:
+    keys: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    shard_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    _shards: list[str] = field(default_factory=list)
+
+    def add(self, key: str, label: int, shard_id: int, start: int, size: int) -> None:
+        for column, value in ((self.keys, key), (self.labels, label), (self.shard_ids, shard_id),
+                              (self.starts, start), (self.sizes, size)):
+            column.append(value)
+
+    def drop(self, mask: np.ndarray, reason: str) -> None:
+        for position in np.flatnonzero(mask):
+            self.skipped.append(Skipped(f"{self._shards[self.shard_ids[position]]}:{self.keys[position]}", reason))
+        keep = np.flatnonzero(~mask).tolist()
+        for column in (self.keys, self.labels, self.shard_ids, self.starts, self.sizes):
+            column[:] = [column[i] for i in keep]
+
+
+def index_one_shard(path: str, shard_id: int, into: ShardMembers) -> None:
+    """Add the shard's samples; members that do not make a sample are listed, and a truncated shard is indexed up
+    to its last whole member."""
+    into._shards.append(path)
+    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
+    size = os.path.getsize(path)
+    try:
+        with tarfile.open(path, "r:") as archive:
+            for member in _whole_members(archive, size, path, into.skipped):
+                key, _, suffix = _split_name(member.name)
+                groups.setdefault(key, {})[suffix.lower()] = member
+    except tarfile.ReadError as error:
+        into.skipped.append(Skipped(path, f"not a readable tar file: {error}"))
+        return
+    with open(path, "rb") as handle:
+        for key, parts in groups.items():
+            sample = _sample(handle, parts)
+            if isinstance(sample, str):
+                into.skipped.append(Skipped(f"{path}:{key}", sample))
+            else:
+                into.add(key, sample[0], shard_id, sample[1].offset_data, sample[1].size)
+
+
+def _whole_members(archive: tarfile.TarFile, size: int, path: str, skipped: list[Skipped]):
+    count = 0
+    while True:
+        try:
+            member = archive.next()
+        except tarfile.ReadError as error:  # a header cut short
+            skipped.append(Skipped(path, f"truncated shard: indexed its first {count} members ({error})"))
+            return
+        if member is None:
+            return
+        if member.offset_data + member.size > size:
+            skipped.append(Skipped(path, f"truncated shard: indexed its first {count} members, the next is cut"))
+            return
+        count += 1
+        if member.isfile():
+            yield member
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    folder, base = os.path.split(name)
+    stem, dot, suffix = base.partition(".")
+    return os.path.join(folder, stem) if folder else stem, dot, suffix
+
+
+def _sample(handle, parts: dict[str, tarfile.TarInfo]) -> tuple[int, tarfile.TarInfo] | str:
+    """(label, image member), or why these members are not a sample."""
+    image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), None)
+    if image is None:
+        return f"no image member (found {', '.join(sorted('.' + s for s in parts))})"
+    label_member = parts.get("cls")
+    if label_member is None:
+        return "no .cls label member"
+    handle.seek(label_member.offset_data)
+    text = handle.read(min(label_member.size, 64))
+    try:
+        label = int(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return f".cls holds {text[:20]!r}, not an integer label"
+    if label < 0:
+        return f".cls holds the negative label {label}"
+    return label, image
