@@ -60,29 +60,29 @@ class PackedIndex:
     """Samples of one split: `paths[i]` names sample i (a file, or `shard.tar:KEY`), `labels[i]` its class,
     `read(i)` its bytes. Read-only, memory-mapped; pickles as the entry's folder."""
 
-    def __init__(self, folder: Path, subset: str | None = None) -> None:
-        self.folder, self.subset = Path(folder), subset
+    def __init__(self, folder: Path, part: str | None = None) -> None:
+        self.folder, self.part = Path(folder), part
         meta = json.loads((self.folder / "meta.json").read_text())
         self.classes: tuple[str, ...] = tuple(meta["classes"])
         self.base: str = meta["base"]
         self.shards: tuple[str, ...] = tuple(meta["shards"])
         self._names = np.load(self.folder / "names.npy", mmap_mode="r")
         self._offsets = np.load(self.folder / "offsets.npy", mmap_mode="r")
-        self._ids = np.load(self.folder / f"{subset}.ids.npy", mmap_mode="r") if subset else None
-        self.labels = np.load(self.folder / (f"{subset}.labels.npy" if subset else "labels.npy"), mmap_mode="r")
+        self._ids = np.load(self.folder / f"{part}.ids.npy", mmap_mode="r") if part else None
+        self.labels = np.load(self.folder / (f"{part}.labels.npy" if part else "labels.npy"), mmap_mode="r")
         if self.shards:
             self._where = np.load(self.folder / "where.npy", mmap_mode="r")  # (shard, start, size) per sample
         self.paths = _Names(self)
 
     def __reduce__(self):
-        return PackedIndex, (self.folder, self.subset)
+        return PackedIndex, (self.folder, self.part)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     @property
     def skipped(self) -> tuple[Skipped, ...]:
-        """Entries the scan refused; the full index's, whatever the subset."""
+        """Entries the scan refused; the whole index's, whatever the part."""
         rows = json.loads((self.folder / "skipped.json").read_text())
         return tuple(Skipped(path, reason) for path, reason in rows)
 
@@ -105,7 +105,7 @@ class PackedIndex:
     def subset(self, name: str, ids: np.ndarray) -> PackedIndex:
         """The samples `ids` of this index as a split of its own, written beside it once (for a seed and a
         fraction, the same ids every time)."""
-        assert self.subset is None, "a split is taken from a whole index"
+        assert self.part is None, "a split is taken from a whole index"
         ids = np.asarray(ids, dtype=np.int64)
         ids_file, labels_file = self.folder / f"{name}.ids.npy", self.folder / f"{name}.labels.npy"
         if not ids_file.exists() or not np.array_equal(np.load(ids_file, mmap_mode="r"), ids):

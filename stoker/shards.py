@@ -33,9 +33,10 @@ _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
 
 def expand_braces(pattern: str) -> list[str]:
     """`train-{000000..000003}.tar` -> four names (zero padding kept), `{a,b}` -> two; several braces multiply."""
-    match = _RANGE.search(pattern) or _ALTERNATIVES.search(pattern)
-    if match is None:
+    found = [m for m in (_RANGE.search(pattern), _ALTERNATIVES.search(pattern)) if m is not None]
+    if not found:
         return [pattern]
+    match = min(found, key=lambda m: m.start())  # the leftmost brace varies slowest, as in the shell
     if match.re is _RANGE:
         first, last = match.group(1), match.group(2)
         if int(last) < int(first):
