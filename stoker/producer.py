@@ -138,7 +138,8 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
             continue
         faults.maybe_inject("producer", path)
         try:
-            load_into(source.read(sample_id), images[count], augment, sample_rng(setup.seed, work.kind, work.epoch, sample_id))
+            load_into(source.read(sample_id), images[count], augment,
+                      sample_rng(setup.seed, work.kind, work.epoch, sample_id))
         except UnusableImage as error:
             skipped[sample_id] = Skipped(path, str(error))
             continue

@@ -46,7 +46,8 @@ def test_brace_pattern_folder_and_list_file_name_the_same_shards(tmp_path):
 def test_labels_come_from_cls_members_and_bytes_by_offset(tmp_path):
     members = []
     for n, label in enumerate((3, 0, 7)):
-        members += [(f"dir/img{n}.jpg", f"jpeg bytes {n}".encode() * (n + 1)), (f"dir/img{n}.cls", f"{label}\n".encode())]
+        members += [(f"dir/img{n}.jpg", f"jpeg bytes {n}".encode() * (n + 1)),
+                    (f"dir/img{n}.cls", f"{label}\n".encode())]
     write_tar(tmp_path / "a.tar", members)
     index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
     assert index.labels.tolist() == [3, 0, 7]
