@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -90,7 +91,7 @@ class PackedIndex:
         return int(self._ids[sample]) if self._ids is not None else sample
 
     def name(self, position: int) -> str:
-        raw = bytes(self._names[self._offsets[position]:self._offsets[position + 1]])
+        raw = bytes(self._names[self._offsets[position]:self._offsets[position + 1] - 1])  # without its NUL
         if self.shards:
             return f"{self.shards[int(self._where[position, 0])]}:{os.fsdecode(raw)}"
         return self.base + os.fsdecode(raw)
@@ -186,8 +187,7 @@ def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache:
         return PackedIndex(entry)
     started = time.time_ns()
     listing = list_image_folder(root, classes)
-    base = os.path.realpath(root) + os.sep
-    packed = Packed(base, [p[len(base):] for p in listing.paths], listing.labels, listing.classes, listing.skipped)
+    packed = Packed(listing.base, listing.names, listing.labels, listing.classes, listing.skipped)
     return PackedIndex(write_entry(cache, key, packed, _stamps(listing.folders, started)))
 
 
@@ -237,12 +237,9 @@ def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> Pa
     name = f"{key}-{uuid.uuid4().hex[:12]}"
     temporary = cache / f".{name}.tmp"
     temporary.mkdir()
-    encoded = [os.fsencode(n) for n in packed.names]
-    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-    np.cumsum([len(e) for e in encoded], out=offsets[1:])
-    np.save(temporary / "names.npy", np.frombuffer(b"".join(encoded), dtype=np.uint8))
-    del encoded
-    np.save(temporary / "offsets.npy", offsets)
+    np.save(temporary / "names.npy", blob := _join_names(packed.names))
+    ends = np.flatnonzero(blob == 0)  # one NUL after every name: a name cannot hold one
+    np.save(temporary / "offsets.npy", np.concatenate([[0], ends + 1]).astype(np.int64))
     np.save(temporary / "labels.npy", np.asarray(packed.labels, dtype=np.int64))
     if packed.shards:
         np.save(temporary / "where.npy", np.stack([packed.shard_ids, packed.starts, packed.sizes], axis=1)
@@ -256,6 +253,12 @@ def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> Pa
     os.replace(pointer, cache / f"{key}.json")
     _remove_stale(cache, keep=name)
     return cache / name
+
+
+def _join_names(names: list[str]) -> np.ndarray:
+    """Every name and a NUL after it, in one buffer, encoded as the filesystem encodes file names."""
+    text = "\0".join(names) + "\0"
+    return np.frombuffer(text.encode(sys.getfilesystemencoding(), "surrogateescape"), dtype=np.uint8)
 
 
 def _save_atomically(path: Path, array: np.ndarray) -> None:
