@@ -1,7 +1,7 @@
 """`stoker bench data`: ImageNet-sized folders start in seconds; a producer's memory does not grow with the data.
 
-For each size N, builds an ImageFolder of N files in 1000 classes by hard links to a few real JPEGs (seconds, no
-disk), then measures: the scan with no cache and from the cache, `stoker train` from command start to its first
+For each size N, builds an ImageFolder of N files in 1000 classes by hard links to 64 real-photograph JPEGs at
+500x375 (no disk space beyond the directory entries), then measures: the scan with no cache and from the cache, `stoker train` from command start to its first
 training step (index cached, and with no cache), and at that step the controller's RSS and each producer's
 USS and PSS (a mapped index is shared: RSS counts it in every process that touches it, USS never, PSS by share).
 At the smallest size it also packs the folder into shards and times the producers reading files against reading
@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from stoker import builtin_data
 from stoker.index import load_image_folder
 
 NUM_CLASSES = 1000
@@ -40,7 +39,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--producers", type=int, default=2, help="producers of the training runs")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is shown)")
     parser.add_argument("--throughput-files", type=int, default=4000,
-                        help="images of the files-vs-shards throughput comparison")
+                        help="images of the files-vs-shards throughput comparison (each run decodes this many)")
     parser.add_argument("--scratch", type=Path, help="where to build the folders (default: a temporary folder)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.set_defaults(run=run)
@@ -62,9 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def make_source_images(folder: Path) -> list[Path]:
-    """A few real JPEGs (the built-in textures at 64 px) for every file of the folders to link to."""
-    builtin_data.generate(folder, train_per_class=SOURCE_IMAGES // 10 + 1, val_per_class=1)
-    return sorted((folder / "train").rglob("*.jpg"))[:SOURCE_IMAGES]
+    """A few real-photograph JPEGs at ImageNet's typical 500x375 for every file of the folders to link to."""
+    from stoker.bench.pipeline import generate
+
+    generate(folder, small=SOURCE_IMAGES, large=0)
+    return sorted((folder / "500x375" / "photos").glob("*.jpg"))
 
 
 def build_folder(root: Path, sources: list[Path], num_files: int) -> None:
@@ -212,8 +213,8 @@ def measure_throughput(scratch: Path, sources: list[Path], args: argparse.Namesp
     shards = pack(root, scratch / "shards", shard_size=64 * 10**6)
     files = load_image_folder(root, cache=scratch / "cache")
     packed = load_shards([str(p) for p in shards], cache=scratch / "cache")
-    feed = argparse.Namespace(workers=args.producers, batch_size=64, image_size=32,
-                              images_per_run=min(args.throughput_files, 4000))
+    feed = argparse.Namespace(workers=args.producers, batch_size=64, image_size=224,
+                              images_per_run=args.throughput_files)
     runs: dict[str, list[float]] = {"files": [], "shards": []}
     for _ in range(args.repeats):
         runs["files"].append(time_stoker(None, None, feed, source=files))
