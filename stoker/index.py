@@ -181,14 +181,14 @@ def index_cache_dir() -> Path:
 def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:
     """The packed index of an ImageFolder, from the cache while no directory it read has changed."""
     cache = cache or index_cache_dir()
-    key = _key("folder", os.path.realpath(root), classes)
+    key = cache_key("folder", os.path.realpath(root), classes)
     entry = _cached(cache, key)
     if entry is not None:
         return PackedIndex(entry)
     started = time.time_ns()
     listing = list_image_folder(root, classes)
     packed = Packed(listing.base, listing.names, listing.labels, listing.classes, listing.skipped)
-    return PackedIndex(write_entry(cache, key, packed, _stamps(listing.folders, started)))
+    return PackedIndex(write_entry(cache, key, packed, input_stamps(listing.folders, started)))
 
 
 def load_cached(cache: Path, key: str) -> PackedIndex | None:
@@ -196,12 +196,12 @@ def load_cached(cache: Path, key: str) -> PackedIndex | None:
     return PackedIndex(entry) if entry is not None else None
 
 
-def _key(*parts) -> str:
+def cache_key(*parts) -> str:
     text = json.dumps([INDEX_VERSION, *parts], default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _stamps(paths: list[str], started_ns: int) -> list[list]:
+def input_stamps(paths: list[str], started_ns: int) -> list[list]:
     """(path, mtime) of each input; None where it changed too close to the listing to be trusted."""
     stamps = []
     for path in paths:

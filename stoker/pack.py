@@ -47,8 +47,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0) -> list[Pat
     """Write the shards and classes.json; returns the shards' paths in order."""
     listing = list_image_folder(source)
     log_refused(tuple(listing.skipped))
-    base = os.path.realpath(source) + os.sep
-    members = [(path, _key(path[len(base):]), label) for path, label in zip(listing.paths, listing.labels)]
+    members = [(listing.base + name, sample_key(name), label) for name, label in zip(listing.names, listing.labels)]
     _check_unique_keys(members)
     plan = split_into_shards(members, [os.path.getsize(path) for path, _, _ in members], shard_size)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +67,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0) -> list[Pat
     return targets
 
 
-def _key(relative: str) -> str:
+def sample_key(relative: str) -> str:
     """`n01440764/n01440764_10026.JPEG` -> `n01440764/n01440764_10026`; dots would end a WebDataset key early."""
     stem = os.path.splitext(relative)[0]
     return stem.replace(".", "_")

@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from stoker.dataset import IMAGE_EXTENSIONS, Skipped
-from stoker.index import Packed, PackedIndex, _key, _stamps, index_cache_dir, load_cached, write_entry
+from stoker.index import (Packed, PackedIndex, cache_key, index_cache_dir, input_stamps, load_cached,
+                          write_entry)
+from stoker.waits import progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +87,14 @@ def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache:
     cache = cache or index_cache_dir()
     paths = [os.path.realpath(p) for p in paths]
     classes_file = os.path.join(os.path.dirname(paths[0]), CLASSES_FILE)
-    key = _key("shards", paths, classes)
+    key = cache_key("shards", paths, classes)
     cached = load_cached(cache, key)
     if cached is not None:
         return cached
     started = time.time_ns()
     inputs = paths + ([classes_file] if os.path.exists(classes_file) else [])
     packed = index_shards(paths, classes or _classes_beside(classes_file))
-    return PackedIndex(write_entry(cache, key, packed, _stamps(inputs, started)))
+    return PackedIndex(write_entry(cache, key, packed, input_stamps(inputs, started)))
 
 
 def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
@@ -110,8 +112,6 @@ def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
 
 def index_shards(paths: list[str], classes: tuple[str, ...] | None) -> Packed:
     """Every shard's samples in order; without class names, classes are '0'..'max label'."""
-    from stoker.waits import progress_bar
-
     members = ShardMembers()
     with progress_bar("indexing shards", len(paths)) as advance:
         for shard_id, path in enumerate(paths):
@@ -138,7 +138,7 @@ class ShardMembers:
     starts: list[int] = field(default_factory=list)
     sizes: list[int] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
-    _shards: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
 
     def add(self, key: str, label: int, shard_id: int, start: int, size: int) -> None:
         for column, value in ((self.keys, key), (self.labels, label), (self.shard_ids, shard_id),
@@ -147,7 +147,7 @@ class ShardMembers:
 
     def drop(self, mask: np.ndarray, reason: str) -> None:
         for position in np.flatnonzero(mask):
-            self.skipped.append(Skipped(f"{self._shards[self.shard_ids[position]]}:{self.keys[position]}", reason))
+            self.skipped.append(Skipped(f"{self.shards[self.shard_ids[position]]}:{self.keys[position]}", reason))
         keep = np.flatnonzero(~mask).tolist()
         for column in (self.keys, self.labels, self.shard_ids, self.starts, self.sizes):
             column[:] = [column[i] for i in keep]
@@ -156,7 +156,7 @@ class ShardMembers:
 def index_one_shard(path: str, shard_id: int, into: ShardMembers) -> None:
     """Add the shard's samples; members that do not make a sample are listed, and a truncated shard is indexed up
     to its last whole member."""
-    into._shards.append(path)
+    into.shards.append(path)
     groups: dict[str, dict[str, tarfile.TarInfo]] = {}
     size = os.path.getsize(path)
     try:
