@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import mmap
 import os
 import re
 import tarfile
@@ -28,6 +29,9 @@ from stoker.waits import progress_bar
 log = logging.getLogger(__name__)
 
 CLASSES_FILE = "classes.json"
+TAR_BLOCK = 512
+_ZERO_BLOCK = bytes(TAR_BLOCK)
+_PLAIN_KINDS = (b"0", b"\0", b"5", b"7")  # regular file (three spellings) and directory
 IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
@@ -153,54 +157,100 @@ class ShardMembers:
             column[:] = [column[i] for i in keep]
 
 
+Member = tuple[str, int, int]  # (name, offset of its data, size)
+
+
 def index_one_shard(path: str, shard_id: int, into: ShardMembers) -> None:
     """Add the shard's samples; members that do not make a sample are listed, and a truncated shard is indexed up
     to its last whole member."""
     into.shards.append(path)
-    groups: dict[str, dict[str, tarfile.TarInfo]] = {}
-    size = os.path.getsize(path)
-    try:
-        with tarfile.open(path, "r:") as archive:
-            for member in _whole_members(archive, size, path, into.skipped):
-                key, _, suffix = _split_name(member.name)
-                groups.setdefault(key, {})[suffix.lower()] = member
-    except tarfile.ReadError as error:
-        into.skipped.append(Skipped(path, f"not a readable tar file: {error}"))
-        return
     with open(path, "rb") as handle:
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(handle.fileno()).st_size else b""
+    try:
+        found = _plain_members(data)
+        if found is None:
+            found = _tarfile_members(path, len(data))
+        members, truncated = found
+        if truncated:
+            into.skipped.append(Skipped(path, f"truncated shard: indexed its first {len(members)} members, then "
+                                              f"{truncated}"))
+        groups: dict[str, dict[str, Member]] = {}
+        for member in members:
+            key, _, suffix = _split_name(member[0])
+            groups.setdefault(key, {})[suffix.lower()] = member
         for key, parts in groups.items():
-            sample = _sample(handle, parts)
+            sample = _sample(data, parts)
             if isinstance(sample, str):
                 into.skipped.append(Skipped(f"{path}:{key}", sample))
             else:
-                into.add(key, sample[0], shard_id, sample[1].offset_data, sample[1].size)
+                into.add(key, sample[0], shard_id, sample[1][1], sample[1][2])
+    except tarfile.ReadError as error:
+        into.skipped.append(Skipped(path, f"not a readable tar file: {error}"))
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
 
 
-def _whole_members(archive: tarfile.TarFile, size: int, path: str, skipped: list[Skipped]):
-    count = 0
-    while True:
-        try:
-            member = archive.next()
-        except tarfile.ReadError as error:  # a header cut short
-            skipped.append(Skipped(path, f"truncated shard: indexed its first {count} members ({error})"))
-            return
-        if member is None:
-            return
-        if member.offset_data + member.size > size:
-            skipped.append(Skipped(path, f"truncated shard: indexed its first {count} members, the next is cut"))
-            return
-        count += 1
-        if member.isfile():
-            yield member
+def _plain_members(data) -> tuple[list[Member], str] | None:
+    """Regular files of a tar whose headers are all plain ustar or GNU ones, read straight from the headers (tarfile
+    decodes every field of every header: 300 us a sample, minutes for ImageNet), and why the archive stopped early
+    ('' if it did not); None when a header needs tarfile (pax or GNU long names, base-256 sizes)."""
+    members: list[Member] = []
+    offset, end = 0, len(data)
+    while offset + TAR_BLOCK <= end:
+        header = data[offset:offset + TAR_BLOCK]
+        if header == _ZERO_BLOCK:
+            return members, ""
+        kind, magic = header[156:157], header[257:263]
+        if kind not in _PLAIN_KINDS or magic not in (b"ustar\0", b"ustar ") or header[124] & 0x80:
+            return None
+        if not _checksum_holds(header):
+            return members, "a damaged header (its checksum does not add up)"
+        size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
+        start = offset + TAR_BLOCK
+        if start + size > end:
+            return members, "a member cut short"
+        if kind != b"5":
+            name = header[:100].split(b"\0", 1)[0]
+            if magic == b"ustar\0" and header[345] != 0:  # POSIX: a long path is split into prefix/name
+                name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+            members.append((name.decode("utf-8", "surrogateescape"), start, size))
+        offset = start + -(-size // TAR_BLOCK) * TAR_BLOCK
+    return members, ("a header cut short" if offset < end else "no end-of-archive marker")
+
+
+def _checksum_holds(header: bytes) -> bool:
+    """The stored checksum is the sum of the header's bytes with its own field counted as spaces."""
+    try:
+        stored = int(header[148:156].split(b"\0")[0].strip(), 8)
+    except ValueError:
+        return False
+    return sum(header) - sum(header[148:156]) + 8 * ord(" ") == stored
+
+
+def _tarfile_members(path: str, size: int) -> tuple[list[Member], str]:
+    members: list[Member] = []
+    with tarfile.open(path, "r:") as archive:
+        while True:
+            try:
+                member = archive.next()
+            except tarfile.ReadError as error:  # a header cut short
+                return members, f"a header cut short ({error})"
+            if member is None:
+                return members, ""
+            if member.offset_data + member.size > size:
+                return members, "a member cut short"
+            if member.isfile():
+                members.append((member.name, member.offset_data, member.size))
 
 
 def _split_name(name: str) -> tuple[str, str, str]:
-    folder, base = os.path.split(name)
-    stem, dot, suffix = base.partition(".")
-    return os.path.join(folder, stem) if folder else stem, dot, suffix
+    """(key, '.', suffix): the key ends at the first dot of the file name, folders included."""
+    dot = name.find(".", name.rfind("/") + 1)
+    return (name, "", "") if dot < 0 else (name[:dot], ".", name[dot + 1:])
 
 
-def _sample(handle, parts: dict[str, tarfile.TarInfo]) -> tuple[int, tarfile.TarInfo] | str:
+def _sample(data, parts: dict[str, Member]) -> tuple[int, Member] | str:
     """(label, image member), or why these members are not a sample."""
     image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), None)
     if image is None:
@@ -208,8 +258,8 @@ def _sample(handle, parts: dict[str, tarfile.TarInfo]) -> tuple[int, tarfile.Tar
     label_member = parts.get("cls")
     if label_member is None:
         return "no .cls label member"
-    handle.seek(label_member.offset_data)
-    text = handle.read(min(label_member.size, 64))
+    _, start, size = label_member
+    text = bytes(data[start:start + min(size, 64)])
     try:
         label = int(text.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):

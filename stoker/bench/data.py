@@ -1,11 +1,11 @@
 """`stoker bench data`: ImageNet-sized folders start in seconds; a producer's memory does not grow with the data.
 
 For each size N, builds an ImageFolder of N files in 1000 classes by hard links to 64 real-photograph JPEGs at
-500x375 (no disk space beyond the directory entries), then measures: the scan with no cache and from the cache, `stoker train` from command start to its first
-training step (index cached, and with no cache), and at that step the controller's RSS and each producer's
-USS and PSS (a mapped index is shared: RSS counts it in every process that touches it, USS never, PSS by share).
-At the smallest size it also packs the folder into shards and times the producers reading files against reading
-the same images from shards.
+500x375 (no disk space beyond the directory entries), then measures: the scan with no cache and from the cache,
+`stoker train` from command start to its first training step (index cached, and with no cache), and at that step
+the controller's RSS and each producer's USS and PSS (a mapped index is shared: RSS counts it in every process that
+touches it, USS never, PSS by share). Then it packs --throughput-files images into shards and times the producers
+reading the files against reading the same images from the shards.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from stoker.pack import pack, parse_size
 from stoker.shards import expand_braces, load_shards, shard_paths
 
 
-def write_tar(path, members: list[tuple[str, bytes]]) -> None:
-    with tarfile.open(path, "w") as archive:
+def write_tar(path, members: list[tuple[str, bytes]], format: int = tarfile.DEFAULT_FORMAT) -> None:
+    with tarfile.open(path, "w", format=format) as archive:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size = len(data)
@@ -54,6 +54,18 @@ def test_labels_come_from_cls_members_and_bytes_by_offset(tmp_path):
     assert index.classes == tuple(str(i) for i in range(8))  # no classes.json: 0..the largest label
     assert [index.read(i) for i in range(3)] == [f"jpeg bytes {n}".encode() * (n + 1) for n in range(3)]
     assert index.paths[1] == f"{tmp_path / 'a.tar'}:dir/img1"
+
+
+@pytest.mark.parametrize("format", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_long_member_names_in_every_tar_format(tmp_path, format):
+    """Paths over 100 bytes take a prefix field (ustar), a long-name member (GNU) or a pax header."""
+    folder = "class_" + "x" * 120 if format != tarfile.USTAR_FORMAT else "p" * 90 + "/" + "q" * 40
+    write_tar(tmp_path / "a.tar", [(f"{folder}/img.jpg", b"pixels"), (f"{folder}/img.cls", b"4"),
+                                   ("short.png", b"png"), ("short.cls", b"1")], format)
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert list(index.paths) == [f"{tmp_path / 'a.tar'}:{folder}/img", f"{tmp_path / 'a.tar'}:short"]
+    assert index.labels.tolist() == [4, 1] and [index.read(0), index.read(1)] == [b"pixels", b"png"]
+    assert not index.skipped
 
 
 def test_bad_members_are_skipped_and_listed_as_shard_and_key(tmp_path):
@@ -117,3 +129,15 @@ def test_pack_keeps_the_folder_order_labels_and_bytes_and_is_deterministic(textu
     assert shards.classes == folder.classes
     assert shards.labels.tolist() == folder.labels.tolist()
     assert all(shards.read(i) == open(folder.paths[i], "rb").read() for i in range(len(folder)))
+
+
+def test_damaged_header_ends_the_shard_there_and_is_listed(tmp_path):
+    members = [(f"k{n}.{ext}", (b"%d" % n) * 700 if ext == "jpg" else b"1") for n in range(3) for ext in ("jpg", "cls")]
+    write_tar(tmp_path / "a.tar", members)
+    data = bytearray((tmp_path / "a.tar").read_bytes())
+    second_image_header = data.index(b"k1.jpg")
+    data[second_image_header + 1] ^= 0xFF  # the name changes, the stored checksum does not
+    (tmp_path / "a.tar").write_bytes(bytes(data))
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert list(index.paths) == [f"{tmp_path / 'a.tar'}:k0"]
+    assert any("checksum" in s.reason for s in index.skipped)
