@@ -40,6 +40,7 @@ INDEX_VERSION = 1
 MTIME_GUARD_NS = 2_000_000_000
 STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
 MAX_OPEN_SHARDS = 128
+UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
 
 
 @dataclass
@@ -188,7 +189,10 @@ def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache:
     started = time.time_ns()
     listing = list_image_folder(root, classes)
     packed = Packed(listing.base, listing.names, listing.labels, listing.classes, listing.skipped)
-    return PackedIndex(write_entry(cache, key, packed, input_stamps(listing.folders, started)))
+    inputs = input_stamps(listing.folders, started)
+    # A folder made readable, or a link target created, changes no directory's time: list such a tree every run.
+    inputs += [[s.path, None] for s in listing.skipped if s.reason.startswith(UNSTABLE_REFUSALS)]
+    return PackedIndex(write_entry(cache, key, packed, inputs))
 
 
 def load_cached(cache: Path, key: str) -> PackedIndex | None:

@@ -98,3 +98,15 @@ def test_packed_split_holds_out_the_same_files_as_the_in_memory_split(tmp_path):
     expected_train, expected_val = split_validation(scan_image_folder(root), 0.2, seed=7)
     assert list(val.paths) == list(expected_val.paths) and list(train.paths) == list(expected_train.paths)
     assert np.array_equal(train.labels, expected_train.labels)
+
+
+def test_a_tree_with_a_broken_link_is_listed_again_every_run(tmp_path):
+    """Creating the link's target changes no directory's time: only a new listing can see the file appear."""
+    root = tmp_path / "data"
+    make_tree(root)
+    os.symlink(root / "ant" / "later.jpg", root / "ant" / "link.jpg")
+    settle(root)
+    assert len(load_image_folder(root, cache=tmp_path / "cache")) == 18
+    (root / "ant" / "sub" / "deep.png").rename(root / "ant" / "later.jpg")
+    settle(root)
+    assert len(load_image_folder(root, cache=tmp_path / "cache")) == 19  # later.jpg, and link.jpg now resolves
