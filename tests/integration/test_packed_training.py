@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 
+import pytest
 import torch
 
 from tests.conftest import read_summary, run_cli
+from tests.integration.test_multinode import launch_machines
 from tests.helpers.trees import make_unreadable_folder
 
 
@@ -41,25 +43,46 @@ def test_every_refused_entry_reaches_summary_and_the_log_once(textures, tmp_path
     assert len(deep) == 1 and unreadable.startswith(deep[0]) and result.stderr.count(deep[0]) == 1
 
 
-def test_packed_shards_train_like_the_folder_with_two_consumers_across_a_resume(textures, tmp_path):
+SETTINGS = ("--devices", "cpu:2", "--epochs", "1", "--seed", "5", "--producers", "2")
+
+
+@pytest.fixture(scope="module")
+def packed(textures, tmp_path_factory):
+    """The texture set packed into shards, and the reference run on the folder it came from."""
     train, val = textures
-    run_cli("pack", str(train), str(tmp_path / "train"), "--shard-size", "40KB", "--workers", "1")
-    run_cli("pack", str(val), str(tmp_path / "val"), "--shard-size", "40KB", "--workers", "1")
-    shards = sorted(p.name for p in (tmp_path / "train").glob("*.tar"))
-    pattern = tmp_path / "train" / f"shard-{{{shards[0][6:12]}..{shards[-1][6:12]}}}.tar"
-    settings = ("--devices", "cpu:2", "--epochs", "1", "--seed", "5", "--producers", "2")
-    run_cli("train", "--data", str(train), "--val", str(val), *common(tmp_path / "folder", *settings))
-    stopped = run_cli("train", "--data", str(pattern), "--val", str(tmp_path / "val"),
-                      *common(tmp_path / "shards", *settings),
+    root = tmp_path_factory.mktemp("packed")
+    run_cli("pack", str(train), str(root / "train"), "--shard-size", "40KB", "--workers", "1")
+    run_cli("pack", str(val), str(root / "val"), "--shard-size", "40KB", "--workers", "1")
+    run_cli("train", "--data", str(train), "--val", str(val), *common(root / "folder", *SETTINGS))
+    return root
+
+
+def assert_same_weights(run_a, run_b) -> None:
+    a = torch.load(run_a / "model.pt", weights_only=True)
+    b = torch.load(run_b / "model.pt", weights_only=True)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_packed_shards_train_like_the_folder_with_two_consumers_across_a_resume(packed, tmp_path):
+    shards = sorted(p.name for p in (packed / "train").glob("*.tar"))
+    pattern = packed / "train" / f"shard-{{{shards[0][6:12]}..{shards[-1][6:12]}}}.tar"
+    stopped = run_cli("train", "--data", str(pattern), "--val", str(packed / "val"),
+                      *common(tmp_path / "shards", *SETTINGS),
                       env={"STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=3;"}, check=False)
     assert stopped.returncode == 130, stopped.stderr[-2000:]
     run_cli("train", "--resume", str(tmp_path / "shards"), "--quiet")
     summary = read_summary(tmp_path / "shards")
     assert summary["status"] == "completed" and summary["start_step"] > 3
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
-    folder_run = read_summary(tmp_path / "folder")
-    assert summary["val_accuracy"] == folder_run["val_accuracy"]
-    a = torch.load(tmp_path / "folder" / "model.pt", weights_only=True)
-    b = torch.load(tmp_path / "shards" / "model.pt", weights_only=True)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert summary["val_accuracy"] == read_summary(packed / "folder")["val_accuracy"]
+    assert_same_weights(packed / "folder", tmp_path / "shards")
+
+
+def test_two_machines_on_a_folder_of_shards_train_like_one_on_the_folder(packed, tmp_path):
+    results = launch_machines((packed / "train", packed / "val"), tmp_path, "--epochs", "1", "--seed", "5")
+    assert [code for code, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["machines"] == 2 and summary["samples_consumed"] == [120]
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert_same_weights(packed / "folder", tmp_path)
