@@ -2,9 +2,10 @@
 
 Samples go in the folder's index order (so sample i of the shards is sample i of the folder: the same training
 run either way), each as `KEY.<ext>` with the file's bytes unchanged and `KEY.cls` with its label, KEY being the
-file's path under its class folder without the extension. Shards are cut at `--shard-size` bytes and written in
-parallel, each to a temporary name then renamed; headers carry no time, owner or permissions of the source, so the
-same folder always packs to the same bytes, whatever the number of workers. `classes.json` goes beside.
+file's path under the root without the extension (other dots replaced by `_`: a dot ends a WebDataset key).
+Shards are cut at `--shard-size` bytes and written in parallel, each to a temporary name then renamed; headers
+carry no time, owner or permissions of the source, so the same folder always packs to the same bytes, whatever the
+number of workers. `classes.json` goes beside.
 """
 
 from __future__ import annotations
