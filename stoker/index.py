@@ -40,6 +40,7 @@ INDEX_VERSION = 1
 MTIME_GUARD_NS = 2_000_000_000
 STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
 MAX_OPEN_SHARDS = 128
+SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
 
 
@@ -288,5 +289,6 @@ def _remove_stale(cache: Path, keep: str) -> None:
         else:
             current.add(stamp["entry"])
     for entry in cache.iterdir():
-        if entry.is_dir() and entry.name not in current and entry.stat().st_mtime < cutoff:
+        stale = entry.name not in current and entry.name != SHARDS_FOLDER and entry.stat().st_mtime < cutoff
+        if entry.is_dir() and stale:
             shutil.rmtree(entry, ignore_errors=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from stoker.dataset import IMAGE_EXTENSIONS, Skipped
-from stoker.index import (Packed, PackedIndex, cache_key, index_cache_dir, input_stamps, load_cached,
-                          write_entry)
+from stoker.index import (MTIME_GUARD_NS, SHARDS_FOLDER, Packed, PackedIndex, cache_key, index_cache_dir,
+                          input_stamps, load_cached, write_entry)
 from stoker.waits import progress_bar
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache:
         return cached
     started = time.time_ns()
     inputs = paths + ([classes_file] if os.path.exists(classes_file) else [])
-    packed = index_shards(paths, classes or _classes_beside(classes_file))
+    packed = index_shards(paths, classes or _classes_beside(classes_file), cache / SHARDS_FOLDER)
     return PackedIndex(write_entry(cache, key, packed, input_stamps(inputs, started)))
 
 
@@ -114,12 +114,13 @@ def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def index_shards(paths: list[str], classes: tuple[str, ...] | None) -> Packed:
-    """Every shard's samples in order; without class names, classes are '0'..'max label'."""
+def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path | None = None) -> Packed:
+    """Every shard's samples in order; without class names, classes are '0'..'max label'. With `cache`, each
+    shard's members are kept there, so a set with one shard added or changed reads only that shard again."""
     members = ShardMembers()
     with progress_bar("indexing shards", len(paths)) as advance:
         for shard_id, path in enumerate(paths):
-            index_one_shard(path, shard_id, members)
+            members.extend(_one_shard_cached(path, cache) if cache else index_one_shard(path), shard_id)
             advance(1)
     labels = np.asarray(members.labels, dtype=np.int64)
     if classes is None:
@@ -136,6 +137,8 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None) -> Packed:
 
 @dataclass
 class ShardMembers:
+    """Samples as columns: key, label, shard, where its image's bytes lie; and what was refused."""
+
     keys: list[str] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     shard_ids: list[int] = field(default_factory=list)
@@ -144,10 +147,20 @@ class ShardMembers:
     skipped: list[Skipped] = field(default_factory=list)
     shards: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.skipped = [s if isinstance(s, Skipped) else Skipped(*s) for s in self.skipped]  # read back from JSON
+
     def add(self, key: str, label: int, shard_id: int, start: int, size: int) -> None:
         for column, value in ((self.keys, key), (self.labels, label), (self.shard_ids, shard_id),
                               (self.starts, start), (self.sizes, size)):
             column.append(value)
+
+    def extend(self, shard: ShardMembers, shard_id: int) -> None:
+        """Append one shard's members (indexed alone, as shard 0) as shard `shard_id`."""
+        for mine, theirs in ((self.keys, shard.keys), (self.labels, shard.labels), (self.starts, shard.starts),
+                             (self.sizes, shard.sizes), (self.skipped, shard.skipped), (self.shards, shard.shards)):
+            mine.extend(theirs)
+        self.shard_ids.extend([shard_id] * len(shard.keys))
 
     def drop(self, mask: np.ndarray, reason: str) -> None:
         for position in np.flatnonzero(mask):
@@ -160,10 +173,28 @@ class ShardMembers:
 Member = tuple[str, int, int]  # (name, offset of its data, size)
 
 
-def index_one_shard(path: str, shard_id: int, into: ShardMembers) -> None:
-    """Add the shard's samples; members that do not make a sample are listed, and a truncated shard is indexed up
-    to its last whole member."""
-    into.shards.append(path)
+def _one_shard_cached(path: str, cache: Path) -> ShardMembers:
+    """A shard's members from the cache while its size and modification time hold, else read and kept."""
+    started, stat = time.time_ns(), os.stat(path)
+    saved = cache / f"{cache_key(path, stat.st_size, stat.st_mtime_ns)}.json"
+    try:
+        return ShardMembers(**json.loads(saved.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    members = index_one_shard(path)
+    if stat.st_mtime_ns < started - MTIME_GUARD_NS:  # a shard still being written is read again next time
+        cache.mkdir(parents=True, exist_ok=True)
+        temporary = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
+        skipped = [[item.path, item.reason] for item in members.skipped]
+        temporary.write_text(json.dumps({**members.__dict__, "skipped": skipped}))
+        os.replace(temporary, saved)
+    return members
+
+
+def index_one_shard(path: str) -> ShardMembers:
+    """The shard's samples (as shard 0); members that do not make a sample are listed, and a truncated shard is
+    indexed up to its last whole member."""
+    into = ShardMembers(shards=[path])
     with open(path, "rb") as handle:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(handle.fileno()).st_size else b""
     try:
@@ -183,12 +214,13 @@ def index_one_shard(path: str, shard_id: int, into: ShardMembers) -> None:
             if isinstance(sample, str):
                 into.skipped.append(Skipped(f"{path}:{key}", sample))
             else:
-                into.add(key, sample[0], shard_id, sample[1][1], sample[1][2])
+                into.add(key, sample[0], 0, sample[1][1], sample[1][2])
     except tarfile.ReadError as error:
         into.skipped.append(Skipped(path, f"not a readable tar file: {error}"))
     finally:
         if isinstance(data, mmap.mmap):
             data.close()
+    return into
 
 
 def _plain_members(data) -> tuple[list[Member], str] | None:

@@ -141,3 +141,22 @@ def test_damaged_header_ends_the_shard_there_and_is_listed(tmp_path):
     index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
     assert list(index.paths) == [f"{tmp_path / 'a.tar'}:k0"]
     assert any("checksum" in s.reason for s in index.skipped)
+
+
+def test_a_changed_shard_is_read_again_alone(tmp_path):
+    """Each shard's members are kept: adding a shard to the set, or changing one, reads only that one again."""
+    for name in ("a", "b"):
+        write_tar(tmp_path / f"{name}.tar", [(f"{name}1.jpg", b"x"), (f"{name}1.cls", b"0")])
+        os.utime(tmp_path / f"{name}.tar", (1e9, 1e9))
+    load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()}
+    assert len(kept) == 1
+    write_tar(tmp_path / "a.tar", [("a1.jpg", b"x"), ("a1.cls", b"0"), ("a2.jpg", b"y"), ("a2.cls", b"1")])
+    os.utime(tmp_path / "a.tar", (1e9 + 7, 1e9 + 7))
+    both = load_shards([str(tmp_path / "a.tar"), str(tmp_path / "b.tar")], cache=tmp_path / "cache")
+    assert list(both.labels) == [0, 1, 0] and both.read(2) == b"x"
+    files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()}
+    assert len(files) == 3 and all(files[name] == mtime for name, mtime in kept.items())  # old a.tar's untouched
+    b_only = load_shards([str(tmp_path / "b.tar")], cache=tmp_path / "cache")
+    assert len(b_only) == 1  # a set of its own, built from b.tar's kept members: nothing written again
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()} == files
