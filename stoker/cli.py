@@ -16,8 +16,10 @@ USAGE_ERROR = 2
 
 # (flag help, metavar) for each setting; the defaults and the checks live in stoker.config.TrainConfig.
 TRAIN_FLAGS: dict[str, tuple[str, str]] = {
-    "data": ("ImageFolder root (a sub-folder per class); default: the built-in dataset", "DIR"),
-    "val": ("validation ImageFolder (default: hold out --val-fraction of --data)", "DIR"),
+    "data": ("ImageFolder root (a sub-folder per class) or WebDataset-layout .tar shards (a brace pattern "
+             "such as train-{000..127}.tar, a folder of shards, a list file); default: the built-in dataset",
+             "DIR|SHARDS"),
+    "val": ("validation ImageFolder or shards (default: hold out --val-fraction of --data)", "DIR|SHARDS"),
     "val_fraction": ("share of each class held out for validation when --val is not given", "F"),
     "model": ("resnet8 | resnet14 | resnet20 | resnet18 | module:function", "NAME"),
     "image_size": ("training resolution (default 32 on the built-in data, else 224)", "PX"),
@@ -73,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, help="where the PNG goes (default RUN_DIR/report.png, or "
                         "report-compare.png for two runs)")
     from stoker.bench import add_bench_parser
+    from stoker.pack import add_parser as add_pack_parser
+    add_pack_parser(commands)
     add_bench_parser(commands)
     return parser
 
@@ -88,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     args = build_parser().parse_args(argv)
-    if args.command == "bench":
+    if args.command in ("bench", "pack"):
         return args.run(args)
     if args.command == "report":
         return report_command(args)

@@ -98,8 +98,9 @@ class TrainConfig:
             raise ValueError(f"max_producers={self.max_producers} is below min_producers={self.min_producers}")
         for name in ("data", "val"):
             folder = getattr(self, name)
-            if folder is not None and not folder.is_dir():
-                raise ValueError(f"{name}={str(folder)!r} is not a folder (expected an ImageFolder root)")
+            if folder is not None and not (folder.is_dir() or folder.is_file() or "{" in str(folder)):
+                raise ValueError(f"{name}={str(folder)!r} is not a folder, a .tar shard, a list file or a brace "
+                                 "pattern (expected an ImageFolder root or WebDataset-layout shards)")
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
             raise ValueError("tensorboard=true needs the tensorboardX package: pip install 'stoker[tensorboard]'")
         if self.resume is not None and not self.resume.is_dir():

@@ -23,9 +23,10 @@ from stoker.checkpoint import Position
 from stoker.config import RUN_CONFIG_FILE, TrainConfig
 from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
                              StepReport, ValReport, consumer_main)
-from stoker.dataset import ImageIndex, scan_image_folder, split_validation
+from stoker.dataset import Skipped
 from stoker.devices import resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.index import PackedIndex
 from stoker.lifecycle import Interrupted, Lifecycle
 from stoker.metrics import MetricsLog, RunStats, time_shares
 from stoker.models import check_model
@@ -33,11 +34,12 @@ from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool, check_hang_timeout
 from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
                           stop_processes)
-from stoker.producer import ProducerFailed, ProducerSetup, Source, Task, TaskDone
+from stoker.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
 from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
+from stoker.sources import load_source, log_refused, split_source
 from stoker.summary import Ledger, exactly_once_breach
 from stoker.waiting import waiting
 
@@ -50,8 +52,9 @@ STUCK_GRACE_S = 3.0  # after one consumer's collective timed out, how long its p
 
 @dataclass(frozen=True)
 class Data:
-    train: ImageIndex
-    val: ImageIndex | None
+    train: PackedIndex
+    val: PackedIndex | None
+    refused: tuple[Skipped, ...] = ()  # entries the scan or the shard index could not use
 
 
 class Controller:
@@ -126,6 +129,8 @@ class Controller:
         self.mailbox = Mailbox()
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
+        for item in self.data.refused:
+            self.stats.skipped.setdefault(item.path, item.reason)
         self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
         if self.resume_from is not None:
             self.ledger.resume(self.resume_from, self.run_dir, self.stats)
@@ -242,9 +247,8 @@ class Controller:
                            resume_from=self.resume_from)
 
     def _producer_setup(self) -> ProducerSetup:
-        val = self.data.val
-        return ProducerSetup(self.ring.spec, Source(self.data.train.paths, self.data.train.labels),
-                             Source(val.paths, val.labels) if val else None, self.config.augment, self.config.seed)
+        # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
+        return ProducerSetup(self.ring.spec, self.data.train, self.data.val, self.config.augment, self.config.seed)
 
     def _consumer_store(self) -> StoreAddress:
         """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
@@ -659,16 +663,20 @@ def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
 
 def load_data(config: TrainConfig) -> Data:
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    train = _scan(train_root)
+    train = _load(train_root)
     if val_root is not None:
-        return Data(train, _scan(val_root, classes=train.classes))
-    train, val = split_validation(train, config.val_fraction, config.seed)
-    return Data(train, val)
+        val = _load(val_root, classes=train.classes)
+        refused = train.skipped + val.skipped
+    else:
+        refused = train.skipped
+        train, val = split_source(train, config.val_fraction, config.seed)
+    log_refused(refused)
+    return Data(train, val, refused)
 
 
-def _scan(root: Path, classes: tuple[str, ...] | None = None) -> ImageIndex:
-    with waiting(f"scanning {root}", unit="files") as progress:
-        index = scan_image_folder(root, classes=classes)
+def _load(root: Path, classes: tuple[str, ...] | None = None) -> PackedIndex:
+    with waiting(f"indexing {root}", unit="files") as progress:
+        index = load_source(root, classes=classes)
         progress.update(len(index))
     return index
 

@@ -12,31 +12,46 @@ import os
 import queue
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
 from stoker import faults
 from stoker.dataset import Skipped
 from stoker.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
+from stoker.index import read_file
 from stoker.plan import Work, sample_rng
 from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
 from stoker.ring import RingSpec, SlotRing
 
 
+class SampleSource(Protocol):
+    """One split: `paths[i]` names sample i in messages, `labels[i]` is its class, `read(i)` its bytes."""
+
+    paths: Sequence[str]
+    labels: np.ndarray
+
+    def read(self, sample_id: int) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class Source:
-    """The files of one split and their labels; a sample id is a position in `paths`."""
+    """Files and their labels held in memory (tests, benchmarks); runs use `index.PackedIndex`."""
 
     paths: tuple[str, ...]
     labels: np.ndarray
+
+    def read(self, sample_id: int) -> bytes:
+        return read_file(self.paths[sample_id])
 
 
 @dataclass(frozen=True)
 class ProducerSetup:
     ring: RingSpec
-    train: Source
-    val: Source | None
+    train: SampleSource
+    val: SampleSource | None
     augment: Augment
     seed: int
     transport_only: bool = False  # `stoker bench pipeline --transport`: write a ready-made image, decode nothing
@@ -127,7 +142,8 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
             continue
         faults.maybe_inject("producer", path)
         try:
-            load_into(_read(path), images[count], augment, sample_rng(setup.seed, work.kind, work.epoch, sample_id))
+            load_into(source.read(sample_id), images[count], augment,
+                      sample_rng(setup.seed, work.kind, work.epoch, sample_id))
         except UnusableImage as error:
             skipped[sample_id] = Skipped(path, str(error))
             continue
@@ -155,14 +171,3 @@ def _copy_ready_made(task: Task, ring: SlotRing) -> int:
 @functools.cache
 def _ready_made(shape: tuple[int, ...]) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
-
-
-def _read(path: str) -> bytes:
-    faults.simulated_delay(faults.READ_LATENCY_ENV)
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        raise UnusableImage("file vanished (deleted during the run)") from None
-    except OSError as error:
-        raise UnusableImage(f"unreadable: {error.strerror or error}") from None

@@ -38,7 +38,7 @@ from stoker.imaging import random_resized_crop_box
 from stoker.plan import Work
 from stoker.pool import MAX_IN_FLIGHT, ProducerPool
 from stoker.procs import CONTEXT, Mailbox
-from stoker.producer import ProducerSetup, Source, Task, TaskDone
+from stoker.producer import ProducerSetup, SampleSource, Source, Task, TaskDone
 from stoker.ring import SlotRing
 from stoker.waiting import waiting
 
@@ -181,25 +181,25 @@ def _rate(batches: Iterator[int], args: argparse.Namespace) -> float:
     return images / (time.perf_counter() - started)
 
 
-def time_stoker(paths: tuple[str, ...], labels: np.ndarray, args: argparse.Namespace,
-                transport_only: bool = False) -> float:
-    with _StokerFeed(paths, labels, args, transport_only) as feed:
+def time_stoker(paths: tuple[str, ...] | None, labels: np.ndarray | None, args: argparse.Namespace,
+                transport_only: bool = False, source: SampleSource | None = None) -> float:
+    """Images per second of stoker's producers over `paths` (or over `source`, a packed index)."""
+    with _StokerFeed(source or Source(tuple(paths), np.asarray(labels)), args, transport_only) as feed:
         return _rate(feed.batches(), args)
 
 
 class _StokerFeed:
     """stoker's producer pool and slot ring, with this process as the consumer."""
 
-    def __init__(self, paths, labels, args: argparse.Namespace, transport_only: bool) -> None:
+    def __init__(self, source: SampleSource, args: argparse.Namespace, transport_only: bool) -> None:
         self.args = args
         self.num_slots = args.workers * MAX_IN_FLIGHT + 2
         self.ring = SlotRing.create(self.num_slots, args.batch_size, args.image_size, args.workers)
         self.mailbox, self.stop = Mailbox(), CONTEXT.Event()
         self.arrived: deque = deque()
-        setup = ProducerSetup(self.ring.spec, Source(tuple(paths), np.asarray(labels)), None, "standard", 0,
-                              transport_only)
+        setup = ProducerSetup(self.ring.spec, source, None, "standard", 0, transport_only)
         self.pool = ProducerPool(setup, self.ring, self.mailbox, self.stop, args.workers, hang_timeout_s=60)
-        self.num_samples = len(paths)
+        self.num_samples = len(source.labels)
         self.task_ids = iter(range(1 << 62))
         # Where a GPU consumer copies into pinned memory before the host-to-device copy.
         self.staging = np.empty(self.ring.images.shape[1:], np.uint8)

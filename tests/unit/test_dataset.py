@@ -7,6 +7,7 @@ import os
 import pytest
 
 from stoker.dataset import scan_image_folder, split_validation
+from tests.helpers.trees import make_unreadable_folder
 
 
 def make_tree(root):
@@ -54,3 +55,18 @@ def test_validation_split_is_stratified_and_disjoint(tmp_path):
     train, val = split_validation(scan_image_folder(tmp_path), 0.25, seed=0)
     assert set(train.paths).isdisjoint(val.paths)
     assert sorted(val.labels.tolist()) == [0, 1]
+
+
+def test_every_refused_entry_is_listed_with_its_reason(tmp_path):
+    root = tmp_path / "data"
+    make_tree(root)
+    outside = tmp_path / "outside"
+    (outside / "cls").mkdir(parents=True)
+    os.symlink(outside / "cls", root / "escaping_class")  # a class folder that is really elsewhere
+    too_deep = make_unreadable_folder(root / "dog" / "nested")
+    index = scan_image_folder(root)
+    reasons = {s.path: s.reason for s in index.skipped}
+    assert "leaves the data root" in reasons[os.path.join(os.path.realpath(root), "escaping_class")]
+    unreadable = [path for path, reason in reasons.items() if reason.startswith("unreadable folder")]
+    assert len(unreadable) == 1 and too_deep.startswith(os.path.dirname(unreadable[0]))
+    assert index.classes == ("cat", "dog") and len(index) == 8

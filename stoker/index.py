@@ -1,0 +1,294 @@
+"""The packed sample index: one read-only entry in the cache folder that the controller and every producer map.
+
+An entry holds the sample names as one bytes buffer with offsets, the labels as an array, and for tar shards where
+each sample lies (shard, offset, size). Producers receive the entry's folder, not the names: pickling a
+`PackedIndex` sends a path, and each process maps the same files, so a producer's memory and start time do not
+grow with the dataset (the pages are the page cache's, shared by all).
+
+An entry is reused while its data is unchanged: for an ImageFolder, while every directory it read keeps its
+modification time (adding, removing or renaming a file changes its directory's); for shards, while every shard
+keeps its size and modification time. Entries are written to a temporary folder and renamed, and the pointer to
+the current entry is replaced atomically, so a reader never sees half an index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from stoker import faults
+from stoker.builtin_data import cache_root
+from stoker.dataset import Skipped, list_image_folder
+from stoker.imaging import UnusableImage
+
+log = logging.getLogger(__name__)
+
+INDEX_VERSION = 1
+# A directory changed within this long before its listing may have changed again inside the same timestamp tick
+# (filesystems keep times as coarse as 1-2 s): such a listing is used but never trusted from the cache.
+MTIME_GUARD_NS = 2_000_000_000
+STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
+MAX_OPEN_SHARDS = 128
+SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.shards` (small; kept until removed by hand)
+UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
+
+
+@dataclass
+class Packed:
+    """An index before it is written: names, labels and, for shards, where each sample's bytes lie."""
+
+    base: str  # prefix of every file name ('' for shards)
+    names: list[str]
+    labels: list[int] | np.ndarray
+    classes: tuple[str, ...]
+    skipped: list[Skipped] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
+    shard_ids: np.ndarray | None = None
+    starts: np.ndarray | None = None
+    sizes: np.ndarray | None = None
+
+
+class PackedIndex:
+    """Samples of one split: `paths[i]` names sample i (a file, or `shard.tar:KEY`), `labels[i]` its class,
+    `read(i)` its bytes. Read-only, memory-mapped; pickles as the entry's folder."""
+
+    def __init__(self, folder: Path, part: str | None = None) -> None:
+        self.folder, self.part = Path(folder), part
+        meta = json.loads((self.folder / "meta.json").read_text())
+        self.classes: tuple[str, ...] = tuple(meta["classes"])
+        self.base: str = meta["base"]
+        self.shards: tuple[str, ...] = tuple(meta["shards"])
+        self._names = np.load(self.folder / "names.npy", mmap_mode="r")
+        self._offsets = np.load(self.folder / "offsets.npy", mmap_mode="r")
+        self._ids = np.load(self.folder / f"{part}.ids.npy", mmap_mode="r") if part else None
+        self.labels = np.load(self.folder / (f"{part}.labels.npy" if part else "labels.npy"), mmap_mode="r")
+        if self.shards:
+            self._where = np.load(self.folder / "where.npy", mmap_mode="r")  # (shard, start, size) per sample
+        self.paths = _Names(self)
+
+    def __reduce__(self):
+        return PackedIndex, (self.folder, self.part)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @property
+    def skipped(self) -> tuple[Skipped, ...]:
+        """Entries the scan refused; the whole index's, whatever the part."""
+        rows = json.loads((self.folder / "skipped.json").read_text())
+        return tuple(Skipped(path, reason) for path, reason in rows)
+
+    def position(self, sample: int) -> int:
+        return int(self._ids[sample]) if self._ids is not None else sample
+
+    def name(self, position: int) -> str:
+        raw = bytes(self._names[self._offsets[position]:self._offsets[position + 1] - 1])  # without its NUL
+        if self.shards:
+            return f"{self.shards[int(self._where[position, 0])]}:{os.fsdecode(raw)}"
+        return self.base + os.fsdecode(raw)
+
+    def read(self, sample: int) -> bytes:
+        position = self.position(sample)
+        if not self.shards:
+            return read_file(self.name(position))
+        shard, start, size = (int(v) for v in self._where[position])
+        return read_member(self.shards[shard], start, size)
+
+    def subset(self, name: str, ids: np.ndarray) -> PackedIndex:
+        """The samples `ids` of this index as a split of its own, written beside it once (for a seed and a
+        fraction, the same ids every time)."""
+        assert self.part is None, "a split is taken from a whole index"
+        ids = np.asarray(ids, dtype=np.int64)
+        ids_file, labels_file = self.folder / f"{name}.ids.npy", self.folder / f"{name}.labels.npy"
+        if not ids_file.exists() or not np.array_equal(np.load(ids_file, mmap_mode="r"), ids):
+            _save_atomically(labels_file, np.asarray(self.labels)[ids])
+            _save_atomically(ids_file, ids)
+        return PackedIndex(self.folder, name)
+
+
+class _Names(Sequence[str]):
+    """`index.paths`: names decoded one at a time from the mapped buffer, never a list of a million strings."""
+
+    def __init__(self, index: PackedIndex) -> None:
+        self._index = index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, sample):  # type: ignore[override]
+        if isinstance(sample, slice):
+            return [self[i] for i in range(*sample.indices(len(self)))]
+        return self._index.name(self._index.position(int(sample)))
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self)))
+
+
+# ---- reading a sample ------------------------------------------------------------------------------------------
+
+def read_file(path: str) -> bytes:
+    faults.simulated_delay(faults.READ_LATENCY_ENV)
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise UnusableImage("file vanished (deleted during the run)") from None
+    except OSError as error:
+        raise UnusableImage(f"unreadable: {error.strerror or error}") from None
+
+
+_open_shards: dict[str, int] = {}
+
+
+def read_member(shard: str, start: int, size: int) -> bytes:
+    """One tar member's bytes by offset (`pread`: no seek state, no reading ahead into other members)."""
+    faults.simulated_delay(faults.READ_LATENCY_ENV)
+    try:
+        data = os.pread(_shard_fd(shard), size, start)
+    except OSError as error:
+        raise UnusableImage(f"unreadable shard {shard}: {error.strerror or error}") from None
+    if len(data) != size:
+        raise UnusableImage(f"shard {shard} is shorter than its index (changed during the run?)")
+    return data
+
+
+def _shard_fd(shard: str) -> int:
+    fd = _open_shards.get(shard)
+    if fd is None:
+        if len(_open_shards) >= MAX_OPEN_SHARDS:  # bounded: close all, reopen what is needed
+            for old in _open_shards.values():
+                os.close(old)
+            _open_shards.clear()
+        fd = _open_shards[shard] = os.open(shard, os.O_RDONLY)
+    return fd
+
+
+# ---- the cache ---------------------------------------------------------------------------------------------------
+
+def index_cache_dir() -> Path:
+    return cache_root() / "index"
+
+
+def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:
+    """The packed index of an ImageFolder, from the cache while no directory it read has changed."""
+    cache = cache or index_cache_dir()
+    key = cache_key("folder", os.path.realpath(root), classes)
+    entry = _cached(cache, key)
+    if entry is not None:
+        return PackedIndex(entry)
+    started = time.time_ns()
+    listing = list_image_folder(root, classes)
+    packed = Packed(listing.base, listing.names, listing.labels, listing.classes, listing.skipped)
+    inputs = input_stamps(listing.folders, started)
+    # A folder made readable, or a link target created, changes no directory's time: list such a tree every run.
+    inputs += [[s.path, None] for s in listing.skipped if s.reason.startswith(UNSTABLE_REFUSALS)]
+    return PackedIndex(write_entry(cache, key, packed, inputs))
+
+
+def load_cached(cache: Path, key: str) -> PackedIndex | None:
+    entry = _cached(cache, key)
+    return PackedIndex(entry) if entry is not None else None
+
+
+def cache_key(*parts) -> str:
+    text = json.dumps([INDEX_VERSION, *parts], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def input_stamps(paths: list[str], started_ns: int) -> list[list]:
+    """(path, mtime) of each input; None where it changed too close to the listing to be trusted."""
+    stamps = []
+    for path in paths:
+        try:
+            mtime = os.stat(path).st_mtime_ns
+        except OSError:
+            mtime = None
+        stamps.append([path, mtime if mtime is not None and mtime < started_ns - MTIME_GUARD_NS else None])
+    return stamps
+
+
+def _cached(cache: Path, key: str) -> Path | None:
+    """The entry the pointer names, if every input it was made from still has its recorded time."""
+    try:
+        pointer = json.loads((cache / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for path, mtime in pointer["inputs"]:
+        if mtime is None:
+            return None
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                return None
+        except OSError:
+            return None
+    entry = cache / pointer["entry"]
+    return entry if (entry / "meta.json").exists() else None
+
+
+def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> Path:
+    """Write the arrays to a temporary folder, rename it into place, then point the key at it."""
+    cache.mkdir(parents=True, exist_ok=True)
+    name = f"{key}-{uuid.uuid4().hex[:12]}"
+    temporary = cache / f".{name}.tmp"
+    temporary.mkdir()
+    np.save(temporary / "names.npy", blob := _join_names(packed.names))
+    ends = np.flatnonzero(blob == 0)  # one NUL after every name: a name cannot hold one
+    np.save(temporary / "offsets.npy", np.concatenate([[0], ends + 1]).astype(np.int64))
+    np.save(temporary / "labels.npy", np.asarray(packed.labels, dtype=np.int64))
+    if packed.shards:
+        np.save(temporary / "where.npy", np.stack([packed.shard_ids, packed.starts, packed.sizes], axis=1)
+                .astype(np.int64))
+    (temporary / "skipped.json").write_text(json.dumps([[s.path, s.reason] for s in packed.skipped]))
+    (temporary / "meta.json").write_text(json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
+                                                     "base": packed.base, "shards": packed.shards}))
+    os.rename(temporary, cache / name)
+    pointer = cache / f".{key}.{os.getpid()}.tmp"
+    pointer.write_text(json.dumps({"entry": name, "inputs": inputs}))
+    os.replace(pointer, cache / f"{key}.json")
+    _remove_stale(cache, keep=name)
+    return cache / name
+
+
+def _join_names(names: list[str]) -> np.ndarray:
+    """Every name and a NUL after it, in one buffer, encoded as the filesystem encodes file names."""
+    text = "\0".join(names) + "\0"
+    return np.frombuffer(text.encode(sys.getfilesystemencoding(), "surrogateescape"), dtype=np.uint8)
+
+
+def _save_atomically(path: Path, array: np.ndarray) -> None:
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as handle:
+        np.save(handle, array)
+    os.replace(temporary, path)
+
+
+def _remove_stale(cache: Path, keep: str) -> None:
+    """Entries a day past being current go: superseded ones of this key, and those of data that no longer exists.
+    (Not at once: a run still going may start a producer that maps its entry.)"""
+    cutoff = time.time() - STALE_ENTRY_S
+    current = {keep}
+    for pointer in cache.glob("*.json"):
+        try:
+            stamp = json.loads(pointer.read_text())
+            gone = pointer.stat().st_mtime < cutoff and not all(os.path.exists(p) for p, _ in stamp["inputs"])
+        except (OSError, ValueError, KeyError):
+            continue
+        if gone:
+            pointer.unlink(missing_ok=True)
+        else:
+            current.add(stamp["entry"])
+    for entry in cache.iterdir():
+        stale = entry.name not in current and entry.name != SHARDS_FOLDER and entry.stat().st_mtime < cutoff
+        if entry.is_dir() and stale:
+            shutil.rmtree(entry, ignore_errors=True)

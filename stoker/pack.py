@@ -1,0 +1,137 @@
+"""`stoker pack IMAGEFOLDER OUT_DIR`: an ImageFolder as WebDataset-layout tar shards, converted once.
+
+Samples go in the folder's index order (so sample i of the shards is sample i of the folder: the same training
+run either way), each as `KEY.<ext>` with the file's bytes unchanged and `KEY.cls` with its label, KEY being the
+file's path under the root without the extension (other dots replaced by `_`: a dot ends a WebDataset key).
+Shards are cut at `--shard-size` bytes and written in parallel, each to a temporary name then renamed; headers
+carry no time, owner or permissions of the source, so the same folder always packs to the same bytes, whatever the
+number of workers. `classes.json` goes beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import re
+import sys
+import tarfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from stoker.dataset import list_image_folder
+from stoker.procs import CONTEXT
+from stoker.shards import CLASSES_FILE
+from stoker.sources import log_refused
+from stoker.waiting import waiting
+
+log = logging.getLogger(__name__)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+TAR_BLOCK = 512
+
+Member = tuple[str, str, int]  # (source file, key, label)
+
+
+def parse_size(text: str) -> int:
+    """'1GB' -> 10**9, '500M' -> 5 * 10**8, '4096' -> 4096 (decimal units, as disks are sold)."""
+    match = _SIZE.match(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"shard_size={text!r}: expected a positive size such as 1GB, 500MB or 1048576")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def pack(source: Path, out: Path, shard_size: int, workers: int = 0) -> list[Path]:
+    """Write the shards and classes.json; returns the shards' paths in order."""
+    listing = list_image_folder(source)
+    log_refused(tuple(listing.skipped))
+    members = [(listing.base + name, sample_key(name), label) for name, label in zip(listing.names, listing.labels)]
+    _check_unique_keys(members)
+    plan = split_into_shards(members, [os.path.getsize(path) for path, _, _ in members], shard_size)
+    out.mkdir(parents=True, exist_ok=True)
+    width = max(6, len(str(len(plan) - 1)))
+    targets = [out / f"shard-{i:0{width}d}.tar" for i in range(len(plan))]
+    workers = min(workers or len(os.sched_getaffinity(0)), len(plan))  # stoker.devices would import torch
+    with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
+        if workers <= 1:
+            for target, shard in zip(targets, plan):
+                write_shard(target, shard)
+                progress.advance()
+        else:
+            with ProcessPoolExecutor(workers, mp_context=CONTEXT) as pool:
+                for _ in pool.map(write_shard, targets, plan):
+                    progress.advance()
+    (out / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
+    return targets
+
+
+def sample_key(relative: str) -> str:
+    """`n01440764/n01440764_10026.JPEG` -> `n01440764/n01440764_10026`; dots would end a WebDataset key early."""
+    stem = os.path.splitext(relative)[0]
+    return stem.replace(".", "_")
+
+
+def _check_unique_keys(members: list[Member]) -> None:
+    seen: dict[str, str] = {}
+    for path, key, _ in members:
+        if key in seen:
+            raise ValueError(f"{path} and {seen[key]} would share the key {key!r} (same name, other extension)")
+        seen[key] = path
+
+
+def split_into_shards(members: list[Member], sizes: list[int], shard_size: int) -> list[list[Member]]:
+    """Consecutive runs of members, each shard at most `shard_size` bytes (or one member, if that is larger)."""
+    shards: list[list[Member]] = [[]]
+    used = 0
+    for member, size in zip(members, sizes):
+        cost = 2 * TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK + TAR_BLOCK  # image header + data, .cls
+        if shards[-1] and used + cost > shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(member)
+        used += cost
+    return shards
+
+
+def write_shard(target: Path, members: list[Member]) -> None:
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    with tarfile.open(temporary, "w", format=tarfile.GNU_FORMAT) as archive:
+        for path, key, label in members:
+            with open(path, "rb") as handle:
+                data = handle.read()
+            _add(archive, key + os.path.splitext(path)[1].lower(), data)
+            _add(archive, key + ".cls", str(label).encode())
+    os.replace(temporary, target)
+
+
+def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0
+    archive.addfile(info, io.BytesIO(data))
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("pack", help="write an ImageFolder as WebDataset-layout tar shards")
+    parser.add_argument("source", type=Path, metavar="IMAGEFOLDER")
+    parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    parser.add_argument("--shard-size", default="1GB", help="largest shard (default 1GB)")
+    parser.add_argument("--workers", type=int, default=0, help="processes writing shards (default: every core)")
+    parser.set_defaults(run=pack_command)
+
+
+def pack_command(args: argparse.Namespace) -> int:
+    try:
+        if not args.source.is_dir():
+            raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
+        shard_size = parse_size(args.shard_size)
+        shards = pack(args.source, args.out, shard_size, args.workers)
+    except ValueError as error:
+        print(f"stoker: error: {error}", file=sys.stderr)
+        return 2
+    first, last = shards[0].stem.split("-")[-1], shards[-1].stem.split("-")[-1]
+    pattern = args.out / (f"shard-{{{first}..{last}}}.tar" if len(shards) > 1 else shards[0].name)
+    print(f"wrote {len(shards)} shard(s) and {CLASSES_FILE} to {args.out}; train with --data {pattern}")
+    return 0

@@ -1,0 +1,301 @@
+"""WebDataset-layout tar shards: which shards a `--data` value names, and the member index of each shard.
+
+A sample is `KEY.jpg` (or another image extension) with `KEY.cls` holding its integer label, KEY being the
+member's path up to the first dot of its file name, as WebDataset defines it. Each shard is read once with the
+standard library's `tarfile` to find where every member's bytes lie; producers then read a sample with one `pread`.
+Samples are numbered in shard order, then member order: the plan picks samples exactly as it picks files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import mmap
+import os
+import re
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from stoker.dataset import IMAGE_EXTENSIONS, Skipped
+from stoker.index import (MTIME_GUARD_NS, SHARDS_FOLDER, Packed, PackedIndex, cache_key, index_cache_dir,
+                          input_stamps, load_cached, write_entry)
+from stoker.waiting import waiting
+
+log = logging.getLogger(__name__)
+
+CLASSES_FILE = "classes.json"
+TAR_BLOCK = 512
+_ZERO_BLOCK = bytes(TAR_BLOCK)
+_PLAIN_KINDS = (b"0", b"\0", b"5", b"7")  # regular file (three spellings) and directory
+IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
+_RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
+_ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`train-{000000..000003}.tar` -> four names (zero padding kept), `{a,b}` -> two; several braces multiply."""
+    found = [m for m in (_RANGE.search(pattern), _ALTERNATIVES.search(pattern)) if m is not None]
+    if not found:
+        return [pattern]
+    match = min(found, key=lambda m: m.start())  # the leftmost brace varies slowest, as in the shell
+    if match.re is _RANGE:
+        first, last = match.group(1), match.group(2)
+        if int(last) < int(first):
+            raise ValueError(f"data={pattern!r}: the range {{{first}..{last}}} counts down")
+        width = len(first) if first.startswith("0") else 0
+        choices = [str(n).zfill(width) for n in range(int(first), int(last) + 1)]
+    else:
+        choices = match.group(1).split(",")
+    head, tail = pattern[:match.start()], pattern[match.end():]
+    return list(itertools.chain.from_iterable(expand_braces(head + c + tail) for c in choices))
+
+
+def shard_paths(spec: Path) -> list[str] | None:
+    """The shards `spec` names (a brace pattern, one .tar, a folder of .tar files, a list file), or None for an
+    ImageFolder. Raises ValueError naming what is missing."""
+    text = str(spec)
+    if "{" in text:
+        paths = expand_braces(text)
+    elif spec.is_dir():
+        paths = sorted(str(p) for p in spec.glob("*.tar"))
+        if not paths:
+            return None
+    elif spec.suffix == ".tar":
+        paths = [text]
+    elif spec.is_file():
+        paths = _read_list_file(spec)
+    else:
+        raise ValueError(f"data={text!r}: no such folder, shard or list file")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise ValueError(f"data={text!r}: {len(missing)} of {len(paths)} shards do not exist, e.g. {missing[0]!r}")
+    return paths
+
+
+def _read_list_file(spec: Path) -> list[str]:
+    """One shard per line (relative to the list file's folder); blank lines and # comments ignored."""
+    lines = [line.strip() for line in spec.read_text().splitlines()]
+    paths = [os.path.join(spec.parent, line) for line in lines if line and not line.startswith("#")]
+    if not paths:
+        raise ValueError(f"data={str(spec)!r}: the list file names no shards")
+    return paths
+
+
+def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:
+    """The packed index of these shards, from the cache while every shard keeps its modification time."""
+    cache = cache or index_cache_dir()
+    paths = [os.path.realpath(p) for p in paths]
+    classes_file = os.path.join(os.path.dirname(paths[0]), CLASSES_FILE)
+    key = cache_key("shards", paths, classes)
+    cached = load_cached(cache, key)
+    if cached is not None:
+        return cached
+    started = time.time_ns()
+    inputs = paths + ([classes_file] if os.path.exists(classes_file) else [])
+    packed = index_shards(paths, classes or _classes_beside(classes_file), cache / SHARDS_FOLDER)
+    return PackedIndex(write_entry(cache, key, packed, input_stamps(inputs, started)))
+
+
+def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
+    try:
+        with open(classes_file) as handle:
+            names = json.load(handle)
+    except FileNotFoundError:
+        return None
+    except ValueError as error:
+        raise ValueError(f"{classes_file}: not a JSON list of class names ({error})") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{classes_file}: expected a JSON list of class names")
+    return tuple(names)
+
+
+def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path | None = None) -> Packed:
+    """Every shard's samples in order; without class names, classes are '0'..'max label'. With `cache`, each
+    shard's members are kept there, so a set with one shard added or changed reads only that shard again."""
+    members = ShardMembers()
+    with waiting("indexing shards", total=len(paths), unit="shards") as progress:
+        for shard_id, path in enumerate(paths):
+            members.extend(_one_shard_cached(path, cache) if cache else index_one_shard(path), shard_id)
+            progress.advance()
+    labels = np.asarray(members.labels, dtype=np.int64)
+    if classes is None:
+        classes = tuple(str(i) for i in range(int(labels.max(initial=-1)) + 1))
+    outside = labels >= len(classes)
+    if outside.any():
+        members.drop(outside, f"label outside the {len(classes)} classes")
+        labels = labels[~outside]
+    if not members.keys:
+        raise ValueError(f"data={paths[0]!r}...: no sample (KEY.jpg|png|... with KEY.cls) in {len(paths)} shard(s)")
+    return Packed("", members.keys, labels, classes, members.skipped, paths, np.asarray(members.shard_ids),
+                  np.asarray(members.starts), np.asarray(members.sizes))
+
+
+@dataclass
+class ShardMembers:
+    """Samples as columns: key, label, shard, where its image's bytes lie; and what was refused."""
+
+    keys: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    shard_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.skipped = [s if isinstance(s, Skipped) else Skipped(*s) for s in self.skipped]  # read back from JSON
+
+    def add(self, key: str, label: int, shard_id: int, start: int, size: int) -> None:
+        for column, value in ((self.keys, key), (self.labels, label), (self.shard_ids, shard_id),
+                              (self.starts, start), (self.sizes, size)):
+            column.append(value)
+
+    def extend(self, shard: ShardMembers, shard_id: int) -> None:
+        """Append one shard's members (indexed alone, as shard 0) as shard `shard_id`."""
+        for mine, theirs in ((self.keys, shard.keys), (self.labels, shard.labels), (self.starts, shard.starts),
+                             (self.sizes, shard.sizes), (self.skipped, shard.skipped), (self.shards, shard.shards)):
+            mine.extend(theirs)
+        self.shard_ids.extend([shard_id] * len(shard.keys))
+
+    def drop(self, mask: np.ndarray, reason: str) -> None:
+        for position in np.flatnonzero(mask):
+            self.skipped.append(Skipped(f"{self.shards[self.shard_ids[position]]}:{self.keys[position]}", reason))
+        keep = np.flatnonzero(~mask).tolist()
+        for column in (self.keys, self.labels, self.shard_ids, self.starts, self.sizes):
+            column[:] = [column[i] for i in keep]
+
+
+Member = tuple[str, int, int]  # (name, offset of its data, size)
+
+
+def _one_shard_cached(path: str, cache: Path) -> ShardMembers:
+    """A shard's members from the cache while its size and modification time hold, else read and kept."""
+    started, stat = time.time_ns(), os.stat(path)
+    saved = cache / f"{cache_key(path, stat.st_size, stat.st_mtime_ns)}.json"
+    try:
+        return ShardMembers(**json.loads(saved.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    members = index_one_shard(path)
+    if stat.st_mtime_ns < started - MTIME_GUARD_NS:  # a shard still being written is read again next time
+        cache.mkdir(parents=True, exist_ok=True)
+        temporary = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
+        skipped = [[item.path, item.reason] for item in members.skipped]
+        temporary.write_text(json.dumps({**members.__dict__, "skipped": skipped}))
+        os.replace(temporary, saved)
+    return members
+
+
+def index_one_shard(path: str) -> ShardMembers:
+    """The shard's samples (as shard 0); members that do not make a sample are listed, and a truncated shard is
+    indexed up to its last whole member."""
+    into = ShardMembers(shards=[path])
+    with open(path, "rb") as handle:
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(handle.fileno()).st_size else b""
+    try:
+        found = _plain_members(data)
+        if found is None:
+            found = _tarfile_members(path, len(data))
+        members, truncated = found
+        if truncated:
+            into.skipped.append(Skipped(path, f"truncated shard: indexed its first {len(members)} members, then "
+                                              f"{truncated}"))
+        groups: dict[str, dict[str, Member]] = {}
+        for member in members:
+            key, _, suffix = _split_name(member[0])
+            groups.setdefault(key, {})[suffix.lower()] = member
+        for key, parts in groups.items():
+            sample = _sample(data, parts)
+            if isinstance(sample, str):
+                into.skipped.append(Skipped(f"{path}:{key}", sample))
+            else:
+                into.add(key, sample[0], 0, sample[1][1], sample[1][2])
+    except tarfile.ReadError as error:
+        into.skipped.append(Skipped(path, f"not a readable tar file: {error}"))
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
+    return into
+
+
+def _plain_members(data) -> tuple[list[Member], str] | None:
+    """Regular files of a tar whose headers are all plain ustar or GNU ones, read straight from the headers (tarfile
+    decodes every field of every header: 300 us a sample, minutes for ImageNet), and why the archive stopped early
+    ('' if it did not); None when a header needs tarfile (pax or GNU long names, base-256 sizes)."""
+    members: list[Member] = []
+    offset, end = 0, len(data)
+    while offset + TAR_BLOCK <= end:
+        header = data[offset:offset + TAR_BLOCK]
+        if header == _ZERO_BLOCK:
+            return members, ""
+        kind, magic = header[156:157], header[257:263]
+        if kind not in _PLAIN_KINDS or magic not in (b"ustar\0", b"ustar ") or header[124] & 0x80:
+            return None
+        if not _checksum_holds(header):
+            return members, "a damaged header (its checksum does not add up)"
+        size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
+        start = offset + TAR_BLOCK
+        if start + size > end:
+            return members, "a member cut short"
+        if kind != b"5":
+            name = header[:100].split(b"\0", 1)[0]
+            if magic == b"ustar\0" and header[345] != 0:  # POSIX: a long path is split into prefix/name
+                name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+            members.append((name.decode("utf-8", "surrogateescape"), start, size))
+        offset = start + -(-size // TAR_BLOCK) * TAR_BLOCK
+    return members, ("a header cut short" if offset < end else "no end-of-archive marker")
+
+
+def _checksum_holds(header: bytes) -> bool:
+    """The stored checksum is the sum of the header's bytes with its own field counted as spaces."""
+    try:
+        stored = int(header[148:156].split(b"\0")[0].strip(), 8)
+    except ValueError:
+        return False
+    return sum(header) - sum(header[148:156]) + 8 * ord(" ") == stored
+
+
+def _tarfile_members(path: str, size: int) -> tuple[list[Member], str]:
+    members: list[Member] = []
+    with tarfile.open(path, "r:") as archive:
+        while True:
+            try:
+                member = archive.next()
+            except tarfile.ReadError as error:  # a header cut short
+                return members, f"a header cut short ({error})"
+            if member is None:
+                return members, ""
+            if member.offset_data + member.size > size:
+                return members, "a member cut short"
+            if member.isfile():
+                members.append((member.name, member.offset_data, member.size))
+
+
+def _split_name(name: str) -> tuple[str, str, str]:
+    """(key, '.', suffix): the key ends at the first dot of the file name, folders included."""
+    dot = name.find(".", name.rfind("/") + 1)
+    return (name, "", "") if dot < 0 else (name[:dot], ".", name[dot + 1:])
+
+
+def _sample(data, parts: dict[str, Member]) -> tuple[int, Member] | str:
+    """(label, image member), or why these members are not a sample."""
+    image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), None)
+    if image is None:
+        return f"no image member (found {', '.join(sorted('.' + s for s in parts))})"
+    label_member = parts.get("cls")
+    if label_member is None:
+        return "no .cls label member"
+    _, start, size = label_member
+    text = bytes(data[start:start + min(size, 64)])
+    try:
+        label = int(text.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        return f".cls holds {text[:20]!r}, not an integer label"
+    if label < 0:
+        return f".cls holds the negative label {label}"
+    return label, image

@@ -1,0 +1,162 @@
+"""WebDataset-layout shards: which files a --data value names, labels from .cls, bad members and truncated shards
+listed, and `stoker pack` writing the folder's samples in the folder's order, the same bytes every time."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import pytest
+
+from stoker.dataset import scan_image_folder
+from stoker.pack import pack, parse_size
+from stoker.shards import expand_braces, load_shards, shard_paths
+
+
+def write_tar(path, members: list[tuple[str, bytes]], format: int = tarfile.DEFAULT_FORMAT) -> None:
+    with tarfile.open(path, "w", format=format) as archive:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+
+
+def test_brace_patterns_expand_in_order_with_their_zero_padding():
+    assert expand_braces("train-{000008..000011}.tar") == [f"train-0000{n:02d}.tar" for n in (8, 9, 10, 11)]
+    assert expand_braces("{a,b}/s-{1..2}.tar") == ["a/s-1.tar", "a/s-2.tar", "b/s-1.tar", "b/s-2.tar"]
+    assert expand_braces("plain.tar") == ["plain.tar"]
+    with pytest.raises(ValueError, match="counts down"):
+        expand_braces("s-{3..1}.tar")
+
+
+def test_brace_pattern_folder_and_list_file_name_the_same_shards(tmp_path):
+    for n in range(3):
+        write_tar(tmp_path / f"s-{n:03d}.tar", [(f"k{n}.jpg", b"x"), (f"k{n}.cls", b"0")])
+    expected = [str(tmp_path / f"s-{n:03d}.tar") for n in range(3)]
+    (tmp_path / "shards.txt").write_text("# train shards\ns-000.tar\ns-001.tar\n\ns-002.tar\n")
+    assert shard_paths(tmp_path / "s-{000..002}.tar") == expected
+    assert shard_paths(tmp_path) == expected
+    assert [os.path.normpath(p) for p in shard_paths(tmp_path / "shards.txt")] == expected
+    with pytest.raises(ValueError, match="1 of 4 shards do not exist"):
+        shard_paths(tmp_path / "s-{000..003}.tar")
+
+
+def test_labels_come_from_cls_members_and_bytes_by_offset(tmp_path):
+    members = []
+    for n, label in enumerate((3, 0, 7)):
+        members += [(f"dir/img{n}.jpg", f"jpeg bytes {n}".encode() * (n + 1)),
+                    (f"dir/img{n}.cls", f"{label}\n".encode())]
+    write_tar(tmp_path / "a.tar", members)
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert index.labels.tolist() == [3, 0, 7]
+    assert index.classes == tuple(str(i) for i in range(8))  # no classes.json: 0..the largest label
+    assert [index.read(i) for i in range(3)] == [f"jpeg bytes {n}".encode() * (n + 1) for n in range(3)]
+    assert index.paths[1] == f"{tmp_path / 'a.tar'}:dir/img1"
+
+
+@pytest.mark.parametrize("format", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_long_member_names_in_every_tar_format(tmp_path, format):
+    """Paths over 100 bytes take a prefix field (ustar), a long-name member (GNU) or a pax header."""
+    folder = "class_" + "x" * 120 if format != tarfile.USTAR_FORMAT else "p" * 90 + "/" + "q" * 40
+    write_tar(tmp_path / "a.tar", [(f"{folder}/img.jpg", b"pixels"), (f"{folder}/img.cls", b"4"),
+                                   ("short.png", b"png"), ("short.cls", b"1")], format)
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert list(index.paths) == [f"{tmp_path / 'a.tar'}:{folder}/img", f"{tmp_path / 'a.tar'}:short"]
+    assert index.labels.tolist() == [4, 1] and [index.read(0), index.read(1)] == [b"pixels", b"png"]
+    assert not index.skipped
+
+
+def test_bad_members_are_skipped_and_listed_as_shard_and_key(tmp_path):
+    write_tar(tmp_path / "a.tar", [("good.jpg", b"g"), ("good.cls", b"1"),
+                                   ("nolabel.jpg", b"n"),
+                                   ("badlabel.png", b"b"), ("badlabel.cls", b"cat"),
+                                   ("noimage.cls", b"2"), ("noimage.txt", b"t")])
+    (tmp_path / "classes.json").write_text(json.dumps(["zero", "one"]))
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    shard = str(tmp_path / "a.tar")
+    reasons = {s.path: s.reason for s in index.skipped}
+    assert len(index) == 1 and index.classes == ("zero", "one")
+    assert "no .cls" in reasons[f"{shard}:nolabel"]
+    assert "not an integer" in reasons[f"{shard}:badlabel"]
+    assert "no image" in reasons[f"{shard}:noimage"]
+
+
+def test_labels_outside_the_classes_are_listed(tmp_path):
+    write_tar(tmp_path / "a.tar", [("a.jpg", b"a"), ("a.cls", b"1"), ("b.jpg", b"b"), ("b.cls", b"5")])
+    index = load_shards([str(tmp_path / "a.tar")], classes=("x", "y"), cache=tmp_path / "cache")
+    assert index.labels.tolist() == [1]
+    assert [(s.path, s.reason) for s in index.skipped] == [(f"{tmp_path / 'a.tar'}:b", "label outside the 2 classes")]
+
+
+def test_truncated_shard_is_indexed_up_to_its_last_whole_member(tmp_path):
+    members = [(f"k{n}.{ext}", (b"%d" % n) * 700 if ext == "jpg" else b"1") for n in range(4) for ext in ("jpg", "cls")]
+    write_tar(tmp_path / "a.tar", members)
+    data = (tmp_path / "a.tar").read_bytes()
+    cut = data.index(b"3" * 700) + 300  # inside the last image's bytes
+    (tmp_path / "a.tar").write_bytes(data[:cut])
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert len(index) == 3 and index.read(2) == b"2" * 700
+    assert any(s.path == str(tmp_path / "a.tar") and "truncated" in s.reason for s in index.skipped)
+
+
+def test_shard_index_is_cached_until_a_shard_changes(tmp_path):
+    shard = tmp_path / "a.tar"
+    write_tar(shard, [("k.jpg", b"x"), ("k.cls", b"0")])
+    os.utime(shard, (1e9, 1e9))
+    first = load_shards([str(shard)], cache=tmp_path / "cache")
+    assert load_shards([str(shard)], cache=tmp_path / "cache").folder == first.folder
+    write_tar(shard, [("k.jpg", b"x"), ("k.cls", b"0"), ("m.jpg", b"y"), ("m.cls", b"0")])
+    os.utime(shard, (1e9 + 5, 1e9 + 5))
+    assert len(load_shards([str(shard)], cache=tmp_path / "cache")) == 2
+
+
+def test_parse_size():
+    assert parse_size("1GB") == 10**9 and parse_size("500M") == 5 * 10**8 and parse_size("4096") == 4096
+    with pytest.raises(ValueError, match="shard_size"):
+        parse_size("big")
+
+
+def test_pack_keeps_the_folder_order_labels_and_bytes_and_is_deterministic(textures, tmp_path):
+    train, _ = textures
+    one = pack(train, tmp_path / "one", shard_size=40_000, workers=1)
+    two = pack(train, tmp_path / "two", shard_size=40_000, workers=2)
+    assert len(one) > 2
+    assert [p.read_bytes() for p in one] == [p.read_bytes() for p in two]
+    folder = scan_image_folder(train)
+    shards = load_shards([str(p) for p in one], cache=tmp_path / "cache")
+    assert shards.classes == folder.classes
+    assert shards.labels.tolist() == folder.labels.tolist()
+    assert all(shards.read(i) == open(folder.paths[i], "rb").read() for i in range(len(folder)))
+
+
+def test_damaged_header_ends_the_shard_there_and_is_listed(tmp_path):
+    members = [(f"k{n}.{ext}", (b"%d" % n) * 700 if ext == "jpg" else b"1") for n in range(3) for ext in ("jpg", "cls")]
+    write_tar(tmp_path / "a.tar", members)
+    data = bytearray((tmp_path / "a.tar").read_bytes())
+    second_image_header = data.index(b"k1.jpg")
+    data[second_image_header + 1] ^= 0xFF  # the name changes, the stored checksum does not
+    (tmp_path / "a.tar").write_bytes(bytes(data))
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert list(index.paths) == [f"{tmp_path / 'a.tar'}:k0"]
+    assert any("checksum" in s.reason for s in index.skipped)
+
+
+def test_a_changed_shard_is_read_again_alone(tmp_path):
+    """Each shard's members are kept: adding a shard to the set, or changing one, reads only that one again."""
+    for name in ("a", "b"):
+        write_tar(tmp_path / f"{name}.tar", [(f"{name}1.jpg", b"x"), (f"{name}1.cls", b"0")])
+        os.utime(tmp_path / f"{name}.tar", (1e9, 1e9))
+    load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    kept = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()}
+    assert len(kept) == 1
+    write_tar(tmp_path / "a.tar", [("a1.jpg", b"x"), ("a1.cls", b"0"), ("a2.jpg", b"y"), ("a2.cls", b"1")])
+    os.utime(tmp_path / "a.tar", (1e9 + 7, 1e9 + 7))
+    both = load_shards([str(tmp_path / "a.tar"), str(tmp_path / "b.tar")], cache=tmp_path / "cache")
+    assert list(both.labels) == [0, 1, 0] and both.read(2) == b"x"
+    files = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()}
+    assert len(files) == 3 and all(files[name] == mtime for name, mtime in kept.items())  # old a.tar's untouched
+    b_only = load_shards([str(tmp_path / "b.tar")], cache=tmp_path / "cache")
+    assert len(b_only) == 1  # a set of its own, built from b.tar's kept members: nothing written again
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()} == files
