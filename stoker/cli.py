@@ -25,7 +25,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "producers": ("auto (fork more when consumers wait) or a fixed count", "M"),
     "min_producers": ("lower bound for --producers auto", "A"),
     "initial_producers": ("where --producers auto starts (default: --min-producers)", "M"),
-    "max_producers": ("upper bound for --producers auto (default: cores not used by CPU consumers)", "B"),
+    "max_producers": ("upper bound for --producers auto (default: 3 per core, reached only while forks pay)", "B"),
     "batch_size": ("samples per consumer per step", "B"),
     "epochs": ("passes over the training set", "E"),
     "optimizer": ("sgd (with --momentum, --weight-decay) | adamw (--weight-decay)", "NAME"),

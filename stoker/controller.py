@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from stoker import checkpoint, cluster
-from stoker.autoscale import Autoscaler, Window
+from stoker.autoscale import Autoscaler, Window, default_ceiling, static_budget
 from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
@@ -27,7 +27,7 @@ from stoker.config import RUN_CONFIG_FILE, TrainConfig
 from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
                              StepReport, ValReport, consumer_main)
 from stoker.dataset import ImageIndex, scan_image_folder, split_validation
-from stoker.devices import resolve_devices, threads_per_consumer
+from stoker.devices import available_cores, resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.metrics import MetricsLog, RunStats
 from stoker.models import check_model
@@ -73,7 +73,10 @@ class Controller:
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
                               self.cluster.world, config.seed)
         self.num_slots = config.slots_per_consumer * self.num_consumers
-        self.budget = config.producers if config.producers != "auto" else config.producer_budget
+        self.static_budget = static_budget(self.devices, available_cores())  # what fits the free cores
+        # The most producers this run may have at once: the ring has a status row for each.
+        self.budget = config.producers if config.producers != "auto" else (
+            config.max_producers or default_ceiling(max(self.static_budget, config.min_producers), available_cores()))
         self._ring_bytes_check()
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or default_run_dir())
@@ -135,6 +138,7 @@ class Controller:
         self.val_reports: list[ValReport] = []
         self.producers_initial = 0
         self.timeline: list[dict[str, Any]] = []
+        self.autoscaler: Autoscaler | None = None
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
         self.split: TimeSplit | None = None  # the latest window's, for the live view
         self.last_queue_fill = 0.0
@@ -225,7 +229,8 @@ class Controller:
         self.producers_initial = initial
         self._record_producers("start")
         auto = self.config.producers == "auto"
-        self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if auto else None
+        self.autoscaler = Autoscaler(self.config.min_producers, min(self.static_budget, self.budget),
+                                     self.budget) if auto else None
         self._start_consumers()
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
@@ -472,7 +477,7 @@ class Controller:
         self.last_queue_fill = queue_fill
         self.split = TimeSplit(compute=window.compute_s / consumer_time, input_wait=window.wait_s / consumer_time,
                                averaging=window.averaging_s / consumer_time, producers=len(self.pool.active),
-                               producer_budget=self.budget, producer_utilization=utilization,
+                               producer_budget=self._producer_limit(), producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging)
         self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
                            queue_fill=round(queue_fill, 4), producers=self.split.producers,
@@ -480,14 +485,17 @@ class Controller:
                            input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4))
         if self.autoscaler is None or window.steps == 0 or self.finishing:
             return
-        decision = self.autoscaler.decide(Window(stall=self.split.input_wait, queue_fill=queue_fill,
-                                                 utilization=utilization, producers=self.split.producers))
+        decision = self.autoscaler.decide(Window(
+            stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
+            producers=self.split.producers, samples=window.samples,
+            train_s=(window.wait_s + window.compute_s + window.averaging_s) / self.num_consumers))
+        self.metrics.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
         if decision.change > 0:
             self.pool.grow()
         elif decision.change < 0:
-            self.pool.shrink()
+            self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
-            self._record_producers(decision.reason)
+            self._record_producers(decision.reason, decision.measurement)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the whole run, from every consumer's totals."""
@@ -497,13 +505,19 @@ class Controller:
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
             averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
-            producer_budget=self.budget, producer_utilization=busy / seconds if seconds else 0.0,
+            producer_budget=self._producer_limit(), producer_utilization=busy / seconds if seconds else 0.0,
             sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
 
-    def _record_producers(self, reason: str) -> None:
+    def _producer_limit(self) -> int:
+        """The count the producers are held to now: fixed, the ceiling, or the most that paid."""
+        return self.autoscaler.limit if self.autoscaler is not None else self.budget
+
+    def _record_producers(self, reason: str, measurement: dict[str, Any] | None = None) -> None:
         count = len(self.pool.active)
-        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason})
-        self.metrics.write("producers", count=count, reason=reason)
+        behind = {"measurement": measurement} if measurement else {}
+        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason,
+                              **behind})
+        self.metrics.write("producers", count=count, reason=reason, **behind)
 
     def _show(self) -> None:
         if not self.view.due():
@@ -520,7 +534,7 @@ class Controller:
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(zip(self.stats.compute_fractions(), self.stats.stall_fractions(),
                                 self.stats.averaging_fractions())),
-            queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self.budget,
+            queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self._producer_limit(),
             producer_utilization=split.producer_utilization if split else 0.0,
             verdict=diagnose(split).text if split else "starting"))
 
