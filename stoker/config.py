@@ -56,6 +56,7 @@ class TrainConfig:
     outer_lr: float = Field(0.7, gt=0.0)
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     overlap_averaging: bool = False
+    average_in_backward: bool = True
     seed: int = Field(0, ge=0)
     out: Path | None = None
     resume: Path | None = None

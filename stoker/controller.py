@@ -268,7 +268,8 @@ class Controller:
                 num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
                 schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
                 momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
-                outer=outer, overlap_averaging=config.overlap_averaging, seed=config.seed, num_threads=threads,
+                outer=outer, overlap_averaging=config.overlap_averaging,
+                average_in_backward=config.average_in_backward, seed=config.seed, num_threads=threads,
                 collective_timeout_s=config.collective_timeout_s, check_replicas_every=config.check_replicas_every,
                 resume_from=self.resume_from)
             ready = CONTEXT.Queue()
