@@ -38,7 +38,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                         "--outer-momentum (DiLoCo)", "NAME"),
     "outer_lr": ("outer optimizer learning rate (1 with momentum 0 is the plain average)", "LR"),
     "outer_momentum": ("outer optimizer momentum", "MU"),
-    "average_in_backward": ("start every-step averaging during backward, group by group (same result)", "BOOL"),
+    "average_in_backward": ("true | false: start averaging during backward, group by group (same result)", "BOOL"),
     "overlap_averaging": ("true | false: average in the background while the next steps train, one window late "
                           "(replicas identical again at the end)", "BOOL"),
     "seed": ("seed for initialization, sampling and augmentation", "S"),

@@ -9,9 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from stoker import builtin_data
 from stoker.procs import stoker_processes
@@ -50,18 +48,9 @@ def textures(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory) -> tuple[Path, Path]:
     """scikit-learn's handwritten digits written out as PNG files in ImageFolder layout (train and val)."""
-    from sklearn.datasets import load_digits
+    from stoker.bench.sync_train import write_digits
 
-    folder = tmp_path_factory.mktemp("digits")
-    bunch = load_digits()
-    order = np.random.default_rng(0).permutation(len(bunch.target))
-    for position, index in enumerate(order):
-        split = "val" if position < len(order) // 5 else "train"
-        pixels = (bunch.images[index] * (255 / 16)).round().astype(np.uint8)
-        target = folder / split / str(bunch.target[index])
-        target.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels, mode="L").resize((32, 32), Image.NEAREST).save(target / f"{index:04d}.png")
-    return folder / "train", folder / "val"
+    return write_digits(tmp_path_factory.mktemp("digits"))
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bool = True
