@@ -26,7 +26,9 @@ IDLE_UTILIZATION = 0.5
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least ...
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional
 SETTLE_WINDOWS = 1  # after a change: the new producer starts, the queues refill
-MEASURE_WINDOWS = 2  # windows at one count that make its rate
+MEASURE_WINDOWS = 2  # windows at one count that make its rate ...
+MEASURE_STEPS = 8  # ... with at least this many training steps in them (slow steps: more windows)
+KEEP_WINDOWS = 10  # the rate at a count is measured over its latest windows, at most these
 RETRY_WINDOWS = 10  # how long an unpaid count stays the limit; doubles after every fork that fails again
 GPU_FEED_CORES = 0.5  # a GPU consumer's feeding thread and NCCL's progress thread: part of a core, never zero
 OVERSUBSCRIBE = 3  # auto's default ceiling, in producers per core: reached only fork by measured fork
@@ -52,6 +54,7 @@ class Window:
     utilization: float  # producer busy time / (window x producers)
     producers: int
     samples: int = 0  # training samples consumed in the window, all consumers
+    steps: int = 0  # training steps reported in the window, all consumers
     train_s: float = 0.0  # seconds the consumers spent in training steps (wait included), mean over consumers
 
     @property
@@ -107,9 +110,10 @@ class Autoscaler:
         if self._settling > 0:
             self._settling -= 1
             return Decision(0, f"settling after a change; {summary}", measurement=measurement)
-        self._measured = [*self._measured, window][-2 * MEASURE_WINDOWS:]
-        measured = len(self._measured) >= MEASURE_WINDOWS
-        rate = _rate(self._measured[-MEASURE_WINDOWS:])
+        self._measured = [*self._measured, window][-KEEP_WINDOWS:]
+        measured = (len(self._measured) >= MEASURE_WINDOWS
+                    and sum(w.steps for w in self._measured) >= MEASURE_STEPS)
+        rate = _rate(self._measured)
         measurement["rate_at_count"] = round(rate, 2)
         if self._trial is not None:
             if not measured:

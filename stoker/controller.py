@@ -488,7 +488,7 @@ class Controller:
             return
         decision = self.autoscaler.decide(Window(
             stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
-            producers=self.split.producers, samples=window.samples,
+            producers=self.split.producers, samples=window.samples, steps=window.steps,
             train_s=(window.wait_s + window.compute_s + window.averaging_s) / self.num_consumers))
         self.metrics.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
         if decision.change > 0:

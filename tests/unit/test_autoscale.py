@@ -10,7 +10,7 @@ def window(producers: int, stall: float, samples_per_s: float, queue_fill: float
            utilization: float = 0.97) -> Window:
     """One second of a run as the controller measures it (one consumer)."""
     return Window(stall=stall, queue_fill=queue_fill, utilization=utilization, producers=producers,
-                  samples=round(samples_per_s), train_s=1.0)
+                  samples=round(samples_per_s), steps=5, train_s=1.0)
 
 
 def feed(scaler: Autoscaler, windows: list[Window]) -> list[int]:
