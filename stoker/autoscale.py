@@ -23,8 +23,9 @@ STALL_HIGH = 0.05  # consumers waiting more than this share of their time want a
 STALL_LOW = 0.01
 QUEUE_FULL = 0.75
 IDLE_UTILIZATION = 0.5
-MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least ...
-SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional
+MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
+SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
+SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
 SETTLE_WINDOWS = 1  # after a change: the new producer starts, the queues refill
 MEASURE_WINDOWS = 2  # windows at one count that make its rate ...
 MEASURE_STEPS = 8  # ... with at least this many training steps in them (slow steps: more windows)
@@ -74,6 +75,7 @@ class Decision:
 class _Trial:
     producers: int  # the count before the fork
     rate_before: float
+    stall_before: float
 
 
 def _rate(windows: list[Window]) -> float:
@@ -81,10 +83,12 @@ def _rate(windows: list[Window]) -> float:
     return sum(w.samples for w in windows) / train_s if train_s > 0 else 0.0
 
 
-def required_gain(producers_before: int) -> float:
+def required_gain(producers_before: int, stall_before: float) -> float:
     """Relative rise a fork from `producers_before` must bring: smaller as the count grows (one more of many adds
-    little even when it pays), never below MIN_GAIN (the noise of a few windows)."""
-    return max(MIN_GAIN, SHARE_OF_PROPORTIONAL / max(1, producers_before))
+    little even when it pays) and as the wait left shrinks (ending a wait of s raises the rate by s / (1 - s) at
+    most), never below MIN_GAIN."""
+    stall = min(max(stall_before, 0.0), 0.95)
+    return max(MIN_GAIN, min(SHARE_OF_PROPORTIONAL / max(1, producers_before), SHARE_OF_WAIT * stall / (1 - stall)))
 
 
 class Autoscaler:
@@ -133,7 +137,7 @@ class Autoscaler:
         """A fork has been measured: keep it if the rate rose enough, else retire the newest and hold the count."""
         trial, self._trial = self._trial, None
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else math.inf
-        needed = required_gain(trial.producers)
+        needed = required_gain(trial.producers, trial.stall_before)
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))
         if gain >= needed:
             return None  # it paid: carry on, maybe fork again at once
@@ -153,7 +157,8 @@ class Autoscaler:
             return Decision(0, f"measuring {window.producers} producers; {summary}", measurement=measurement)
         past = " (past the free cores: consumers wait, so they leave theirs idle)" \
             if window.producers >= self.budget else ""
-        self._trial = _Trial(window.producers, rate)
+        stall = sum(w.stall for w in self._measured) / len(self._measured)
+        self._trial = _Trial(window.producers, rate, stall)
         return self._change(+1, f"consumers wait: {summary}; forking{past}", measurement)
 
     def _count_down_hold(self) -> None:

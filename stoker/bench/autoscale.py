@@ -2,7 +2,7 @@
 
 - **a** input-bound: 2000x1500 JPEG photos, a model with almost no compute on one CPU consumer (decoding is the
   work: more producers than the cores the consumer leaves free pay while the consumer waits);
-- **b** compute-heavy: a CPU consumer training resnet20 on the built-in textures (auto must not starve it);
+- **b** compute-heavy: a CPU consumer training resnet14 on the built-in textures (auto must not starve it);
 - **c** simulated latency: every file read waits `--read-latency-ms`, every step holds its consumer `--step-ms`;
 - **d** simulated GPU consumer: the photos of (a), every step a `--step-ms` sleep that leaves the core free.
 
@@ -67,8 +67,8 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
     return {
         "a": Workload("a", "input-bound: 2000x1500 JPEGs, light CPU consumer", "photos",
                       {**photos, "epochs": epochs(30)}),
-        "b": Workload("b", "compute-heavy CPU consumer (resnet20, 32 px textures)", "textures",
-                      dict(model="resnet20", image_size=32, batch_size=32, epochs=epochs(3))),
+        "b": Workload("b", "compute-heavy CPU consumer (resnet14, 32 px textures)", "textures",
+                      dict(model="resnet14", image_size=32, batch_size=32, epochs=epochs(3))),
         "c": Workload("c", f"simulated latency: reads wait {args.read_latency_ms:g} ms, steps {args.step_ms:g} ms",
                       "small-textures", dict(model="resnet8", image_size=32, batch_size=8, epochs=epochs(14)),
                       {faults.READ_LATENCY_ENV: str(args.read_latency_ms), faults.STEP_TIME_ENV: str(args.step_ms)}),
@@ -102,7 +102,7 @@ def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
         generate(root / "photos", small=0, large=photos)
         made["photos"] = root / "photos" / "2000x1500"
     if "textures" in kinds:
-        builtin_data.generate(root / "textures", train_per_class=100, val_per_class=2)
+        builtin_data.generate(root / "textures", train_per_class=60, val_per_class=2)
         made["textures"] = root / "textures" / "train"
     if "small-textures" in kinds:
         builtin_data.generate(root / "small", train_per_class=12, val_per_class=2)

@@ -3,7 +3,7 @@ they wait and forks pay, retire a fork that did not pay, never add competition f
 
 from __future__ import annotations
 
-from stoker.autoscale import RETRY_WINDOWS, Autoscaler, Window, static_budget
+from stoker.autoscale import RETRY_WINDOWS, Autoscaler, Window, required_gain, static_budget
 
 
 def window(producers: int, stall: float, samples_per_s: float, queue_fill: float = 0.1,
@@ -82,3 +82,10 @@ def test_the_static_budget_keeps_part_of_a_core_for_every_gpu_consumer():
     assert static_budget(["cuda:0"], cores=2) == 1  # its feeding thread and NCCL: half a core, rounded up
     assert static_budget([f"cuda:{i}" for i in range(8)], cores=32) == 28
     assert static_budget([f"cuda:{i}" for i in range(8)], cores=8) == 4
+
+
+def test_a_fork_must_bring_less_as_the_count_grows_and_as_the_wait_left_shrinks():
+    assert required_gain(1, stall_before=0.8) == 0.25  # a quarter of doubling
+    assert required_gain(4, stall_before=0.8) == 0.0625
+    assert abs(required_gain(3, stall_before=0.06) - 0.5 * 0.06 / 0.94) < 1e-12  # half of ending a 6% wait
+    assert required_gain(50, stall_before=0.5) == 0.02  # never below the noise of a few windows
