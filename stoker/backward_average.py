@@ -61,7 +61,7 @@ class BackwardAverage:
         self.optimizer, self.weight, self.sent, self.works = optimizer, weight, 0, []
         for group in self.groups:
             group.waiting_for = sum(p.requires_grad for p in group.parameters)
-            group.stepped = False
+            group.stepped = group.waiting_for == 0  # frozen parameters only: nothing to wait for
 
     def finish(self) -> None:
         """After the optimizer's step: send what is left, in order, wait for everything, divide."""
