@@ -214,10 +214,12 @@ class Replica:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(self.model(images), labels)
+            # A simulated device's time comes before the gradients exist: averaging that starts during backward
+            # must not hide behind it.
+            faults.simulated_delay(faults.STEP_TIME_ENV)
             loss.backward()
             self.optimizer.step()
             loss_value = loss.item()
-            faults.simulated_delay(faults.STEP_TIME_ENV)
         compute_s = time.perf_counter() - started
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaging_s = self.averager.end_step(batch.global_step)
