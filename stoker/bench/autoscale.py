@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown or not chosen:
         raise SystemExit(f"--workloads={args.workloads!r}: expected a comma-separated subset of a,b,c,d")
+    if args.photos < 40 and {"a", "d"} & set(chosen):
+        raise SystemExit(f"--photos={args.photos}: workloads a and d train batches of 32, expected at least 40")
     table = workloads(args)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as scratch:
         root = Path(scratch)
