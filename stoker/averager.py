@@ -9,6 +9,10 @@ doubles as the barrier that makes every replica continue from the same average a
 With an outer optimizer (DiLoCo), the averaged change of the parameters since the last averaging is a
 pseudo-gradient: SGD or Nesterov momentum applies it to the parameters as they were at the last averaging.
 
+With `in_backward` (the default for every-step and every-H averaging without an outer optimizer or overlap),
+the averaging of a step starts during its backward, group by group, with the same arithmetic
+(`backward_average.BackwardAverage`).
+
 With `overlap`, the all_reduce runs in the background while training goes on (`DelayedAverage`): replicas then
 share an average one window old, and are made identical again by one blocking average at the end.
 """
@@ -25,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stoker.backward_average import BackwardAverage
+
 
 @dataclass(frozen=True)
 class OuterSpec:
@@ -37,7 +43,7 @@ class Averager:
     """Averages a model's state every `sync_every` steps, weighted by the samples each replica trained on."""
 
     def __init__(self, model: nn.Module, sync_every: int, world_size: int, batch_size: int,
-                 outer: OuterSpec | None = None, overlap: bool = False) -> None:
+                 outer: OuterSpec | None = None, overlap: bool = False, in_backward: bool = False) -> None:
         if outer is not None and overlap:
             raise ValueError("an outer optimizer needs the average before it steps: it cannot overlap")
         self.sync_every = sync_every
@@ -49,6 +55,8 @@ class Averager:
         self.pending = (0, 0, 0)
         self.outer = OuterOptimizer(outer, parameters) if outer is not None else None
         self.delayed = DelayedAverage(self.float_buckets, world_size) if overlap and world_size > 1 else None
+        hide = in_backward and world_size > 1 and outer is None and not overlap
+        self.backward = BackwardAverage(model, self.float_buckets, world_size) if hide else None
 
     @property
     def replicas_agree(self) -> bool:
@@ -57,9 +65,21 @@ class Averager:
 
     def after_step(self, step: int, local_samples: int, global_samples: int) -> float | None:
         """Count this step's samples; average when `step` closes a window of `sync_every`. Returns seconds spent."""
+        self.begin_step(step, local_samples, global_samples)
+        return self.end_step(step)
+
+    def begin_step(self, step: int, local_samples: int, global_samples: int,
+                   optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Before the step's backward: count its samples and, when it averages and `optimizer` is given, let the
+        averaging start during backward (the optimizer then steps each group of parameters as it completes)."""
         local, total, short = self.pending
         self.pending = (local + local_samples, total + global_samples,
                         short + (global_samples < self.full_step_samples))
+        if self.backward is not None and optimizer is not None and not (step + 1) % self.sync_every:
+            self.backward.arm(optimizer, self._weight())
+
+    def end_step(self, step: int) -> float | None:
+        """After the optimizer's step: average when `step` closes a window. Returns the seconds held up."""
         if (step + 1) % self.sync_every:
             return None
         return self.average()
@@ -69,6 +89,10 @@ class Averager:
         started = time.perf_counter()
         if self.delayed is not None:
             self.delayed.send(self._weight())
+            self._reconcile_counters()
+            self.pending = (0, 0, 0)
+        elif self.backward is not None and self.backward.armed:
+            self.backward.finish()
             self._reconcile_counters()
             self.pending = (0, 0, 0)
         else:

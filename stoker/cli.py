@@ -28,7 +28,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "producers": ("auto (fork more when consumers wait) or a fixed count", "M"),
     "min_producers": ("lower bound for --producers auto", "A"),
     "initial_producers": ("where --producers auto starts (default: --min-producers)", "M"),
-    "max_producers": ("upper bound for --producers auto (default: cores not used by CPU consumers)", "B"),
+    "max_producers": ("upper bound for --producers auto (default: 3 per core, reached only while forks pay)", "B"),
     "batch_size": ("samples per consumer per step", "B"),
     "epochs": ("passes over the training set", "E"),
     "optimizer": ("sgd (with --momentum, --weight-decay) | adamw (--weight-decay)", "NAME"),
@@ -41,6 +41,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
                         "--outer-momentum (DiLoCo)", "NAME"),
     "outer_lr": ("outer optimizer learning rate (1 with momentum 0 is the plain average)", "LR"),
     "outer_momentum": ("outer optimizer momentum", "MU"),
+    "average_in_backward": ("true | false: start averaging during backward, group by group (same result)", "BOOL"),
     "overlap_averaging": ("true | false: average in the background while the next steps train, one window late "
                           "(replicas identical again at the end)", "BOOL"),
     "seed": ("seed for initialization, sampling and augmentation", "S"),

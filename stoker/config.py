@@ -56,6 +56,7 @@ class TrainConfig:
     outer_lr: float = Field(0.7, gt=0.0)
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
     overlap_averaging: bool = False
+    average_in_backward: bool = True
     seed: int = Field(0, ge=0)
     out: Path | None = None
     resume: Path | None = None
@@ -112,17 +113,6 @@ class TrainConfig:
         if self.image_size is not None:
             return self.image_size
         return BUILTIN_IMAGE_SIZE if self.data is None else DEFAULT_IMAGE_SIZE
-
-    @property
-    def producer_budget(self) -> int:
-        """Most producers the controller may run: the cores not needed by CPU consumers, never fewer than 1."""
-        if self.max_producers is not None:
-            return self.max_producers
-        from stoker.devices import available_cores
-
-        cores = available_cores()
-        cpu_consumers = int(self.devices.split(":")[1]) if self.devices.startswith("cpu:") else 0
-        return max(1, cores - cpu_consumers, self.min_producers)
 
     def replace(self, **changes: Any) -> TrainConfig:
         return make_config({**self.as_dict(), **changes})

@@ -51,6 +51,7 @@ class ConsumerSetup:
     sync_every: int
     outer: OuterSpec | None
     overlap_averaging: bool
+    average_in_backward: bool
     seed: int
     num_threads: int
     collective_timeout_s: float
@@ -174,7 +175,7 @@ class Replica:
         self.store = _join_group(setup)
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
         self.averager = Averager(self.model, setup.sync_every, setup.world_size, setup.ring.batch_size,
-                                 setup.outer, setup.overlap_averaging)
+                                 setup.outer, setup.overlap_averaging, setup.average_in_backward)
         self.optimizer = _make_optimizer(self.model, setup)
         self.loader = DeviceLoader(ring, self.device)
         if setup.resume_from is not None:
@@ -209,19 +210,22 @@ class Replica:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
         started = time.perf_counter()
         images, labels, ids = self.loader.take(batch.slot, self.outbox)
+        self.averager.begin_step(batch.global_step, len(ids), batch.step_samples, self.optimizer)
         loss_value = 0.0
         if len(ids):
             self._set_learning_rate(batch.global_step)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(self.model(images), labels)
+            # A simulated device's time comes before the gradients exist: averaging that starts during backward
+            # must not hide behind it.
+            faults.simulated_delay(faults.STEP_TIME_ENV)
             loss.backward()
             self.optimizer.step()
             loss_value = loss.item()
-            faults.simulated_delay(faults.STEP_TIME_ENV)
         compute_s = time.perf_counter() - started
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
-        averaging_s = self.averager.after_step(batch.global_step, len(ids), batch.step_samples)
+        averaging_s = self.averager.end_step(batch.global_step)
         digest = None
         every = self.setup.check_replicas_every
         if averaging_s is not None and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:

@@ -16,7 +16,7 @@ from statistics import mean
 from typing import Any
 
 from stoker import checkpoint, cluster, faults, rundir
-from stoker.autoscale import Autoscaler, Window
+from stoker.autoscale import Autoscaler, Window, default_ceiling, static_budget
 from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
@@ -24,7 +24,7 @@ from stoker.config import RUN_CONFIG_FILE, TrainConfig
 from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
                              StepReport, ValReport, consumer_main)
 from stoker.dataset import Skipped
-from stoker.devices import resolve_devices, threads_per_consumer
+from stoker.devices import available_cores, resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.index import PackedIndex
 from stoker.lifecycle import Interrupted, Lifecycle
@@ -74,7 +74,10 @@ class Controller:
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
                               self.cluster.world, config.seed)
         self.num_slots = config.slots_per_consumer * self.num_consumers
-        self.budget = config.producers if config.producers != "auto" else config.producer_budget
+        self.static_budget = static_budget(self.devices, available_cores())  # what fits the free cores
+        # The most producers this run may have at once: the ring has a status row for each.
+        self.budget = config.producers if config.producers != "auto" else (
+            config.max_producers or default_ceiling(max(self.static_budget, config.min_producers), available_cores()))
         self._ring_bytes_check()
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
@@ -145,6 +148,7 @@ class Controller:
         self.val_reports: list[ValReport] = []
         self.producers_initial = 0
         self.timeline: list[dict[str, Any]] = []
+        self.autoscaler: Autoscaler | None = None
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
         self.split: TimeSplit | None = None  # the latest window's, for the autoscaler and `pipeline` events
         self.last_queue_fill = 0.0
@@ -240,7 +244,8 @@ class Controller:
         self.producers_initial = initial
         self._record_producers("start")
         auto = self.config.producers == "auto"
-        self.autoscaler = Autoscaler(self.config.min_producers, self.budget) if auto else None
+        self.autoscaler = Autoscaler(self.config.min_producers, min(self.static_budget, self.budget),
+                                     self.budget) if auto else None
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
         self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
@@ -279,7 +284,8 @@ class Controller:
                 num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
                 schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
                 momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
-                outer=outer, overlap_averaging=config.overlap_averaging, seed=config.seed, num_threads=threads,
+                outer=outer, overlap_averaging=config.overlap_averaging,
+                average_in_backward=config.average_in_backward, seed=config.seed, num_threads=threads,
                 collective_timeout_s=config.collective_timeout_s, check_replicas_every=config.check_replicas_every,
                 resume_from=self.resume_from)
             ready = CONTEXT.Queue()
@@ -515,7 +521,7 @@ class Controller:
         self.last_queue_fill = queue_fill
         compute, wait, averaging = time_shares(window.compute_s, window.wait_s, window.averaging_s, consumer_time)
         self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=len(self.pool.active),
-                               producer_budget=self.budget, producer_utilization=utilization,
+                               producer_budget=self._producer_limit(), producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging)
         self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
                            queue_fill=round(queue_fill, 4), producers=self.split.producers,
@@ -523,14 +529,17 @@ class Controller:
                            input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4))
         if self.autoscaler is None or window.steps == 0 or self.finishing:
             return
-        decision = self.autoscaler.decide(Window(stall=self.split.input_wait, queue_fill=queue_fill,
-                                                 utilization=utilization, producers=self.split.producers))
+        decision = self.autoscaler.decide(Window(
+            stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
+            producers=self.split.producers, samples=window.samples, steps=window.steps,
+            train_s=(window.wait_s + window.compute_s + window.averaging_s) / self.num_consumers))
+        self.metrics.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
         if decision.change > 0:
             self.pool.grow()
         elif decision.change < 0:
-            self.pool.shrink()
+            self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
-            self._record_producers(decision.reason)
+            self._record_producers(decision.reason, decision.measurement)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
@@ -540,17 +549,23 @@ class Controller:
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
             averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
-            producer_budget=self.budget, producer_utilization=self._producer_utilization(),
+            producer_budget=self._producer_limit(), producer_utilization=self._producer_utilization(),
             sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
 
     def _producer_utilization(self) -> float:
         busy, seconds = self.producer_busy
         return busy / seconds if seconds else 0.0
 
-    def _record_producers(self, reason: str) -> None:
+    def _producer_limit(self) -> int:
+        """The count the producers are held to now: fixed, the ceiling, or the most that paid."""
+        return self.autoscaler.limit if self.autoscaler is not None else self.budget
+
+    def _record_producers(self, reason: str, measurement: dict[str, Any] | None = None) -> None:
         count = len(self.pool.active)
-        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason})
-        self.metrics.write("producers", count=count, reason=reason)
+        behind = {"measurement": measurement} if measurement else {}
+        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason,
+                              **behind})
+        self.metrics.write("producers", count=count, reason=reason, **behind)
 
     def _show(self, final: bool = False) -> None:
         if not (final or self.view.due()):
@@ -565,7 +580,7 @@ class Controller:
             loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()),
-            queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self.budget,
+            queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self._producer_limit(),
             producer_utilization=self._producer_utilization(), verdict=self.run_verdict().text))
 
     # ---- the end ------------------------------------------------------------------------------------------------

@@ -97,11 +97,12 @@ class ProducerPool:
         self.max_alive = max(self.max_alive, len(self.active))
         return producer
 
-    def shrink(self) -> bool:
-        """Retire the least busy producer: it finishes what it holds, then exits. Nothing is lost."""
+    def shrink(self, newest: bool = False) -> bool:
+        """Retire the least busy producer (or the newest: a fork that did not pay); it finishes what it holds,
+        then exits. Nothing is lost."""
         if len(self.active) <= 1:
             return False
-        handle = min(self.active, key=lambda h: len(h.in_flight))
+        handle = self.active[-1] if newest else min(self.active, key=lambda h: len(h.in_flight))
         handle.retiring = True
         handle.tasks.put(None)
         return True

@@ -11,7 +11,6 @@ import time
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -52,18 +51,9 @@ def textures(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory) -> tuple[Path, Path]:
     """scikit-learn's handwritten digits written out as PNG files in ImageFolder layout (train and val)."""
-    from sklearn.datasets import load_digits
+    from stoker.bench.sync_train import write_digits
 
-    folder = tmp_path_factory.mktemp("digits")
-    bunch = load_digits()
-    order = np.random.default_rng(0).permutation(len(bunch.target))
-    for position, index in enumerate(order):
-        split = "val" if position < len(order) // 5 else "train"
-        pixels = (bunch.images[index] * (255 / 16)).round().astype(np.uint8)
-        target = folder / split / str(bunch.target[index])
-        target.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels, mode="L").resize((32, 32), Image.NEAREST).save(target / f"{index:04d}.png")
-    return folder / "train", folder / "val"
+    return write_digits(tmp_path_factory.mktemp("digits"))
 
 
 def photograph_jpeg(index: int, progressive: bool) -> bytes:

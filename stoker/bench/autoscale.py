@@ -1,17 +1,26 @@
-"""`stoker bench autoscale`: fixed M = 1..budget against `--producers auto` on one slow-input workload, one run.
+"""`stoker bench autoscale`: fixed M = 1..K against `--producers auto`, on four workloads, in one run.
 
-The workload makes input the bottleneck the way remote storage does: every file read waits `--read-latency-ms`,
-and every training step holds its consumer `--step-ms` (a stand-in for device time). Throughput is measured on the
-second half of each run's steps, the same way for every run, so auto's warm-up shows in `settle_s`, not in the
-steady-state ratio.
+- **a** input-bound: 2000x1500 JPEG photos, a model with almost no compute on one CPU consumer (decoding is the
+  work: more producers than the cores the consumer leaves free pay while the consumer waits);
+- **b** compute-heavy: a CPU consumer training resnet14 on the built-in textures (auto must not starve it);
+- **c** simulated latency: every file read waits `--read-latency-ms`, every step holds its consumer `--step-ms`;
+- **d** simulated GPU consumer: the photos of (a), every step a `--step-ms` sleep that leaves the core free.
+
+Auto runs with its defaults (no --max-producers). Throughput is measured on the second half of each run's steps,
+the same way for every run, so auto's warm-up shows in `settle_s`, not in the steady-state ratio; with
+`--repeats R` every configuration runs R times (interleaved) and the median counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import statistics
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,53 +28,143 @@ from stoker import builtin_data, faults
 from stoker.metrics import read_events
 from stoker.waiting import waiting
 
+WORKLOADS = ("a", "b", "c", "d")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    data: str  # "photos" or "textures"
+    settings: dict[str, Any]
+    env: dict[str, str] = field(default_factory=dict)
+
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
-    parser = kinds.add_parser("autoscale", help="fixed producer counts against --producers auto, slow input")
-    parser.add_argument("--read-latency-ms", type=float, default=40.0, help="wait added to every file read")
-    parser.add_argument("--step-ms", type=float, default=100.0, help="time every training step holds its device")
-    parser.add_argument("--max-producers", type=int, default=6, help="budget: fixed M is swept from 1 to this")
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser = kinds.add_parser("autoscale", help="fixed producer counts against --producers auto, four workloads")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="which of a,b,c,d to run")
+    parser.add_argument("--max-fixed", type=int, default=4, help="fixed M is swept from 1 to this")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (median counts)")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's epochs")
+    parser.add_argument("--photos", type=int, default=96, help="2000x1500 JPEGs for workloads a and d")
+    parser.add_argument("--read-latency-ms", type=float, default=40.0, help="c: wait added to every file read")
+    parser.add_argument("--step-ms", type=float, default=100.0, help="c, d: time every step holds its device")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import stoker
+def tiny_model(num_classes: int):
+    """Almost no compute: the consumer's cost is taking the batch, so input is the bottleneck."""
+    from torch import nn  # here: `stoker bench --help` must not wait for torch
 
-    os.environ[faults.READ_LATENCY_ENV] = str(args.read_latency_ms)
-    os.environ[faults.STEP_TIME_ENV] = str(args.step_ms)
+    return nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(48, num_classes))
+
+
+def workloads(args: argparse.Namespace) -> dict[str, Workload]:
+    def epochs(count: int) -> int:
+        return max(1, round(count * args.scale))
+
+    photos = dict(model=f"{__name__}:tiny_model", image_size=224, batch_size=32, augment="standard")
+    return {
+        "a": Workload("a", "input-bound: 2000x1500 JPEGs, light CPU consumer", "photos",
+                      {**photos, "epochs": epochs(30)}),
+        "b": Workload("b", "compute-heavy CPU consumer (resnet14, 32 px textures)", "textures",
+                      dict(model="resnet14", image_size=32, batch_size=32, epochs=epochs(3))),
+        "c": Workload("c", f"simulated latency: reads wait {args.read_latency_ms:g} ms, steps {args.step_ms:g} ms",
+                      "small-textures", dict(model="resnet8", image_size=32, batch_size=8, epochs=epochs(14)),
+                      {faults.READ_LATENCY_ENV: str(args.read_latency_ms), faults.STEP_TIME_ENV: str(args.step_ms)}),
+        "d": Workload("d", f"simulated GPU consumer: 2000x1500 JPEGs, each step a {args.step_ms:g} ms sleep",
+                      "photos", {**photos, "epochs": epochs(30)}, {faults.STEP_TIME_ENV: str(args.step_ms)}),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(WORKLOADS))
+    if unknown or not chosen:
+        raise SystemExit(f"--workloads={args.workloads!r}: expected a comma-separated subset of a,b,c,d")
+    if args.photos < 40 and {"a", "d"} & set(chosen):
+        raise SystemExit(f"--photos={args.photos}: workloads a and d train batches of 32, expected at least 40")
+    table = workloads(args)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as scratch:
         root = Path(scratch)
-        builtin_data.generate(root / "data", train_per_class=12, val_per_class=2)
-        common = dict(data=root / "data" / "train", val=root / "data" / "val", devices="cpu:1", image_size=32,
-                      batch_size=args.batch_size, epochs=args.epochs, seed=0, show_progress=False, report=False)
-        fixed = []
-        with waiting("bench autoscale", total=args.max_producers + 1, unit="runs") as progress:
-            for producers in range(1, args.max_producers + 1):
-                out = root / f"fixed-{producers}"
-                stoker.train(producers=producers, out=out, **common)
-                fixed.append({"producers": producers, "samples_per_s": steady_rate(out)})
-                progress.advance()
-            out = root / "auto"
-            summary = stoker.train(producers="auto", max_producers=args.max_producers, out=out, **common)
-            auto_rate = steady_rate(out)
-    best = max(fixed, key=lambda row: row["samples_per_s"])
-    result = {
-        "workload": {"read_latency_ms": args.read_latency_ms, "step_ms": args.step_ms,
-                     "batch_size": args.batch_size, "epochs": args.epochs, "cores": os.cpu_count()},
-        "fixed": fixed,
-        "best_fixed_producers": best["producers"],
-        "auto_samples_per_s": auto_rate,
-        "auto_producers_final": summary["producers_final"],
-        "settle_s": settle_time(summary["producers_timeline"]),
-    }
-    result["auto_over_best"] = round(result["auto_samples_per_s"] / best["samples_per_s"], 3)
+        data = _make_data(root, {table[name].data for name in chosen}, args.photos)
+        results = [measure(table[name], data[table[name].data], root / name, args) for name in chosen]
+    result = {"cores": os.cpu_count(), "max_fixed": args.max_fixed, "repeats": args.repeats, "workloads": results}
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
+    from stoker.bench.pipeline import generate
+
+    made = {}
+    if "photos" in kinds:
+        generate(root / "photos", small=0, large=photos)
+        made["photos"] = root / "photos" / "2000x1500"
+    if "textures" in kinds:
+        builtin_data.generate(root / "textures", train_per_class=60, val_per_class=2)
+        made["textures"] = root / "textures" / "train"
+    if "small-textures" in kinds:
+        builtin_data.generate(root / "small", train_per_class=12, val_per_class=2)
+        made["small-textures"] = root / "small" / "train"
+    return made
+
+
+def measure(workload: Workload, data: Path, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import stoker
+
+    configurations: list[int | str] = [*range(1, args.max_fixed + 1), "auto"]
+    rates: dict[int | str, list[float]] = {m: [] for m in configurations}
+    summaries: dict[str, dict[str, Any]] = {}
+    runs = args.repeats * len(configurations)
+    with (_environment(workload.env),
+          waiting(f"bench autoscale ({workload.name})", total=runs, unit="runs") as progress):
+        for repeat in range(args.repeats):  # interleaved: drift in the machine's speed hits every count alike
+            for producers in configurations:
+                out = scratch / f"{producers}-{repeat}"
+                summary = stoker.train(data=data, val_fraction=0.05, devices="cpu:1", producers=producers, seed=0,
+                                       out=out, show_progress=False, report=False, **workload.settings)
+                if summary["status"] != "completed":
+                    raise RuntimeError(f"workload {workload.name}, producers={producers}: {summary.get('error')}")
+                rates[producers].append(steady_rate(out))
+                progress.advance()
+                if producers == "auto":
+                    summaries[str(repeat)] = summary
+    fixed = [{"producers": m, "samples_per_s": statistics.median(rates[m]), "runs": rates[m]}
+             for m in configurations if m != "auto"]
+    best = max(fixed, key=lambda row: row["samples_per_s"])
+    auto_rate = statistics.median(rates["auto"])
+    median_run = summaries[str(_median_index(rates["auto"]))]
+    return {"workload": workload.name, "description": workload.description, "settings": workload.settings,
+            "env": workload.env, "fixed": fixed, "best_fixed_producers": best["producers"],
+            "auto_samples_per_s": auto_rate, "auto_runs": rates["auto"],
+            "auto_producers_final": median_run["producers_final"], "auto_producers_max": median_run["producers_max"],
+            "settle_s": settle_time(median_run["producers_timeline"]),
+            "auto_timeline": median_run["producers_timeline"],
+            "auto_over_best": round(auto_rate / best["samples_per_s"], 3) if best["samples_per_s"] else 0.0}
+
+
+def _median_index(values: list[float]) -> int:
+    return sorted(range(len(values)), key=values.__getitem__)[len(values) // 2]
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """The simulated delays reach producers and consumers through their environment."""
+    saved = {key: os.environ.get(key) for key in (faults.READ_LATENCY_ENV, faults.STEP_TIME_ENV)}
+    for key in saved:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key, None)
+            if value is not None:
+                os.environ[key] = value
 
 
 def steady_rate(run_dir: Path) -> float:
@@ -82,9 +181,11 @@ def settle_time(timeline: list[dict[str, Any]]) -> float:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"{'producers':>10} {'samples/s':>10}")
-    for row in result["fixed"]:
-        print(f"{row['producers']:>10} {row['samples_per_s']:>10.1f}")
-    print(f"{'auto':>10} {result['auto_samples_per_s']:>10.1f}   (ended with {result['auto_producers_final']} "
-          f"producers, settled after {result['settle_s']:.1f} s)")
-    print(f"auto / best fixed (M={result['best_fixed_producers']}): {result['auto_over_best']:.3f}")
+    for workload in result["workloads"]:
+        print(f"\n({workload['workload']}) {workload['description']}")
+        print(f"{'producers':>10} {'samples/s':>10}")
+        for row in workload["fixed"]:
+            print(f"{row['producers']:>10} {row['samples_per_s']:>10.1f}")
+        print(f"{'auto':>10} {workload['auto_samples_per_s']:>10.1f}   (1 -> {workload['auto_producers_final']} "
+              f"producers, at most {workload['auto_producers_max']}, last change at {workload['settle_s']:.1f} s)")
+        print(f"auto / best fixed (M={workload['best_fixed_producers']}): {workload['auto_over_best']:.3f}")

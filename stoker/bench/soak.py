@@ -2,8 +2,8 @@
 
 Every half second it samples the resident memory of every process of the run, the number of stoker segments in
 /dev/shm and the bytes in use there. Samples are judged from the end of the first epoch (every process has trained
-or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the later. Producer 0 is never killed: it is the witness whose memory is judged over its
-own life (a replaced producer is young; comparing a title across replacements compares different processes). At
+or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the later.
+Producer 0 is never killed: it is the witness whose memory is judged over its own life (a replaced producer is young; comparing a title across replacements compares different processes). At
 the end it interrupts the run and checks: the memory of every process that lived through the judged window stays
 flat (growth under `--max-rss-growth`), /dev/shm keeps the same segments and the same bytes in use (the ring is
 allocated up front, so a leak shows as new segments or new bytes, not as a ring that grows), every killed producer
@@ -123,10 +123,11 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, r
         while (now := time.monotonic()) - started < seconds and run_process.poll() is None:
             progress.update(round(now - started))
             family = _family(run_process.pid)
-            samples.append({"t": now - started, "rss": {pid: (title, _rss_bytes(pid)) for pid, title in family.items()},
-                            "shm_segments": len(live_segments()), "shm_used_bytes": _shm_used_bytes(),
-                            "warm": first_epoch.done()})
-            producers = [pid for pid, title in family.items() if title.startswith("stoker producer") and title != WITNESS]
+            rss = {pid: (title, _rss_bytes(pid)) for pid, title in family.items()}
+            samples.append({"t": now - started, "rss": rss, "shm_segments": len(live_segments()),
+                            "shm_used_bytes": _shm_used_bytes(), "warm": first_epoch.done()})
+            producers = [pid for pid, title in family.items()
+                         if title.startswith("stoker producer") and title != WITNESS]
             if now >= next_kill and producers:
                 os.kill(rng.choice(producers), signal.SIGKILL)
                 kills += 1

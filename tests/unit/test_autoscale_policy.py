@@ -1,0 +1,91 @@
+"""The autoscaling policy on recorded window measurements: grow past the cores the consumers leave free while
+they wait and forks pay, retire a fork that did not pay, never add competition for a consumer that is busy."""
+
+from __future__ import annotations
+
+from stoker.autoscale import RETRY_WINDOWS, Autoscaler, Window, required_gain, static_budget
+
+
+def window(producers: int, stall: float, samples_per_s: float, queue_fill: float = 0.1,
+           utilization: float = 0.97) -> Window:
+    """One second of a run as the controller measures it (one consumer)."""
+    return Window(stall=stall, queue_fill=queue_fill, utilization=utilization, producers=producers,
+                  samples=round(samples_per_s), steps=5, train_s=1.0)
+
+
+def feed(scaler: Autoscaler, windows: list[Window]) -> list[int]:
+    return [scaler.decide(w).change for w in windows]
+
+
+# Recorded on the 2-core machine: 2000x1500 JPEGs, a model with almost no compute, one CPU consumer, batch 32
+# (the issue's workload): one producer feeds 175-179 samples/s while the consumer waits 80-86% of the time,
+# two feed 320 while it still waits, three no more than two.
+ONE = [window(1, 0.86, 175.0), window(1, 0.80, 179.0)]
+TWO = [window(2, 0.55, 318.0), window(2, 0.52, 322.0)]
+THREE = [window(3, 0.50, 321.0), window(3, 0.54, 316.0)]
+
+
+def test_grows_past_the_cores_the_consumers_leave_free_while_they_wait_and_forks_pay():
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)  # 2 cores, one of them for the CPU consumer
+    assert feed(scaler, ONE[:1]) == [0]  # one window is not a measurement
+    fork = scaler.decide(ONE[1])
+    assert fork.change == 1 and "past the free cores" in fork.reason
+    assert fork.measurement["rate_at_count"] == 177.0
+    assert feed(scaler, [window(2, 0.9, 40.0)]) == [0]  # the new producer is starting: not judged
+    assert feed(scaler, TWO) == [0, 1]  # 177 -> 320 paid, consumers still wait: fork again
+
+
+def test_a_fork_that_did_not_pay_is_retired_newest_first_and_tried_again_later():
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    feed(scaler, [*ONE, window(2, 0.9, 40.0), *TWO, window(3, 0.9, 100.0)])
+    retire = scaler.decide(THREE[0])
+    assert retire.change == 0  # one window at three is not a measurement
+    retire = scaler.decide(THREE[1])
+    assert retire.change == -1 and retire.retire_newest
+    assert retire.measurement["rate_before"] == 320.0 and retire.measurement["gain"] < 0
+    assert "did not pay" in retire.reason
+    waiting = [window(2, 0.52, 320.0)] * (RETRY_WINDOWS - 2)
+    assert set(feed(scaler, waiting)) == {0}  # consumers still wait, but two is the most that paid
+    assert scaler.limit == 2
+    assert feed(scaler, [window(2, 0.52, 320.0)] * 2) == [0, 1]  # the hold ran out: measure again
+
+
+def test_recorded_fork_that_slowed_the_consumers_is_retired():
+    # Recorded here under load from other processes: the second producer made things worse.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    feed(scaler, [window(1, 0.37, 182.0), window(1, 0.37, 182.0), window(2, 0.75, 54.9)])
+    assert feed(scaler, [window(2, 0.75, 77.4), window(2, 0.75, 54.9)]) == [0, -1]
+
+
+def test_never_adds_a_producer_for_a_busy_consumer():
+    # A compute-heavy CPU consumer: it hardly waits, its core is busy, so a producer would only compete with it.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    busy = [window(1, stall, 812.0, queue_fill=0.4, utilization=0.6) for stall in (0.0, 0.02, 0.04, 0.01)] * 5
+    assert set(feed(scaler, busy)) == {0}
+    # It waits a little (an epoch boundary), a producer is forked, and the consumer, now competing for its
+    # cores, trains slower: the fork is retired even though the consumer waits less.
+    assert feed(scaler, [window(1, 0.08, 790.0), window(2, 0.05, 600.0)]) == [1, 0]  # forked, settling
+    assert feed(scaler, [window(2, 0.0, 720.0), window(2, 0.0, 716.0)]) == [0, -1]
+    assert scaler.limit == 1
+
+
+def test_over_provisioned_idle_producers_are_retired_but_never_below_the_minimum():
+    scaler = Autoscaler(minimum=1, budget=3, ceiling=3)
+    calm = window(3, 0.0, 80.0, queue_fill=1.0, utilization=0.1)
+    assert feed(scaler, [calm, calm]) == [0, -1]  # two calm windows in a row
+    assert feed(scaler, [window(1, 0.0, 80.0, queue_fill=1.0, utilization=0.1)] * 4) == [0, 0, 0, 0]
+
+
+def test_the_static_budget_keeps_part_of_a_core_for_every_gpu_consumer():
+    assert static_budget(["cpu"], cores=2) == 1
+    assert static_budget(["cpu", "cpu"], cores=2) == 1  # never fewer than one
+    assert static_budget(["cuda:0"], cores=2) == 1  # its feeding thread and NCCL: half a core, rounded up
+    assert static_budget([f"cuda:{i}" for i in range(8)], cores=32) == 28
+    assert static_budget([f"cuda:{i}" for i in range(8)], cores=8) == 4
+
+
+def test_a_fork_must_bring_less_as_the_count_grows_and_as_the_wait_left_shrinks():
+    assert required_gain(1, stall_before=0.8) == 0.25  # a quarter of doubling
+    assert required_gain(4, stall_before=0.8) == 0.0625
+    assert abs(required_gain(3, stall_before=0.06) - 0.5 * 0.06 / 0.94) < 1e-12  # half of ending a 6% wait
+    assert required_gain(50, stall_before=0.5) == 0.02  # never below the noise of a few windows
