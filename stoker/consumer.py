@@ -255,7 +255,7 @@ class Replica:
     def save(self, message: Save) -> None:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
         has the run folder's checkpoints, so resuming needs nothing from the others' disks."""
-        states = _collect_on_rank0(_to_cpu(self._rank_state()), self.setup.rank, self.setup.world_size)
+        states = _collect_on_rank0(checkpoint.to_cpu(self._rank_state()), self.setup.rank, self.setup.world_size)
         files = {}
         if self.setup.rank == 0:
             files[checkpoint.MODEL_FILE] = checkpoint.save_tensors(message.folder / checkpoint.MODEL_FILE,
@@ -367,17 +367,6 @@ def _hand_out_from_rank0(states: list[dict] | None, rank: int, world: int) -> di
         if target == rank:
             mine = box[0]
     return mine
-
-
-def _to_cpu(state):
-    """A copy with every tensor on the CPU: what crosses to rank 0 and lands in a checkpoint."""
-    if isinstance(state, torch.Tensor):
-        return state.cpu()
-    if isinstance(state, dict):
-        return {key: _to_cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_cpu(value) for value in state)
-    return state
 
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup) -> torch.optim.Optimizer:
