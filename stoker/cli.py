@@ -52,6 +52,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "log_every_s": ("seconds between progress lines when output is not a terminal", "S"),
     "report": ("true | false: draw RUN_DIR/report.png and report.txt at the end", "BOOL"),
     "tensorboard": ("true | false: also write TensorBoard event files to RUN_DIR/tensorboard", "BOOL"),
+    "precision": ("fp32 | bf16 | fp16: autocast over fp32 weights (fp16 with a gradient scaler)", "P"),
+    "channels_last": ("true | false: feed the model channels_last input (faster convolutions on GPUs)", "BOOL"),
+    "compile": ("true | false: torch.compile the model in each consumer", "BOOL"),
+    "deterministic": ("true | false: deterministic cuDNN algorithms, no TF32 (bitwise resume on GPUs)", "BOOL"),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 
