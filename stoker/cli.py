@@ -18,7 +18,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "data": ("ImageFolder root (a sub-folder per class); default: the built-in dataset", "DIR"),
     "val": ("validation ImageFolder (default: hold out --val-fraction of --data)", "DIR"),
     "val_fraction": ("share of each class held out for validation when --val is not given", "F"),
-    "model": ("resnet8 | resnet14 | resnet20 | resnet18 | module:function", "NAME"),
+    "model": ("resnet8 | resnet14 | resnet20 | resnet18 | resnet50 | module:function", "NAME"),
     "image_size": ("training resolution (default 32 on the built-in data, else 224)", "PX"),
     "augment": ("standard (random resized crop + flip) | noflip | none", "MODE"),
     "devices": ("auto | cpu:N | cuda | cuda:0,1", "SPEC"),
