@@ -1,0 +1,196 @@
+"""`stoker bench gpu`: the first measurement on a GPU, in one command.
+
+It writes ImageNet-like JPEGs (500x375, quality 90, as `bench pipeline --generate`), then for each model, at one
+resolution and precision, on one device:
+  ceiling     the model training on one batch resident on the device: no input at all, the most the device can do
+  stoker      `stoker train` with producers on every core but the consumer's (--producers auto), one consumer
+  dataloader  torch's DataLoader with the Pillow recipe (decode, RandomResizedCrop, flip), pin_memory=True,
+              non-blocking copies, persistent workers, as many worker processes as stoker's producers, normalization
+              on the device as stoker does
+and prints samples/s, input stall, stoker/ceiling and stoker/dataloader. `--device cpu` with tiny sizes runs the
+same code on a machine without a GPU (the test suite does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stoker import accel
+from stoker.bench.pipeline import TorchvisionStyleDataset, generate
+from stoker.dataset import scan_image_folder
+from stoker.devices import available_cores
+from stoker.feed import MEAN, STD
+from stoker.models import build_model
+
+SET = "500x375"  # about ImageNet's average picture
+WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("gpu", help="stoker against the device's ceiling and torch's DataLoader, one GPU")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda | cpu")
+    parser.add_argument("--models", default="resnet50,resnet18", help="comma-separated built-in models")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--channels-last", choices=["true", "false"], default="true")
+    parser.add_argument("--images", type=int, default=5120, help="JPEGs to generate (one epoch)")
+    parser.add_argument("--epochs", type=int, default=3, help="stoker's epochs over the generated images")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps for the ceiling and the DataLoader")
+    parser.add_argument("--workers", type=int, default=max(1, available_cores() - 1),
+                        help="stoker's producers at most = DataLoader workers (default: every core but one)")
+    parser.add_argument("--data", type=Path, help="a folder written by `bench pipeline --generate` (skip writing)")
+    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data is not None:
+        return _report(measure(args.data / SET, args), args)
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-gpu-") as scratch:
+        started = time.perf_counter()
+        generate(Path(scratch), args.images, 0)
+        print(f"wrote {args.images} JPEGs in {time.perf_counter() - started:.0f} s")
+        return _report(measure(Path(scratch) / SET, args), args)
+
+
+def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for model in args.models.split(","):
+        row = {"model": model, "ceiling": time_ceiling(model, args), "stoker": time_stoker(folder, model, args),
+               "dataloader": time_dataloader(folder, model, args)}
+        row["stoker_vs_ceiling"] = round(row["stoker"]["samples_per_s"] / row["ceiling"]["samples_per_s"], 3)
+        row["stoker_vs_dataloader"] = round(row["stoker"]["samples_per_s"] / row["dataloader"]["samples_per_s"], 3)
+        rows.append(row)
+    return {"device": _device_name(args.device), "image_size": args.image_size, "batch_size": args.batch_size,
+            "precision": args.precision, "channels_last": args.channels_last == "true", "workers": args.workers,
+            "rows": rows}
+
+
+class _Trainer:
+    """What each measurement trains: the model on the device, in the precision and memory format asked for,
+    SGD (fused on GPUs), input normalized on the device."""
+
+    def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
+        self.device = torch.device(args.device)
+        accel.configure_backends(deterministic=False)
+        self.memory_format = torch.channels_last if args.channels_last == "true" else torch.contiguous_format
+        self.model = build_model(model, num_classes).to(self.device).to(memory_format=self.memory_format)
+        self.precision = accel.MixedPrecision(args.precision, self.device)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9,
+                                         **accel.fused_option(torch.optim.SGD, self.device))
+        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
+
+    def step(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One step on uint8 NCHW pixels already on the device; the loss stays there."""
+        images = ((pixels.float() - self.mean) / self.std).contiguous(memory_format=self.memory_format)
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.precision.autocast():
+            loss = F.cross_entropy(self.model(images), labels)
+        self.precision.backward_and_step(loss, self.optimizer)
+        return loss.detach()
+
+    def finish(self, loss: torch.Tensor) -> None:
+        """Wait for the device to finish everything enqueued (reading the loss does)."""
+        loss.item()
+
+
+def time_ceiling(model: str, args: argparse.Namespace) -> dict[str, float]:
+    trainer = _Trainer(model, args, num_classes=1)
+    generator = torch.Generator().manual_seed(0)
+    size = args.image_size
+    pixels = torch.randint(0, 256, (args.batch_size, 3, size, size), dtype=torch.uint8, generator=generator)
+    pixels, labels = pixels.to(trainer.device), torch.zeros(args.batch_size, dtype=torch.int64, device=trainer.device)
+    for _ in range(WARMUP_STEPS):
+        loss = trainer.step(pixels, labels)
+    trainer.finish(loss)
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        loss = trainer.step(pixels, labels)
+    trainer.finish(loss)
+    wall = time.perf_counter() - started
+    return {"samples_per_s": round(args.steps * args.batch_size / wall, 1), "input_stall": 0.0}
+
+
+def time_stoker(folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    import stoker
+
+    devices = "cuda:0" if args.device == "cuda" else "cpu:1"
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-gpu-run-") as out:
+        summary = stoker.train(data=folder, val_fraction=0.0, model=model, devices=devices, producers="auto",
+                               max_producers=args.workers, initial_producers=args.workers,
+                               batch_size=args.batch_size, image_size=args.image_size, epochs=args.epochs,
+                               precision=args.precision, channels_last=args.channels_last == "true",
+                               out=Path(out) / "run", report=False, show_progress=False)
+    if summary["status"] != "completed":
+        raise RuntimeError(f"stoker train {summary['status']}: {summary.get('error')}")
+    return {"samples_per_s": summary["throughput_samples_per_s"],
+            "input_stall": summary["input_stall_fraction"][0], "producers_final": summary["producers_final"],
+            "gpu_memory": summary.get("gpu_memory")}
+
+
+def time_dataloader(folder: Path, model: str, args: argparse.Namespace) -> dict[str, float]:
+    from torch.utils.data import DataLoader
+
+    index = scan_image_folder(folder)
+    trainer = _Trainer(model, args, num_classes=len(index.classes))
+    dataset = TorchvisionStyleDataset(index.paths, index.labels, args.image_size, to_float=False)
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                        pin_memory=args.device == "cuda", persistent_workers=True, drop_last=True)
+    batches = _forever(loader)
+    try:
+        for _ in range(WARMUP_STEPS):
+            loss = trainer.step(*_to_device(next(batches), trainer.device))
+        trainer.finish(loss)
+        waited, started = 0.0, time.perf_counter()
+        for _ in range(args.steps):
+            asked = time.perf_counter()
+            batch = next(batches)
+            waited += time.perf_counter() - asked
+            loss = trainer.step(*_to_device(batch, trainer.device))
+        trainer.finish(loss)
+        wall = time.perf_counter() - started
+    finally:
+        batches.close()
+        del loader  # persistent workers end with their loader
+    return {"samples_per_s": round(args.steps * args.batch_size / wall, 1), "input_stall": round(waited / wall, 4)}
+
+
+def _forever(loader) -> Iterator:
+    while True:
+        yield from loader
+
+
+def _to_device(batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    pixels, labels = batch
+    return pixels.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" else f"cpu ({available_cores()} cores)"
+
+
+def _report(result: dict[str, Any], args: argparse.Namespace) -> int:
+    print(f"{result['device']}, {result['image_size']} px, batch {result['batch_size']}, {result['precision']}, "
+          f"channels_last={result['channels_last']}, {result['workers']} workers/producers")
+    print(f"{'model':10} {'ceiling/s':>10} {'stoker/s':>10} {'stall':>6} {'dataloader/s':>13} {'stall':>6} "
+          f"{'stoker/ceiling':>15} {'stoker/DL':>10}")
+    for row in result["rows"]:
+        print(f"{row['model']:10} {row['ceiling']['samples_per_s']:>10.1f} {row['stoker']['samples_per_s']:>10.1f} "
+              f"{row['stoker']['input_stall']:>6.1%} {row['dataloader']['samples_per_s']:>13.1f} "
+              f"{row['dataloader']['input_stall']:>6.1%} {row['stoker_vs_ceiling']:>15.2f} "
+              f"{row['stoker_vs_dataloader']:>10.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
