@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -44,10 +45,16 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def cuda_visible() -> bool:
+    return cuda_device_count() > 0
+
+
+@functools.cache
+def cuda_device_count() -> int:
     """Asked in a child process: querying CUDA here would initialise the driver in the test process before a CPU
     test can hide the GPUs from it."""
-    probe = "import torch; print(torch.cuda.is_available())"
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip() == "True"
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    return int(answer) if answer.isdigit() else 0
 
 
 @pytest.fixture(autouse=True)
