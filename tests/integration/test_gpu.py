@@ -42,7 +42,7 @@ def test_deterministic_resume_on_a_gpu_is_bitwise_exact(textures, tmp_path):
     result = _train(textures, split, *common, env={"STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=5;"},
                     check=False)
     assert result.returncode == 130
-    run_cli("train", "--resume", str(split), "--quiet")
+    run_cli("train", "--resume", str(split), "--devices", "cuda:0", "--quiet")
     a = torch.load(straight / "model.pt", weights_only=True)
     b = torch.load(split / "model.pt", weights_only=True)
     for name in a:
