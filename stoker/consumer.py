@@ -229,6 +229,7 @@ class Replica:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
         self.clock.begin(wait_s)
         images, labels, ids = self.loader.take(batch.slot, self._release)
+        self.clock.fed()
         loss = None
         if len(ids):
             self._set_learning_rate(batch.global_step)

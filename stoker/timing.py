@@ -39,7 +39,16 @@ class StepClock:
         self.current: StepMarks | None = None
 
     def begin(self, host_wait_s: float) -> None:
-        self.current = StepMarks(self.previous_end, self._mark(), host_wait_s)
+        """The host has the step's batch. On the CPU the step starts now (taking the batch out of its slot is
+        the consumer's work); on a GPU it starts at `fed`."""
+        start = None if self.ops.asynchronous else self._mark()
+        self.current = StepMarks(self.previous_end, start, host_wait_s)
+
+    def fed(self) -> None:
+        """The batch's copy is enqueued and the compute stream waits for it: on a GPU the step starts here, so the
+        time the device idles for the host's copy and the transfer counts as input wait, not compute."""
+        if self.current.start is None:
+            self.current.start = self._mark()
 
     def computed(self) -> None:
         self.current.computed = self._mark()
