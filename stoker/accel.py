@@ -75,10 +75,6 @@ class MixedPrecision:
                                          "_growth_tracker": int(state["growth_tracker"].item())})
 
 
-def to_memory_format(model: nn.Module, channels_last: bool) -> nn.Module:
-    return model.to(memory_format=torch.channels_last) if channels_last else model
-
-
 def compiled(model: nn.Module) -> nn.Module:
     """torch.compile of `model` (the original keeps the parameters and the state_dict keys). Inductor compiles in
     worker processes; a consumer is a daemonic process, which multiprocessing forbids to have children, so the

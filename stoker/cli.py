@@ -53,7 +53,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "report": ("true | false: draw RUN_DIR/report.png and report.txt at the end", "BOOL"),
     "tensorboard": ("true | false: also write TensorBoard event files to RUN_DIR/tensorboard", "BOOL"),
     "precision": ("fp32 | bf16 | fp16: autocast over fp32 weights (fp16 with a gradient scaler)", "P"),
-    "channels_last": ("true | false: feed the model channels_last input (faster convolutions on GPUs)", "BOOL"),
+    "channels_last": ("true | false: feed the model channels_last input (default true) or plain NCHW", "BOOL"),
     "compile": ("true | false: torch.compile the model in each consumer", "BOOL"),
     "deterministic": ("true | false: deterministic cuDNN algorithms, no TF32 (bitwise resume on GPUs)", "BOOL"),
 }

@@ -69,7 +69,7 @@ class TrainConfig:
     report: bool = True
     tensorboard: bool = False
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    channels_last: bool = False
+    channels_last: bool = True
     compile: bool = False
     deterministic: bool = False
 

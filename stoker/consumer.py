@@ -61,7 +61,7 @@ class ConsumerSetup:
     check_replicas_every: int
     resume_from: Path | None
     precision: accel.Precision = "fp32"
-    channels_last: bool = False
+    channels_last: bool = True
     compile: bool = False
     deterministic: bool = False
 
@@ -190,6 +190,8 @@ class Replica:
         self.precision = accel.MixedPrecision(setup.precision, self.device)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
+        # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
+        # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
         self.loader = DeviceLoader(ring, self.device, setup.channels_last, ops)
         self.clock = StepClock(ops)
         self.report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1

@@ -44,7 +44,7 @@ class DeviceLoader:
     format asked for: with `channels_last` the model is in channels_last too, otherwise the input is contiguous
     NCHW (a permuted NHWC buffer is channels_last by accident, which makes cuDNN convert every step)."""
 
-    def __init__(self, ring: SlotRing, device: torch.device, channels_last: bool = False,
+    def __init__(self, ring: SlotRing, device: torch.device, channels_last: bool = True,
                  ops: DeviceOps | None = None, num_staging: int = NUM_STAGING) -> None:
         self.ring = ring
         self.ops = ops or ops_for(device)
