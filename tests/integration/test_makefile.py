@@ -4,15 +4,18 @@ installs only stoker's other dependencies, from nothing but what is there (PIP_N
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import ROOT
 
 
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_uses_the_torch_the_interpreter_already_has_offline(tmp_path):
     venv, wheels = tmp_path / "venv", tmp_path / "wheels"
     wheels.mkdir()
