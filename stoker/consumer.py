@@ -194,7 +194,8 @@ class Replica:
         # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
         self.loader = DeviceLoader(ring, self.device, setup.channels_last, ops)
         self.clock = StepClock(ops)
-        self.report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
+        self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
+        self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_DoneStep] = []
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
@@ -259,6 +260,7 @@ class Replica:
         if not self.unreported:
             return
         done, self.unreported = self.unreported, []
+        self.report_every = self.steady_report_every
         losses = [step.loss for step in done if step.loss is not None]
         values = iter(torch.stack(losses).float().tolist() if losses else [])
         memory = accel.memory_stats(self.device)

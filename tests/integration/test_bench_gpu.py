@@ -10,7 +10,7 @@ from tests.conftest import run_cli
 def test_bench_gpu_runs_on_the_cpu_and_compares_the_three(tmp_path):
     report = tmp_path / "gpu.json"
     result = run_cli("bench", "gpu", "--device", "cpu", "--models", "resnet8", "--image-size", "32", "--batch-size",
-                     "8", "--images", "48", "--epochs", "1", "--steps", "3", "--workers", "1", "--json", str(report))
+                     "8", "--images", "64", "--epochs", "1", "--steps", "3", "--workers", "1", "--json", str(report))
     figures = json.loads(report.read_text())
     (row,) = figures["rows"]
     rates = [row[name]["samples_per_s"] for name in ("ceiling", "stoker", "dataloader")]
