@@ -36,12 +36,12 @@ def pytest_configure(config) -> None:
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    if cuda_visible():
+    needing_cuda = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not needing_cuda or cuda_visible():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    for item in needing_cuda:
+        item.add_marker(skip)
 
 
 def cuda_visible() -> bool:
