@@ -242,3 +242,54 @@ def test_on_the_cpu_a_step_is_timed_by_the_host():
     clock.computed()
     times = clock.seconds(clock.end(averaged=True))
     assert times.wait_s == 0.25 and times.compute_s >= 0 and times.averaging_s >= 0
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def _replica_on(ops: FakeOps, ring: SlotRing):
+    """A consumer's training steps on a device that runs behind the host (world of one: no process group)."""
+    from types import SimpleNamespace
+
+    from stoker.accel import MixedPrecision
+    from stoker.averager import Averager
+    from stoker.consumer import REPORT_EVERY_ASYNC, Replica
+    from stoker.models import build_model
+
+    replica = Replica.__new__(Replica)
+    replica.setup = SimpleNamespace(rank=0, local_rank=0, lr=0.01, schedule="constant", total_steps=100,
+                                    check_replicas_every=0)
+    replica.model = replica.forward = build_model("resnet8", 30)  # the ring fixture has labels up to 23
+    replica.averager = Averager(replica.model, 1, 1, 4)
+    replica.optimizer = torch.optim.SGD(replica.model.parameters(), lr=0.01)
+    replica.precision = MixedPrecision("fp32", torch.device("cpu"))
+    replica.outbox = _Outbox()
+    replica.loader = DeviceLoader(ring, torch.device("cpu"), ops=ops)
+    replica.clock = StepClock(ops)
+    replica.steady_report_every, replica.report_every = REPORT_EVERY_ASYNC, 1
+    replica.unreported, replica.first_wait_s, replica.device = [], None, torch.device("cpu")
+    return replica
+
+
+def test_a_gpu_consumer_reads_the_device_once_per_group_of_steps(ring):
+    """No synchronization per step: after the first step (reported at once, the controller times the run from it)
+    steps are reported in groups, each read with one synchronization."""
+    from stoker.consumer import REPORT_EVERY_ASYNC, Batch, StepReport
+
+    ops = FakeOps()
+    replica = _replica_on(ops, ring)
+    reported = []
+    for step in range(1 + 2 * REPORT_EVERY_ASYNC):
+        replica.train_step(Batch("train", 0, step, step, step % 3, 4), wait_s=0.0)
+        reported.append(sum(isinstance(m, StepReport) for m in replica.outbox.sent))
+    assert reported[0] == 1
+    assert reported[1:REPORT_EVERY_ASYNC] == [1] * (REPORT_EVERY_ASYNC - 1)
+    assert reported[REPORT_EVERY_ASYNC] == 1 + REPORT_EVERY_ASYNC
+    assert reported[-1] == 1 + 2 * REPORT_EVERY_ASYNC
+    steps = [m.global_step for m in replica.outbox.sent if isinstance(m, StepReport)]
+    assert steps == list(range(1 + 2 * REPORT_EVERY_ASYNC))  # in order, none lost
