@@ -1,12 +1,23 @@
 # `make demo` trains the built-in model on the built-in dataset; `make test` runs the test suite.
-# Both create .venv and install what they need: the CPU build of torch where no NVIDIA GPU is present (instead of
-# the multi-GB CUDA build a plain `pip install torch` pulls), and nothing over a torch that is already there.
+# Both create .venv and install what they need. Where $(PYTHON) already has torch (a CUDA build on a GPU image or
+# NGC container, often offline), .venv uses that torch and installs only stoker's other dependencies (offline:
+# PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR of wheels). Elsewhere it installs the CPU build of torch where no NVIDIA GPU is
+# present (instead of the multi-GB CUDA build a plain `pip install torch` pulls).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 CPU_TORCH := torch==2.13.0
 CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+
+# An interpreter that is itself a venv does not hand its packages to --system-site-packages: then the new venv
+# reads torch's folder through a .pth file. No pip of its own: an older bundled pip and setuptools would shadow
+# the interpreter's.
+export SITE_OF_TORCH := import pathlib, torch; print(pathlib.Path(torch.__file__).resolve().parent.parent)
+export OWN_SITE := import sysconfig; print(sysconfig.get_paths()["purelib"])
+# stoker is built with what is installed (no download of a build environment, so offline works): a setuptools
+# that builds wheels without the `wheel` package.
+export MODERN_SETUPTOOLS := import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))
 
 .PHONY: demo test bench install clean
 
@@ -20,17 +31,23 @@ test: $(VENV)/.installed
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	@if $(PY) -c "import torch" 2>/dev/null; then \
-		echo "torch already installed: keeping it"; \
-	elif command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PIP) install "torch>=2.6"; \
-	elif $(PIP) install -q --no-index --no-deps "$(CPU_TORCH)" 2>/dev/null; then \
-		echo "installed the CPU build of torch found locally"; \
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "$(PYTHON) already has torch: .venv uses it"; \
+		$(PYTHON) -m venv --system-site-packages --without-pip $(VENV); \
+		$(PY) -c "import torch" 2>/dev/null || $(PYTHON) -c "$$SITE_OF_TORCH" > "$$($(PY) -c "$$OWN_SITE")/parent-torch.pth"; \
+		$(PY) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip -q; \
 	else \
-		$(PIP) install "$(CPU_TORCH)" --index-url $(CPU_TORCH_INDEX); \
+		$(PYTHON) -m venv $(VENV); \
+		if command -v nvidia-smi >/dev/null 2>&1; then \
+			$(PIP) install "torch>=2.6"; \
+		elif $(PIP) install -q --no-index --no-deps "$(CPU_TORCH)" 2>/dev/null; then \
+			echo "installed the CPU build of torch found locally"; \
+		else \
+			$(PIP) install "$(CPU_TORCH)" --index-url $(CPU_TORCH_INDEX); \
+		fi; \
 	fi
-	$(PIP) install -q -e ".[test,bench]"
+	$(PY) -c "$$MODERN_SETUPTOOLS" 2>/dev/null || $(PIP) install -q "setuptools>=70.1"
+	$(PIP) install -q --no-build-isolation -e ".[test,bench]"
 	touch $@
 
 clean:

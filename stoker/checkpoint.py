@@ -72,9 +72,22 @@ def write_atomic(path: Path, payload: bytes) -> str:
 
 
 def save_tensors(path: Path, state: dict[str, Any]) -> str:
+    """Every tensor is written as a CPU tensor: a file saved from `cuda:3` must load on a machine with fewer GPUs,
+    or none, without `map_location` (the README's plain `torch.load`)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(to_cpu(state), buffer)
     return write_atomic(path, buffer.getvalue())
+
+
+def to_cpu(state: Any) -> Any:
+    """A copy with every tensor on the CPU (tensors already there are kept as they are)."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {key: to_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(to_cpu(value) for value in state)
+    return state
 
 
 def fsync_dir(path: Path) -> None:

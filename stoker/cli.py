@@ -21,7 +21,7 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
              "DIR|SHARDS"),
     "val": ("validation ImageFolder or shards (default: hold out --val-fraction of --data)", "DIR|SHARDS"),
     "val_fraction": ("share of each class held out for validation when --val is not given", "F"),
-    "model": ("resnet8 | resnet14 | resnet20 | resnet18 | module:function", "NAME"),
+    "model": ("resnet8 | resnet14 | resnet20 | resnet18 | resnet50 | module:function", "NAME"),
     "image_size": ("training resolution (default 32 on the built-in data, else 224)", "PX"),
     "augment": ("standard (random resized crop + flip) | noflip | none", "MODE"),
     "devices": ("auto | cpu:N | cuda | cuda:0,1", "SPEC"),
@@ -56,6 +56,10 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "log_every_s": ("seconds between progress lines when output is not a terminal", "S"),
     "report": ("true | false: draw RUN_DIR/report.png and report.txt at the end", "BOOL"),
     "tensorboard": ("true | false: also write TensorBoard event files to RUN_DIR/tensorboard", "BOOL"),
+    "precision": ("fp32 | bf16 | fp16: autocast over fp32 weights (fp16 with a gradient scaler)", "P"),
+    "channels_last": ("true | false: feed the model channels_last input (default true) or plain NCHW", "BOOL"),
+    "compile": ("true | false: torch.compile the model in each consumer", "BOOL"),
+    "deterministic": ("true | false: deterministic cuDNN algorithms, no TF32 (bitwise resume on GPUs)", "BOOL"),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 

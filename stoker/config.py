@@ -71,6 +71,10 @@ class TrainConfig:
     log_every_s: float = Field(10.0, gt=0)
     report: bool = True
     tensorboard: bool = False
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    channels_last: bool = True
+    compile: bool = False
+    deterministic: bool = False
 
     @field_validator("devices")
     @classmethod

@@ -1,7 +1,9 @@
 """Consumer process: one model replica on one device, training on the batches the controller hands it, in order.
 
-It copies a slot to its device (uint8: four times fewer bytes than float32), hands the slot back at once,
-normalizes on the device, runs forward, backward and the optimizer step, and joins the averaging collective.
+It copies a slot to its device (uint8: four times fewer bytes than float32, see `feed`), hands the slot back at
+once, normalizes on the device, runs forward, backward and the optimizer step, and joins the averaging collective.
+On a GPU nothing in a step waits for the device: the loss stays on it and the step's timings are events, and both
+are read, with one synchronization, every few steps or when the consumer would wait for input anyway.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import queue
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,16 +22,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stoker import checkpoint, exchange, faults
+from stoker import accel, checkpoint, exchange, faults
 from stoker.averager import Averager, OuterSpec
+from stoker.feed import DeviceLoader
 from stoker.models import build_model
 from stoker.plan import Kind
 from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
 from stoker.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.ring import RingSpec, SlotRing
+from stoker.streams import ops_for
+from stoker.timing import StepClock, StepMarks
 
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
+# On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
+REPORT_EVERY_ASYNC = 16
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,10 @@ class ConsumerSetup:
     collective_timeout_s: float
     check_replicas_every: int
     resume_from: Path | None
+    precision: accel.Precision = "fp32"
+    channels_last: bool = True
+    compile: bool = False
+    deterministic: bool = False
 
 
 # Controller -> consumer, in the order they must be handled.
@@ -105,6 +114,7 @@ class StepReport:
     averaging_s: float
     sample_ids: np.ndarray
     digest: str | None
+    memory: dict[str, int] = field(default_factory=dict)  # GPU memory peaks so far (nothing on the CPU)
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,7 @@ class Finished:
     rank: int
     digest: str
     first_wait_s: float
+    memory: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -172,12 +183,26 @@ class Replica:
             torch.cuda.set_device(self.device)
         self.stop = stop
         self.watch = ParentWatch()
+        accel.configure_backends(setup.deterministic)
         self.store = _join_group(setup)
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
+        # fp16's gradient scaler steps the whole model after unscaling: no group can step during backward.
+        in_backward = setup.average_in_backward and setup.precision != "fp16"
         self.averager = Averager(self.model, setup.sync_every, setup.world_size, setup.ring.batch_size,
-                                 setup.outer, setup.overlap_averaging, setup.average_in_backward)
-        self.optimizer = _make_optimizer(self.model, setup)
-        self.loader = DeviceLoader(ring, self.device)
+                                 setup.outer, setup.overlap_averaging, in_backward)
+        # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
+        # state_dict keys checkpoints use.
+        self.forward = accel.compiled(self.model) if setup.compile else self.model
+        self.precision = accel.MixedPrecision(setup.precision, self.device)
+        self.optimizer = _make_optimizer(self.model, setup, self.device)
+        ops = ops_for(self.device)
+        # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
+        # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
+        self.loader = DeviceLoader(ring, self.device, setup.channels_last, ops)
+        self.clock = StepClock(ops)
+        self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
+        self.report_every = 1  # the first step is reported at once: the controller times the run from it
+        self.unreported: list[_DoneStep] = []
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
@@ -185,17 +210,20 @@ class Replica:
             if self.averager.outer is not None:
                 self.averager.outer.reset_anchor()
         self.first_wait_s: float | None = None
-        self.val_totals = torch.zeros(3, dtype=torch.float64)
+        self.val_totals = torch.zeros(3, dtype=torch.float64, device=self.device)
 
     def serve(self, ready, stop) -> None:
         watch = ParentWatch()
         while True:
             waited_from = time.perf_counter()
-            message = _next_message(ready, stop, watch)
+            message = _next_message(ready, stop, watch, when_idle=self.report_steps)
             wait_s = time.perf_counter() - waited_from
             if isinstance(message, Batch) and message.kind == "train":
                 self.train_step(message, wait_s)
-            elif isinstance(message, Batch):
+                continue
+            self.report_steps()  # the controller hears of every step before anything else happens
+            self.clock.pause()
+            if isinstance(message, Batch):
                 self.val_batch(message)
             elif isinstance(message, ValEnd):
                 self.val_end(message)
@@ -208,30 +236,53 @@ class Replica:
     def train_step(self, batch: Batch, wait_s: float) -> None:
         if self.first_wait_s is None:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
-        started = time.perf_counter()
-        images, labels, ids = self.loader.take(batch.slot, self.outbox)
+        self.clock.begin(wait_s)
+        images, labels, ids = self.loader.take(batch.slot, self._release)
+        self.clock.fed()
         self.averager.begin_step(batch.global_step, len(ids), batch.step_samples, self.optimizer)
-        loss_value = 0.0
+        loss = None
         if len(ids):
             self._set_learning_rate(batch.global_step)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(images), labels)
+            with self.precision.autocast():
+                loss = F.cross_entropy(self.forward(images), labels)
             # A simulated device's time comes before the gradients exist: averaging that starts during backward
             # must not hide behind it.
             faults.simulated_delay(faults.STEP_TIME_ENV)
-            loss.backward()
-            self.optimizer.step()
-            loss_value = loss.item()
-        compute_s = time.perf_counter() - started
+            self.precision.backward_and_step(loss, self.optimizer)
+        self.clock.computed()
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
-        averaging_s = self.averager.end_step(batch.global_step)
+        averaged = self.averager.end_step(batch.global_step) is not None
         digest = None
         every = self.setup.check_replicas_every
-        if averaging_s is not None and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
+        if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step, len(ids),
-                                  loss_value, wait_s, compute_s, averaging_s or 0.0, ids, digest))
+        loss = loss.detach() if loss is not None else None
+        self.unreported.append(_DoneStep(batch, ids, loss, self.clock.end(averaged), digest))
+        if len(self.unreported) >= self.report_every:
+            self.report_steps()
+
+    def report_steps(self) -> None:
+        """Report the steps done since the last report: their losses and timings are read with one
+        synchronization (none at all on the CPU, where each step is reported as it ends)."""
+        if not self.unreported:
+            return
+        done, self.unreported = self.unreported, []
+        self.report_every = self.steady_report_every
+        losses = [step.loss for step in done if step.loss is not None]
+        values = iter(torch.stack(losses).float().tolist() if losses else [])
+        memory = accel.memory_stats(self.device)
+        for step in done:
+            times = self.clock.seconds(step.marks)
+            batch = step.batch
+            self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step,
+                                        len(step.ids), next(values) if step.loss is not None else 0.0,
+                                        times.wait_s, times.compute_s, times.averaging_s, step.ids, step.digest,
+                                        memory))
+
+    def _release(self, slot: int) -> None:
+        self.outbox.send(SlotFree(slot))
 
     def _set_learning_rate(self, global_step: int) -> None:
         lr = self.setup.lr
@@ -241,18 +292,21 @@ class Replica:
             group["lr"] = lr
 
     def val_batch(self, batch: Batch) -> None:
-        images, labels, _ = self.loader.take(batch.slot, self.outbox)
+        images, labels, _ = self.loader.take(batch.slot, self._release)
         if not len(labels):
             return
         self.model.eval()
-        with torch.no_grad():
-            logits = self.model(images)
-            loss_sum = F.cross_entropy(logits, labels, reduction="sum").item()
-            correct = (logits.argmax(1) == labels).sum().item()
-        self.val_totals += torch.tensor([loss_sum, correct, len(labels)], dtype=torch.float64)
+        with torch.no_grad(), self.precision.autocast():
+            logits = self.forward(images)
+            loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
+            correct = (logits.argmax(1) == labels).sum()
+        # Summed on the device; read once, at the end of validation.
+        self.val_totals[0] += loss_sum
+        self.val_totals[1] += correct
+        self.val_totals[2] += len(labels)
 
     def val_end(self, message: ValEnd) -> None:
-        totals = self.val_totals.to(self.device)
+        totals = self.val_totals.clone()
         dist.all_reduce(totals)
         loss_sum, correct, count = totals.tolist()
         self.val_totals.zero_()
@@ -264,13 +318,16 @@ class Replica:
         has the run folder's checkpoints, so resuming needs nothing from the others' disks."""
         work = self._rank_zero_work(f"checkpoint at step {message.global_step}")
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
-        files = exchange.save(work, message.folder, model_state, _to_cpu(self._rank_state()), self.setup.rank,
+        files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
                               self.setup.world_size, self._wire_device())
         self.outbox.send(Saved(self.setup.local_rank, message.global_step, files))
 
     def _rank_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "pending": torch.tensor(self.averager.pending, dtype=torch.int64)}
+                 "pending": torch.tensor(self.averager.pending, dtype=torch.int64),
+                 "grad_scaler": self.precision.state_dict()}
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         if self.averager.pending[1] or not self.averager.replicas_agree:  # replicas differ: keep this one's own
             state["model"] = self.model.state_dict()
         if self.averager.outer is not None:
@@ -291,6 +348,9 @@ class Replica:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and "cuda_rng" in state:
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
+        self.precision.load_state_dict(state.get("grad_scaler", {}))
         self.averager.pending = tuple(state["pending"].tolist())
         if self.averager.outer is not None:
             self.averager.outer.load_state_dict(state["outer"])
@@ -314,66 +374,42 @@ class Replica:
         digest = self.averager.digest()
         if self.setup.rank == 0:
             checkpoint.save_tensors(message.model_path, self.model.state_dict())
-        self.outbox.send(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0))
+        self.outbox.send(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0,
+                                  accel.memory_stats(self.device)))
 
 
-class DeviceLoader:
-    """Copies a slot to the device and hands the slot back before any compute; normalizes on the device."""
+@dataclass
+class _DoneStep:
+    """A step the device may still be working on, until it is reported."""
 
-    def __init__(self, ring: SlotRing, device: torch.device) -> None:
-        self.ring = ring
-        self.device = device
-        shape = ring.images.shape[1:]
-        self.mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.inv_std = 1 / (torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255)
-        # On CUDA the slot is copied into pinned memory so the host-to-device copy can run asynchronously.
-        self.staging = torch.empty(shape, dtype=torch.uint8).pin_memory() if device.type == "cuda" else None
-
-    def take(self, slot: int | None, outbox) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        if slot is None:
-            return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
-        count = int(self.ring.counts[slot])
-        ids = self.ring.ids[slot, :count].copy()
-        labels = torch.from_numpy(self.ring.labels[slot, :count].copy())
-        pixels = self.ring.images[slot, :count]
-        if self.staging is not None:
-            host = self.staging[:count]
-            np.copyto(host.numpy(), pixels)  # beat Tensor.copy_ in bench pipeline --transport
-            outbox.send(SlotFree(slot))
-            images = host.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
-            labels = labels.to(self.device, non_blocking=True)
-        else:
-            images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float()  # the copy out of the slot, NCHW float
-            outbox.send(SlotFree(slot))
-        return images.sub_(self.mean).mul_(self.inv_std), labels, ids
+    batch: Batch
+    ids: np.ndarray
+    loss: torch.Tensor | None  # on the device; None: this rank had no samples
+    marks: StepMarks
+    digest: str | None
 
 
-def _next_message(ready, stop, watch: ParentWatch):
+def _next_message(ready, stop, watch: ParentWatch, when_idle):
+    """The next message; `when_idle()` runs once if none is there within a poll (the consumer would wait
+    anyway, so reading the device costs nothing then)."""
+    idle = False
     while True:
         if stop.is_set() or watch.parent_gone():
             raise Stopped
         try:
             return ready.get(timeout=POLL_S)
         except queue.Empty:
-            continue
+            if not idle:
+                when_idle()
+                idle = True
 
 
-def _to_cpu(state):
-    """A copy with every tensor on the CPU: what crosses to rank 0 and lands in a checkpoint."""
-    if isinstance(state, torch.Tensor):
-        return state.cpu()
-    if isinstance(state, dict):
-        return {key: _to_cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_cpu(value) for value in state)
-    return state
-
-
-def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup) -> torch.optim.Optimizer:
+def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
     if setup.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=setup.weight_decay)
+        return torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=setup.weight_decay,
+                                 **accel.fused_option(torch.optim.AdamW, device))
     return torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=setup.momentum,
-                           weight_decay=setup.weight_decay)
+                           weight_decay=setup.weight_decay, **accel.fused_option(torch.optim.SGD, device))
 
 
 def _join_group(setup: ConsumerSetup) -> dist.Store:

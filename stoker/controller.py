@@ -287,7 +287,8 @@ class Controller:
                 outer=outer, overlap_averaging=config.overlap_averaging,
                 average_in_backward=config.average_in_backward, seed=config.seed, num_threads=threads,
                 collective_timeout_s=config.collective_timeout_s, check_replicas_every=config.check_replicas_every,
-                resume_from=self.resume_from)
+                resume_from=self.resume_from, precision=config.precision, channels_last=config.channels_last,
+                compile=config.compile, deterministic=config.deterministic)
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
             outbox = self.mailbox.open()
@@ -620,6 +621,7 @@ class Controller:
             "num_consumers": self.cluster.world,
             "machines": self.cluster.nodes,
             "devices": self.devices,
+            "gpu_memory": [self.finished[rank].memory for rank in sorted(self.finished)],
             "producers_initial": self.producers_initial,
             "producers_final": self.timeline[-1]["producers"] if self.timeline else 0,
             "producers_max": self.pool.max_alive if self.pool else 0,
@@ -673,7 +675,7 @@ def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
     return {"rank": first_rank + report.rank, "epoch": report.epoch, "step": report.step,
             "global_step": report.global_step,
             "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
-            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6)}
+            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6), **report.memory}
 
 
 def load_data(config: TrainConfig) -> Data:

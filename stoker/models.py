@@ -28,6 +28,32 @@ class BasicBlock(nn.Module):
         return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
 
 
+class Bottleneck(nn.Module):
+    """1x1 reduce, 3x3 (carrying the stride), 1x1 expand by 4: ResNet-50's block (the stride on the 3x3, as in
+    torchvision's v1.5)."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, width: int, stride: int) -> None:
+        super().__init__()
+        out_channels = width * self.expansion
+        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(out_channels)
+        self.shortcut = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                                          nn.BatchNorm2d(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        return torch.relu(self.bn3(self.conv3(out)) + self.shortcut(x))
+
+
 class ResNet(nn.Module):
     """Stem, stages of basic blocks (the first of each later stage halves the resolution), global pool, linear.
 
@@ -36,7 +62,7 @@ class ResNet(nn.Module):
     """
 
     def __init__(self, blocks: tuple[int, ...], widths: tuple[int, ...], num_classes: int,
-                 imagenet_stem: bool = False) -> None:
+                 imagenet_stem: bool = False, block: type[nn.Module] = BasicBlock) -> None:
         super().__init__()
         if imagenet_stem:
             self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]),
@@ -46,11 +72,12 @@ class ResNet(nn.Module):
                                       nn.ReLU(inplace=True))
         stages = []
         in_channels = widths[0]
+        expansion = getattr(block, "expansion", 1)
         for index, (count, width) in enumerate(zip(blocks, widths)):
-            for block in range(count):
-                stride = 2 if index > 0 and block == 0 else 1
-                stages.append(BasicBlock(in_channels, width, stride))
-                in_channels = width
+            for position in range(count):
+                stride = 2 if index > 0 and position == 0 else 1
+                stages.append(block(in_channels, width, stride))
+                in_channels = width * expansion
         self.stages = nn.Sequential(*stages)
         self.head = nn.Linear(in_channels, num_classes)
 
@@ -75,8 +102,12 @@ def resnet18(num_classes: int) -> ResNet:
     return ResNet((2, 2, 2, 2), (64, 128, 256, 512), num_classes, imagenet_stem=True)
 
 
+def resnet50(num_classes: int) -> ResNet:
+    return ResNet((3, 4, 6, 3), (64, 128, 256, 512), num_classes, imagenet_stem=True, block=Bottleneck)
+
+
 BUILTIN: dict[str, Callable[[int], nn.Module]] = {
-    "resnet8": resnet8, "resnet14": resnet14, "resnet20": resnet20, "resnet18": resnet18,
+    "resnet8": resnet8, "resnet14": resnet14, "resnet20": resnet20, "resnet18": resnet18, "resnet50": resnet50,
 }
 
 

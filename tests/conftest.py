@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -29,6 +30,41 @@ def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:
         if (not processes and not segments) or time.monotonic() > deadline:
             return processes, segments
         time.sleep(0.1)
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; runs wherever one is visible, skipped elsewhere")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    needing_cuda = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not needing_cuda or cuda_visible():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in needing_cuda:
+        item.add_marker(skip)
+
+
+def cuda_visible() -> bool:
+    return cuda_device_count() > 0
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """Asked in a child process: querying CUDA here would initialise the driver in the test process before a CPU
+    test can hide the GPUs from it."""
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    return int(answer) if answer.isdigit() else 0
+
+
+@pytest.fixture(autouse=True)
+def pinned_to_cpu(request, monkeypatch):
+    """A test without the `gpu` marker runs on the CPU even on a GPU machine: everything it starts (the CLI,
+    `stoker.train`'s processes) sees no CUDA device, so `--devices auto` means CPU consumers and gloo there too."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stoker
-from stoker.consumer import DeviceLoader
+from stoker.feed import DeviceLoader
 from stoker.imaging import make_decode_warnings_errors
 from stoker.models import build_model
 from stoker.plan import EpochPlan
@@ -105,18 +105,11 @@ def _concatenated_batch(train, plan, step, seed, size):
         loader = DeviceLoader(ring, torch.device("cpu"))
         for rank in range(2):
             build_batch(Task(rank, plan.train_work(0, step, rank), rank), setup, ring, ring.status[0])
-            images, labels, _ = loader.take(rank, _NoController())
+            images, labels, _ = loader.take(rank, lambda slot: None)
             parts.append((images, labels))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     finally:
         ring.close()
-
-
-class _NoController:
-    """Where the consumer would tell the controller that the slot is free."""
-
-    def send(self, _message):
-        pass
 
 
 @pytest.mark.parametrize("overlap", ["false", "true"])

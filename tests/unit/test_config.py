@@ -21,6 +21,8 @@ from tests.conftest import run_cli, stoker_processes
     ({"min_producers": 4, "max_producers": 2}, "max_producers"),
     ({"colour": "blue"}, "colour"),
     ({"overlap_averaging": True, "outer_optimizer": "nesterov"}, "overlap_averaging=true cannot be combined"),
+    ({"precision": "fp8"}, "precision"),
+    ({"channels_last": "maybe"}, "channels_last"),
 ])
 def test_bad_setting_is_named(settings, named):
     with pytest.raises(ConfigError, match=named):

@@ -1,0 +1,120 @@
+"""The consumer's feed: a batch slot in shared memory becomes a normalized float batch on the device.
+
+The slot is copied out on the host and handed back at once, before any device work, so producers refill it while
+the device trains. On a GPU the host copies into one of several pinned staging buffers, the host-to-device copy
+runs on a side stream and the compute stream waits only for that copy's event: the host prepares batch k+1 while
+the device trains on batch k, and the GPU never waits for a host memcpy. A staging buffer is rewritten only after
+the event of the copy that read it has completed, and its device-side twin only after the compute that read it.
+The slot itself is never read by the device (the host copy out of it is synchronous), so handing it back early is
+safe. Normalization (and the memory format the model wants) happens on the device, on uint8 input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from stoker.ring import SlotRing
+from stoker.streams import DeviceOps, ops_for
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+NUM_STAGING = 2  # one being copied to the device while the host fills the other
+
+
+@dataclass
+class Staging:
+    """One pinned host buffer and its device twin, with the events that say when each may be rewritten."""
+
+    host_images: torch.Tensor
+    host_labels: torch.Tensor
+    device_images: torch.Tensor
+    device_labels: torch.Tensor
+    copied: Any  # the host-to-device copy out of host_* has completed
+    used: Any  # the compute that read device_* has completed
+    in_use: bool = False  # a copy was issued from it (the events mean something)
+
+
+class DeviceLoader:
+    """Takes a slot (uint8 NHWC images, labels, sample ids) to the device as normalized float NCHW, in the memory
+    format asked for: with `channels_last` the model is in channels_last too, otherwise the input is contiguous
+    NCHW (a permuted NHWC buffer is channels_last by accident, which makes cuDNN convert every step)."""
+
+    def __init__(self, ring: SlotRing, device: torch.device, channels_last: bool = True,
+                 ops: DeviceOps | None = None, num_staging: int = NUM_STAGING) -> None:
+        self.ring = ring
+        self.ops = ops or ops_for(device)
+        self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        self.mean = self._constant(MEAN, 255)
+        self.inv_std = 1 / self._constant(STD, 255)
+        self.staging = [self._staging() for _ in range(num_staging)] if self.ops.asynchronous else []
+        self.turn = 0
+
+    def take(self, slot: int | None, release: Callable[[int], None]
+             ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """The batch in `slot` on the device; `release(slot)` is called as soon as the slot may be refilled."""
+        if slot is None:
+            return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
+        count = int(self.ring.counts[slot])
+        ids = self.ring.ids[slot, :count].copy()
+        if not self.staging:
+            labels = torch.from_numpy(self.ring.labels[slot, :count].copy())
+            images = self._normalize(torch.from_numpy(self.ring.images[slot, :count]))  # the copy out of the slot
+            release(slot)
+            return images, labels, ids
+        stage = self._next_staging()
+        np.copyto(stage.host_images[:count].numpy(), self.ring.images[slot, :count])  # beats Tensor.copy_
+        np.copyto(stage.host_labels[:count].numpy(), self.ring.labels[slot, :count])
+        release(slot)
+        self._copy_to_device(stage, count)
+        images = self._normalize(stage.device_images[:count])
+        labels = stage.device_labels[:count].clone()
+        self.ops.record(stage.used, self.ops.compute_stream())
+        return images, labels, ids
+
+    def _next_staging(self) -> Staging:
+        """The next buffer in turn, once the copy that last read it has completed (the host is about to
+        overwrite it)."""
+        stage = self.staging[self.turn]
+        self.turn = (self.turn + 1) % len(self.staging)
+        if stage.in_use:
+            self.ops.synchronize(stage.copied)
+        return stage
+
+    def _copy_to_device(self, stage: Staging, count: int) -> None:
+        """On the side stream, after the compute that read the device buffer last time; the compute stream
+        waits for the copy's event, the host does not."""
+        ops, copy_stream = self.ops, self.ops.copy_stream()
+        if stage.in_use:
+            ops.wait(copy_stream, stage.used)
+        with ops.on(copy_stream):
+            ops.copy(stage.device_images[:count], stage.host_images[:count])
+            ops.copy(stage.device_labels[:count], stage.host_labels[:count])
+        ops.record(stage.copied, copy_stream)
+        ops.wait(ops.compute_stream(), stage.copied)
+        stage.in_use = True
+
+    def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 NHWC -> float NCHW in the chosen memory format, (x - mean) / std: one conversion pass, in place
+        after it."""
+        count, height, width, channels = pixels.shape
+        images = torch.empty((count, channels, height, width), dtype=torch.float32, device=pixels.device,
+                             memory_format=self.memory_format)
+        images.copy_(pixels.permute(0, 3, 1, 2))
+        return images.sub_(self.mean).mul_(self.inv_std)
+
+    def _constant(self, values: tuple[float, ...], scale: float) -> torch.Tensor:
+        constant = self.ops.empty((1, 3, 1, 1), torch.float32)
+        constant.copy_(torch.tensor(values).view(1, 3, 1, 1) * scale)
+        return constant
+
+    def _staging(self) -> Staging:
+        images_shape, batch = self.ring.images.shape[1:], self.ring.labels.shape[1]
+        ops = self.ops
+        return Staging(ops.pinned(images_shape, torch.uint8), ops.pinned((batch,), torch.int64),
+                       ops.empty(images_shape, torch.uint8), ops.empty((batch,), torch.int64),
+                       ops.new_event(), ops.new_event())

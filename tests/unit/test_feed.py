@@ -1,0 +1,295 @@
+"""The GPU feed's ordering, checked with a fake device that records every stream, event and copy call (there is
+no GPU here): staging buffers are rewritten only after the copy that read them completed, copies run on the side
+stream, the compute stream waits for the copy's event, and the slot goes back before any device work."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from stoker.feed import DeviceLoader
+from stoker.ring import SlotRing
+from stoker.streams import CpuOps
+from stoker.timing import StepClock
+
+IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+
+
+class FakeEvent:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.covers: list[tuple[torch.UntypedStorage, bytes]] = []  # (source, its bytes when copied from)
+        self.completed = False
+        self.stamp = 0.0
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class FakeOps:
+    """A device that runs behind the host: an event completes only when the host synchronizes on it. Copies land
+    at once (so values can be checked), but the fake remembers what each copy read and complains if the host
+    rewrote a source before learning that the copy had completed."""
+
+    asynchronous = True
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.log: list[tuple] = []
+        self.current = "compute"
+        self.enqueued: dict[str, list] = {"compute": [], "copy": []}
+        self.in_flight: dict[int, list[FakeEvent]] = {}  # source pointer -> events not yet known complete
+        self.violations: list[str] = []
+        self.clock = {"compute": 0.0, "copy": 0.0}  # device time per stream, advanced by `work`
+        self.events = 0
+
+    def compute_stream(self) -> str:
+        return "compute"
+
+    def copy_stream(self) -> str:
+        return "copy"
+
+    @contextmanager
+    def on(self, stream: str):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def new_event(self) -> FakeEvent:
+        self.events += 1
+        return FakeEvent(f"e{self.events}")
+
+    def record(self, event: FakeEvent, stream: str) -> None:
+        self.log.append(("record", event, stream))
+        event.covers, self.enqueued[stream] = self.enqueued[stream], []
+        event.completed = False
+        event.stamp = self.clock[stream]
+        for source, _ in event.covers:
+            self.in_flight.setdefault(source.data_ptr(), []).append(event)
+
+    def wait(self, stream: str, event: FakeEvent) -> None:
+        self.log.append(("wait", stream, event))
+        self.clock[stream] = max(self.clock[stream], event.stamp)
+
+    def done(self, event: FakeEvent) -> bool:
+        return event.completed
+
+    def synchronize(self, event: FakeEvent) -> None:
+        self.log.append(("sync", event))
+        for source, snapshot in event.covers:
+            if bytes(source) != snapshot:
+                self.violations.append(f"a staging buffer was rewritten before {event} (its copy) completed")
+        event.completed = True
+
+    def elapsed_s(self, start: FakeEvent, end: FakeEvent) -> float:
+        return end.stamp - start.stamp
+
+    def work(self, seconds: float) -> None:
+        """Device work enqueued on the current stream: the host call returns at once."""
+        self.clock[self.current] += seconds
+
+    def pinned(self, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        base = source.untyped_storage().data_ptr()
+        pending = [e for e in self.in_flight.get(base, []) if not e.completed]
+        if pending:
+            self.violations.append(f"a staging buffer was copied from again before {pending} completed")
+        self.log.append(("copy", self.current, base, destination.untyped_storage().data_ptr()))
+        destination.copy_(source)
+        self.enqueued[self.current].append((source.untyped_storage(), bytes(source.untyped_storage())))
+
+
+@pytest.fixture
+def ring():
+    ring = SlotRing.create(3, 4, 8, 1)
+    rng = np.random.default_rng(0)
+    for slot in range(3):
+        ring.images[slot] = rng.integers(0, 256, ring.images[slot].shape, dtype=np.uint8)
+        ring.labels[slot] = np.arange(4) + 10 * slot
+        ring.ids[slot] = np.arange(4) + 100 * slot
+        ring.counts[slot] = 4 if slot != 1 else 3  # a short batch too
+    yield ring
+    ring.close()
+
+
+def expected_images(ring: SlotRing, slot: int) -> torch.Tensor:
+    count = int(ring.counts[slot])
+    pixels = torch.from_numpy(ring.images[slot, :count].copy()).permute(0, 3, 1, 2).float() / 255
+    return (pixels - IMAGENET_MEAN) / IMAGENET_STD
+
+
+def take_all(loader: DeviceLoader, ops: FakeOps, slots: list[int]) -> list[torch.Tensor]:
+    images = []
+    for slot in slots:
+        ops.log.append(("take", slot))
+        batch, labels, ids = loader.take(slot, lambda s: ops.log.append(("release", s)))
+        assert labels.tolist() == list(ring_labels(loader.ring, slot))
+        assert ids.tolist() == loader.ring.ids[slot, :len(ids)].tolist()
+        images.append(batch)
+    return images
+
+
+def ring_labels(ring: SlotRing, slot: int) -> np.ndarray:
+    return ring.labels[slot, :int(ring.counts[slot])]
+
+
+def test_batches_arrive_normalized_and_complete(ring):
+    ops = FakeOps()
+    loader = DeviceLoader(ring, torch.device("cpu"), ops=ops)
+    slots = [0, 1, 2, 0, 1, 2, 0]
+    for slot, images in zip(slots, take_all(loader, ops, slots)):
+        torch.testing.assert_close(images, expected_images(ring, slot))
+
+
+def test_a_staging_buffer_is_rewritten_only_after_its_copy_completed(ring):
+    ops = FakeOps()
+    loader = DeviceLoader(ring, torch.device("cpu"), ops=ops)
+    take_all(loader, ops, [0, 1, 2, 0, 1, 2, 0])
+    assert not ops.violations
+    assert len(loader.staging) >= 2
+    syncs = [entry for entry in ops.log if entry[0] == "sync"]
+    assert len(syncs) == 7 - len(loader.staging)  # one per reuse, none for a buffer's first use
+
+
+def test_copies_run_on_the_side_stream_and_compute_waits_for_them(ring):
+    ops = FakeOps()
+    loader = DeviceLoader(ring, torch.device("cpu"), ops=ops)
+    take_all(loader, ops, [0, 1, 2, 0])
+    log = ops.log
+    copies = [i for i, entry in enumerate(log) if entry[0] == "copy"]
+    assert copies and all(log[i][1] == "copy" for i in copies)
+    for take in _per_take(log):
+        kinds = [entry[0] for entry in take]
+        release, first_copy = kinds.index("release"), kinds.index("copy")
+        assert release < first_copy  # the slot goes back before any device work
+        copied = next(e[1] for e in take if e[0] == "record" and e[2] == "copy")
+        waited = kinds.index("wait", first_copy)
+        assert take[waited][1:] == ("compute", copied)  # the compute stream waits for this copy's event
+
+
+def test_a_device_buffer_is_overwritten_only_after_the_compute_that_read_it(ring):
+    ops = FakeOps()
+    loader = DeviceLoader(ring, torch.device("cpu"), ops=ops)
+    take_all(loader, ops, [0, 1, 2, 0, 1])
+    used_by_buffer: dict[int, FakeEvent] = {}
+    for take in _per_take(ops.log):
+        destination = next(e[3] for e in take if e[0] == "copy")
+        before_copy = take[:[e[0] for e in take].index("copy")]
+        if destination in used_by_buffer:
+            assert ("wait", "copy", used_by_buffer[destination]) in before_copy
+        used_by_buffer[destination] = next(e[1] for e in take if e[0] == "record" and e[2] == "compute")
+
+
+def _per_take(log: list[tuple]) -> list[list[tuple]]:
+    """The log cut into one part per `take`."""
+    takes: list[list[tuple]] = []
+    for entry in log:
+        if entry[0] == "take":
+            takes.append([])
+        else:
+            takes[-1].append(entry)
+    return takes
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_memory_format_is_a_decision(ring, channels_last):
+    """A permuted NHWC buffer is channels_last by accident; the model gets what the setting says."""
+    for ops in (CpuOps(), FakeOps()):
+        loader = DeviceLoader(ring, torch.device("cpu"), channels_last=channels_last, ops=ops)
+        images, _, _ = loader.take(0, lambda slot: None)
+        assert images.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert images.is_contiguous() != channels_last
+
+
+def test_step_times_are_device_times_not_host_times():
+    """A collective that only enqueues returns at once on the host; the events say how long the device spent."""
+    ops = FakeOps()
+    clock = StepClock(ops)
+    clock.begin(host_wait_s=5.0)  # the host waited, but the device was still busy with earlier steps
+    clock.fed()
+    ops.work(0.030)  # forward, backward, step
+    clock.computed()
+    ops.work(0.012)  # the all_reduce
+    first = clock.end(averaged=True)
+    ops.clock["compute"] += 0.004  # the device idles 4 ms: its input was late
+    clock.begin(host_wait_s=0.0)
+    ops.clock["compute"] += 0.001  # and 1 ms more for the host-to-device copy
+    clock.fed()
+    ops.work(0.030)
+    clock.computed()
+    second = clock.end(averaged=False)
+    times = clock.seconds(first)
+    assert (times.wait_s, times.compute_s, times.averaging_s) == pytest.approx((0.0, 0.030, 0.012))
+    times = clock.seconds(second)
+    assert (times.wait_s, times.compute_s, times.averaging_s) == pytest.approx((0.005, 0.030, 0.0))
+
+
+def test_on_the_cpu_a_step_is_timed_by_the_host():
+    clock = StepClock(CpuOps())
+    clock.begin(host_wait_s=0.25)
+    clock.fed()
+    clock.computed()
+    times = clock.seconds(clock.end(averaged=True))
+    assert times.wait_s == 0.25 and times.compute_s >= 0 and times.averaging_s >= 0
+
+
+class _Outbox:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def _replica_on(ops: FakeOps, ring: SlotRing):
+    """A consumer's training steps on a device that runs behind the host (world of one: no process group)."""
+    from types import SimpleNamespace
+
+    from stoker.accel import MixedPrecision
+    from stoker.averager import Averager
+    from stoker.consumer import REPORT_EVERY_ASYNC, Replica
+    from stoker.models import build_model
+
+    replica = Replica.__new__(Replica)
+    replica.setup = SimpleNamespace(rank=0, local_rank=0, lr=0.01, schedule="constant", total_steps=100,
+                                    check_replicas_every=0)
+    replica.model = replica.forward = build_model("resnet8", 30)  # the ring fixture has labels up to 23
+    replica.averager = Averager(replica.model, 1, 1, 4)
+    replica.optimizer = torch.optim.SGD(replica.model.parameters(), lr=0.01)
+    replica.precision = MixedPrecision("fp32", torch.device("cpu"))
+    replica.outbox = _Outbox()
+    replica.loader = DeviceLoader(ring, torch.device("cpu"), ops=ops)
+    replica.clock = StepClock(ops)
+    replica.steady_report_every, replica.report_every = REPORT_EVERY_ASYNC, 1
+    replica.unreported, replica.first_wait_s, replica.device = [], None, torch.device("cpu")
+    return replica
+
+
+def test_a_gpu_consumer_reads_the_device_once_per_group_of_steps(ring):
+    """No synchronization per step: after the first step (reported at once, the controller times the run from it)
+    steps are reported in groups, each read with one synchronization."""
+    from stoker.consumer import REPORT_EVERY_ASYNC, Batch, StepReport
+
+    ops = FakeOps()
+    replica = _replica_on(ops, ring)
+    reported = []
+    for step in range(1 + 2 * REPORT_EVERY_ASYNC):
+        replica.train_step(Batch("train", 0, step, step, step % 3, 4), wait_s=0.0)
+        reported.append(sum(isinstance(m, StepReport) for m in replica.outbox.sent))
+    assert reported[0] == 1
+    assert reported[1:REPORT_EVERY_ASYNC] == [1] * (REPORT_EVERY_ASYNC - 1)
+    assert reported[REPORT_EVERY_ASYNC] == 1 + REPORT_EVERY_ASYNC
+    assert reported[-1] == 1 + 2 * REPORT_EVERY_ASYNC
+    steps = [m.global_step for m in replica.outbox.sent if isinstance(m, StepReport)]
+    assert steps == list(range(1 + 2 * REPORT_EVERY_ASYNC))  # in order, none lost
