@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 
 def resolve_devices(spec: str) -> list[str]:
     """One device string per consumer; asking for a GPU that is not there is a user error, raised here."""
+    import torch  # here: the other helpers count cores for commands that never touch a device (`--help`)
+
     if spec == "auto":
         return resolve_devices("cuda") if torch.cuda.is_available() else ["cpu"] * default_cpu_consumers()
     if spec.startswith("cpu:"):

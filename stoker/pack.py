@@ -22,6 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from stoker.dataset import list_image_folder
+from stoker.devices import available_cores
 from stoker.procs import CONTEXT
 from stoker.shards import CLASSES_FILE
 from stoker.sources import log_refused
@@ -54,7 +55,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0) -> list[Pat
     out.mkdir(parents=True, exist_ok=True)
     width = max(6, len(str(len(plan) - 1)))
     targets = [out / f"shard-{i:0{width}d}.tar" for i in range(len(plan))]
-    workers = min(workers or len(os.sched_getaffinity(0)), len(plan))  # stoker.devices would import torch
+    workers = min(workers or available_cores(), len(plan))
     with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
         if workers <= 1:
             for target, shard in zip(targets, plan):
