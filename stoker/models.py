@@ -18,14 +18,18 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
-        self.shortcut = nn.Identity()
-        if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
-                                          nn.BatchNorm2d(out_channels))
+        self.shortcut = _shortcut(in_channels, out_channels, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
         return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+def _shortcut(in_channels: int, out_channels: int, stride: int) -> nn.Module:
+    """The identity, or a 1x1 projection where the block changes the resolution or the width."""
+    if stride == 1 and in_channels == out_channels:
+        return nn.Identity()
+    return nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels))
 
 
 class Bottleneck(nn.Module):
@@ -43,10 +47,7 @@ class Bottleneck(nn.Module):
         self.bn2 = nn.BatchNorm2d(width)
         self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
         self.bn3 = nn.BatchNorm2d(out_channels)
-        self.shortcut = nn.Identity()
-        if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
-                                          nn.BatchNorm2d(out_channels))
+        self.shortcut = _shortcut(in_channels, out_channels, stride)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
