@@ -161,6 +161,12 @@ class Autoscaler:
         self._trial = _Trial(window.producers, rate, stall)
         return self._change(+1, f"consumers wait: {summary}; forking{past}", measurement)
 
+    def fork_refused(self) -> None:
+        """The pool could not fork now (a retiring producer still holds its row until it exits): there is no
+        trial to judge and nothing to settle; the next window asks again."""
+        self._trial = None
+        self._settling = 0
+
     def _count_down_hold(self) -> None:
         if self._hold > 0:
             self._hold -= 1

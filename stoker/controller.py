@@ -535,9 +535,12 @@ class Controller:
             producers=self.split.producers, samples=window.samples, steps=window.steps,
             train_s=(window.wait_s + window.compute_s + window.averaging_s) / self.num_consumers))
         self.metrics.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
-        if decision.change > 0:
-            self.pool.grow()
-        elif decision.change < 0:
+        if decision.change > 0 and self.pool.grow() is None:
+            self.autoscaler.fork_refused()
+            self.metrics.write("autoscale", change=0, reason="no free producer row yet (one is retiring): "
+                                                              "asking again next window")
+            return
+        if decision.change < 0:
             self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
             self._record_producers(decision.reason, decision.measurement)

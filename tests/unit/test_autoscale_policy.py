@@ -50,6 +50,23 @@ def test_a_fork_that_did_not_pay_is_retired_newest_first_and_tried_again_later()
     assert feed(scaler, [window(2, 0.52, 320.0)] * 2) == [0, 1]  # the hold ran out: measure again
 
 
+def test_a_fork_the_pool_refused_is_not_judged_and_is_asked_again():
+    # At the count limit a retiring producer keeps its row until it exits: the pool cannot fork yet. No producer
+    # started, so no measurement may retire one (a real producer) or hold the count down as if it had not paid.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    assert scaler.decide(ONE[0]).change == 0
+    assert scaler.decide(ONE[1]).change == 1
+    scaler.fork_refused()
+    assert feed(scaler, ONE) == [0, 1]  # still one producer and waiting: measured again, asked again
+    scaler.fork_refused()
+    for measured in ONE * 4:  # the retiring producer is slow to exit: every fork is refused
+        decision = scaler.decide(measured)
+        assert decision.change >= 0, decision.reason
+        if decision.change:
+            scaler.fork_refused()
+    assert scaler.limit == 6
+
+
 def test_recorded_fork_that_slowed_the_consumers_is_retired():
     # Recorded here under load from other processes: the second producer made things worse.
     scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
