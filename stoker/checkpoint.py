@@ -15,6 +15,8 @@ import json
 import logging
 import os
 import shutil
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,10 @@ class Position:
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank}.pt"
+
+
+def step_of(folder: Path) -> int:
+    return int(folder.name.rsplit("_", 1)[1])
 
 
 def checkpoint_dir(run_dir: Path, global_step: int, temporary: bool = False) -> Path:
@@ -106,6 +112,36 @@ def commit(temporary: Path, final: Path, meta: dict[str, Any], keep: int) -> Non
     os.replace(temporary, final)
     fsync_dir(final.parent)
     _prune(final.parent, keep)
+
+
+class BackgroundCommits:
+    """Checkpoint commits (the controller's files, meta.json, fsync, rename) on one thread, in order. On a slow
+    disk a commit in the controller's loop held up the delivery of batches: a consumer whose next batch was stuck
+    behind it left its peers waiting in the collective until it timed out."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="stoker-checkpoint")
+        self._pending: deque[Future] = deque()
+
+    def submit(self, temporary: Path, final: Path, meta: dict[str, Any], extra: dict[str, bytes], keep: int) -> None:
+        self._pending.append(self._pool.submit(_commit_with, temporary, final, meta, extra, keep))
+
+    def committed(self, wait: bool = False) -> list[Path]:
+        """The checkpoints committed since the last call, in order; a failed commit raises its error here."""
+        done = []
+        while self._pending and (wait or self._pending[0].done()):
+            done.append(self._pending.popleft().result())
+        return done
+
+    def close(self) -> None:
+        """Idempotent: lets the commits under way finish (a checkpoint is not left half-made by a normal stop)."""
+        self._pool.shutdown(wait=True)
+
+
+def _commit_with(temporary: Path, final: Path, meta: dict[str, Any], extra: dict[str, bytes], keep: int) -> Path:
+    files = {name: write_atomic(temporary / name, payload) for name, payload in extra.items()}
+    commit(temporary, final, {**meta, "files": {**meta["files"], **files}}, keep)
+    return final
 
 
 def discard_incomplete(run_dir: Path) -> None:

@@ -21,8 +21,18 @@ from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
 from stoker.config import RUN_CONFIG_FILE, TrainConfig
-from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
-                             StepReport, ValReport, consumer_main)
+from stoker.consumer import (
+    ConsumerFailed,
+    ConsumerSetup,
+    Finish,
+    Finished,
+    Save,
+    Saved,
+    SlotFree,
+    StepReport,
+    ValReport,
+    consumer_main,
+)
 from stoker.dataset import Skipped
 from stoker.devices import available_cores, resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
@@ -32,15 +42,23 @@ from stoker.metrics import MetricsLog, RunStats, time_shares
 from stoker.models import check_model
 from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool, check_hang_timeout
-from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
-                          stop_processes)
+from stoker.procs import (
+    CONTEXT,
+    POLL_S,
+    Mailbox,
+    StokerRunError,
+    describe_exit,
+    name_process,
+    start,
+    stop_processes,
+)
 from stoker.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
 from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
 from stoker.sources import load_source, log_refused, split_source
-from stoker.summary import Ledger, exactly_once_breach
+from stoker.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
 from stoker.waiting import waiting
 
 log = logging.getLogger(__name__)
@@ -143,6 +161,8 @@ class Controller:
         self.delivered = [0] * self.num_consumers  # batches handed over and not yet taken, per consumer
         self.pending_saves: dict[int, dict[int, dict[str, str]]] = {}
         self.last_checkpoint: Path | None = None
+        self.commits = checkpoint.BackgroundCommits()
+        self.commit_failure: str | None = None  # a commit that failed while closing
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
@@ -185,9 +205,14 @@ class Controller:
         except (StokerRunError, OSError) as failure:
             status, error = "failed", str(failure)
             log.error("run failed: %s", failure)
+        except Exception as failure:  # a bug, or a malformed message from another machine: still a summary
+            status, error = "failed", f"internal error: {type(failure).__name__}: {failure}"
+            log.exception("run failed with an internal error")
         finally:
             self.lifecycle.closing()
             self.close()
+        if self.commit_failure and status != "failed":
+            status, error = "failed", self.commit_failure
         if self.cluster.multi and status != "failed" and not forced:
             error = self._gather_machines()
             status = "failed" if error else status
@@ -209,12 +234,15 @@ class Controller:
         an error when a machine could not report."""
         try:
             parts = cluster.gather_to_leader(self.cluster, (self.stats.export(), self.final_digests))
+            for stats, digests in (parts or [])[1:]:
+                self.stats.merge(stats)
+                self.final_digests.update(digests)
         except RuntimeError as error:  # a machine stopped before the end: its peers' collective says so
             log.error("could not gather the other machines' accounting: %s", error)
             return f"a machine stopped before reporting its accounting ({error})"
-        for stats, digests in (parts or [])[1:]:
-            self.stats.merge(stats)
-            self.final_digests.update(digests)
+        except (ValueError, TypeError, KeyError) as error:  # a machine sent accounting of another shape
+            log.error("another machine's accounting could not be merged: %s", error)
+            return f"a machine sent accounting that could not be merged ({type(error).__name__}: {error})"
         return None
 
     def _write_report(self) -> None:
@@ -304,6 +332,7 @@ class Controller:
             self._deliver(window)
             self._handle_messages(window)
             self._check_processes()
+            self._record_commits()
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
                 self._close_window(window, time.monotonic() - window_started)
                 window_started, window = time.monotonic(), _WindowTotals()
@@ -450,12 +479,23 @@ class Controller:
                 "config": self.config.as_json(), "classes": list(self.data.train.classes)}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
         temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
+        extra = {}
         if not self.cluster.multi:  # several machines: the others' accounting reaches this one only at the end
-            name, digest = self.ledger.write_snapshot(self.stats, message.global_step, temporary)
-            files[name] = digest
-        checkpoint.commit(temporary, final, meta, KEEP_CHECKPOINTS)
-        self.last_checkpoint = final
-        self.metrics.write("checkpoint", path=final, step=message.global_step)
+            extra[ACCOUNTING_FILE] = self.ledger.snapshot(self.stats, message.global_step)
+        self.commits.submit(temporary, final, meta, extra, KEEP_CHECKPOINTS)
+
+    def _finish_commits(self) -> None:
+        try:
+            self._record_commits(wait=True)
+        except OSError as error:
+            log.error("could not commit the last checkpoint: %s", error)
+            self.commit_failure = str(error)
+        self.commits.close()
+
+    def _record_commits(self, wait: bool = False) -> None:
+        for final in self.commits.committed(wait):
+            self.last_checkpoint = final
+            self.metrics.write("checkpoint", path=final, step=checkpoint.step_of(final))
 
     def _check_processes(self) -> None:
         for rank, process in enumerate(self.consumers):
@@ -607,6 +647,7 @@ class Controller:
         self.mailbox.close()
         if self.ring is not None:
             self.ring.close()
+        self._finish_commits()
         checkpoint.discard_incomplete(self.run_dir)
         if self.local_store is not None:
             self.local_store.close()

@@ -13,6 +13,7 @@ the current entry is replaced atomically, so a reader never sees half an index.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -65,7 +66,10 @@ class PackedIndex:
 
     def __init__(self, folder: Path, part: str | None = None) -> None:
         self.folder, self.part = Path(folder), part
-        meta = json.loads((self.folder / "meta.json").read_text())
+        # A shared lock for as long as this process maps the entry: a later start's clean-up leaves it alone.
+        self._in_use = open(self.folder / "meta.json", "rb")  # noqa: SIM115 (closed with this object)
+        fcntl.flock(self._in_use, fcntl.LOCK_SH)
+        meta = json.loads(self._in_use.read())
         self.classes: tuple[str, ...] = tuple(meta["classes"])
         self.base: str = meta["base"]
         self.shards: tuple[str, ...] = tuple(meta["shards"])
@@ -275,7 +279,7 @@ def _save_atomically(path: Path, array: np.ndarray) -> None:
 
 def _remove_stale(cache: Path, keep: str) -> None:
     """Entries a day past being current go: superseded ones of this key, and those of data that no longer exists.
-    (Not at once: a run still going may start a producer that maps its entry.)"""
+    (Not at once, and never one a live process maps: a run still going may start a producer that maps it.)"""
     cutoff = time.time() - STALE_ENTRY_S
     current = {keep}
     for pointer in cache.glob("*.json"):
@@ -289,6 +293,20 @@ def _remove_stale(cache: Path, keep: str) -> None:
         else:
             current.add(stamp["entry"])
     for entry in cache.iterdir():
-        stale = entry.name not in current and entry.name != SHARDS_FOLDER and entry.stat().st_mtime < cutoff
-        if entry.is_dir() and stale:
+        try:
+            stale = entry.name not in current and entry.name != SHARDS_FOLDER and entry.stat().st_mtime < cutoff
+        except OSError:  # another start removed it meanwhile
+            continue
+        if entry.is_dir() and stale and not _mapped_by_a_live_process(entry):
             shutil.rmtree(entry, ignore_errors=True)
+
+
+def _mapped_by_a_live_process(entry: Path) -> bool:
+    try:
+        with open(entry / "meta.json", "rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # no meta.json: a half-written entry, nothing maps it
+        return False
+    return False

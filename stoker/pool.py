@@ -22,6 +22,7 @@ from stoker.ring import SlotRing
 log = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT = 2  # one being built, one waiting: a producer never idles between tasks
+RETIRED_REPORTS_GRACE_S = 5.0
 # A crash loop (every new producer dies at once) ends the run; losses spread over a long run never do.
 MAX_LOSSES_WITHOUT_PROGRESS = 8
 _EXTERNAL_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT)
@@ -38,6 +39,7 @@ class Handle:
     in_flight: dict[int, Task] = field(default_factory=dict)
     retiring: bool = False
     busy_s: float = 0.0
+    exited_ns: int | None = None  # when a retiring producer was first seen exited cleanly
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,8 @@ class ProducerPool:
         self._reap_retired()
         for handle in list(self.handles.values()):
             process = handle.process
+            if self._retired_with_reports_in_its_pipe(handle, now):
+                continue
             if not process.is_alive():
                 losses.append(self._lose(handle, describe_exit(process), process.exitcode in _EXTERNAL_SIGNALS))
             elif self._hung(handle, now):
@@ -141,6 +145,14 @@ class ProducerPool:
                 process.join(timeout=5)
                 losses.append(self._lose(handle, f"hung for over {self.hang_timeout_s:.0f} s", False))
         return losses
+
+    def _retired_with_reports_in_its_pipe(self, handle: Handle, now: int) -> bool:
+        """A retiring producer exits (code 0) right after sending its last results, which the mailbox may not
+        have read yet: not a loss, for a grace period; it is reaped once they arrive."""
+        if not (handle.retiring and handle.process.exitcode == 0):
+            return False
+        handle.exited_ns = handle.exited_ns or now
+        return (now - handle.exited_ns) / 1e9 < RETIRED_REPORTS_GRACE_S
 
     def _reap_retired(self) -> None:
         """Free the rows of retired producers that finished their work and exited."""

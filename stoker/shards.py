@@ -238,7 +238,10 @@ def _plain_members(data) -> tuple[list[Member], str] | None:
             return None
         if not _checksum_holds(header):
             return members, "a damaged header (its checksum does not add up)"
-        size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
+        try:
+            size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
+        except ValueError:
+            return members, "a damaged header (its size is not a number)"
         start = offset + TAR_BLOCK
         if start + size > end:
             return members, "a member cut short"
@@ -268,12 +271,22 @@ def _tarfile_members(path: str, size: int) -> tuple[list[Member], str]:
                 member = archive.next()
             except tarfile.ReadError as error:  # a header cut short
                 return members, f"a header cut short ({error})"
-            if member is None:
-                return members, ""
+            if member is None:  # an end-of-archive block, or (tarfile does not tell) a header cut or damaged
+                return members, _end_problem(path, archive.offset)
             if member.offset_data + member.size > size:
                 return members, "a member cut short"
             if member.isfile():
                 members.append((member.name, member.offset_data, member.size))
+
+
+def _end_problem(path: str, offset: int) -> str:
+    """'' when the archive ends where tarfile stopped with its end-of-archive marker, else what went wrong."""
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        block = handle.read(TAR_BLOCK)
+    if block == _ZERO_BLOCK:
+        return ""
+    return "a header cut short" if len(block) < TAR_BLOCK else "a damaged header, or no end-of-archive marker"
 
 
 def _split_name(name: str) -> tuple[str, str, str]:

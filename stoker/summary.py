@@ -52,6 +52,10 @@ class Ledger:
 
     def write_snapshot(self, stats: RunStats, global_step: int, folder: Path) -> tuple[str, str]:
         """Write the accounting at `global_step` into a checkpoint folder; returns (file name, checksum)."""
+        return ACCOUNTING_FILE, write_atomic(folder / ACCOUNTING_FILE, self.snapshot(stats, global_step))
+
+    def snapshot(self, stats: RunStats, global_step: int) -> bytes:
+        """The accounting at `global_step`, as the bytes of the checkpoint's accounting file."""
         self.checkpointed(global_step)
         epochs = {e: EpochAccount(a.counts.copy(), a.expected, a.skipped_ids, a.loss_sum)
                   for e, a in stats.epochs.items()}
@@ -71,7 +75,7 @@ class Ledger:
                             counts=split.counts if split else np.zeros(0, np.int32),
                             expected=split.expected if split else np.zeros(0, bool),
                             skipped_ids=np.array(sorted(split.skipped_ids) if split else [], np.int64))
-        return ACCOUNTING_FILE, write_atomic(folder / ACCOUNTING_FILE, buffer.getvalue())
+        return buffer.getvalue()
 
     def resume(self, checkpoint: Path, run_dir: Path, stats: RunStats) -> None:
         """Start from a checkpoint's accounting (the split epoch's counts go into `stats`) and the segments of the

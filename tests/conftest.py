@@ -21,6 +21,10 @@ from stoker.ring import live_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
+# Hidden for the whole session, from before any fixture runs (module- and session-scoped ones start runs too); a
+# `gpu` test gets the devices back (`pinned_to_cpu`), and the probe asks with them visible.
+VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:
@@ -54,7 +58,8 @@ def cuda_device_count() -> int:
     """Asked in a child process: querying CUDA here would initialise the driver in the test process before a CPU
     test can hide the GPUs from it."""
     probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
-    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env=_with_visible_devices(os.environ)).stdout.strip()
     return int(answer) if answer.isdigit() else 0
 
 
@@ -62,9 +67,17 @@ def cuda_device_count() -> int:
 def pinned_to_cpu(request, monkeypatch):
     """A test without the `gpu` marker runs on the CPU even on a GPU machine: everything it starts (the CLI,
     `stoker.train`'s processes) sees no CUDA device, so `--devices auto` means CPU consumers and gloo there too."""
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    if request.node.get_closest_marker("gpu") is not None:
+        if VISIBLE_DEVICES is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", VISIBLE_DEVICES)
     yield
+
+
+def _with_visible_devices(environment) -> dict:
+    environment = {k: v for k, v in environment.items() if k != "CUDA_VISIBLE_DEVICES"}
+    return environment if VISIBLE_DEVICES is None else {**environment, "CUDA_VISIBLE_DEVICES": VISIBLE_DEVICES}
 
 
 @pytest.fixture(autouse=True)

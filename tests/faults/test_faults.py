@@ -100,7 +100,7 @@ def test_consumer_killed_before_averaging_fails_cleanly_and_resume_continues(tex
     run_cli("train", "--resume", str(run_dir), "--devices", "cpu:2", "--quiet")
     resumed = read_summary(run_dir)
     assert resumed["status"] == "completed" and resumed["start_step"] == 8
-    assert resumed["samples_consumed"] == [120]
+    assert resumed["samples_consumed"] == [120, 120]  # the whole run: epoch 1 before the kill, epoch 2 resumed
 
 
 def test_controller_killed_children_exit_and_next_start_sweeps_its_segment(textures, tmp_path):

@@ -100,7 +100,7 @@ def test_sigterm_to_the_whole_process_group_ends_interrupted_with_a_checkpoint(t
     result = run_in_own_group(*train_args(textures, run_dir, "--devices", "cpu:2", "--producers", "2",
                                           "--epochs", "1"), env=fault("consumer:term-group:rank=1,step=3;"))
     summary = assert_interrupted_with_a_checkpoint(result, run_dir)
-    assert "SIGTERM: finishing the current step" in result.stderr
+    assert "SIGTERM: stopping after the current step (SIGTERM again to stop now)" in result.stderr
     assert int(summary["checkpoint"].rsplit("_", 1)[1]) >= 3  # where the stop fell: the furthest step started
 
 

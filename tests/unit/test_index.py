@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import pickle
@@ -9,6 +10,7 @@ import pickle
 import numpy as np
 
 from stoker.dataset import scan_image_folder, split_validation
+from stoker import index as stoker_index
 from stoker.index import PackedIndex, load_image_folder
 from stoker.procs import CONTEXT
 from stoker.sources import split_source
@@ -112,3 +114,16 @@ def test_a_tree_with_a_broken_link_is_listed_again_every_run(tmp_path):
     for folder, mtime in times.items():  # every directory as recorded: only the link's target differs
         os.utime(folder, ns=(mtime, mtime))
     assert len(load_image_folder(root, cache=tmp_path / "cache")) == 19  # later.jpg, and link.jpg now resolves
+
+
+def test_a_superseded_entry_is_removed_only_once_no_live_process_maps_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(stoker_index, "STALE_ENTRY_S", -1)  # superseded is stale at once (it is a day, normally)
+    make_tree(tmp_path / "data")  # changed just now: every load lists it again and supersedes the entry before
+    mapped = load_image_folder(tmp_path / "data", cache=tmp_path / "cache")  # a long run still maps this one
+    dropped = load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
+    dropped_folder = dropped.folder
+    del dropped
+    gc.collect()
+    load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
+    assert mapped.folder.exists() and mapped.read(0) == b"ant 0"
+    assert not dropped_folder.exists()

@@ -101,6 +101,20 @@ def test_truncated_shard_is_indexed_up_to_its_last_whole_member(tmp_path):
     assert any(s.path == str(tmp_path / "a.tar") and "truncated" in s.reason for s in index.skipped)
 
 
+def test_pax_shard_cut_inside_a_header_is_listed_as_truncated(tmp_path):
+    """Long names make pax headers, which Python's tarfile reads; it ends a cut archive as if it were whole."""
+    folder = "class_" + "x" * 120
+    members = [(f"{folder}/k{n}.{ext}", b"%d" % n if ext == "cls" else b"img") for n in range(3) for ext in ("jpg", "cls")]
+    write_tar(tmp_path / "a.tar", members, tarfile.PAX_FORMAT)
+    with tarfile.open(tmp_path / "a.tar") as archive:
+        last = archive.getmembers()[-1]
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "a.tar").write_bytes(data[:last.offset + 100])  # inside the pax header of the last member
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert len(index) == 2
+    assert any(s.path == str(tmp_path / "a.tar") and "truncated" in s.reason for s in index.skipped), index.skipped
+
+
 def test_shard_index_is_cached_until_a_shard_changes(tmp_path):
     shard = tmp_path / "a.tar"
     write_tar(shard, [("k.jpg", b"x"), ("k.cls", b"0")])
