@@ -21,18 +21,8 @@ from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
 from stoker.config import RUN_CONFIG_FILE, TrainConfig
-from stoker.consumer import (
-    ConsumerFailed,
-    ConsumerSetup,
-    Finish,
-    Finished,
-    Save,
-    Saved,
-    SlotFree,
-    StepReport,
-    ValReport,
-    consumer_main,
-)
+from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
+                             StepReport, ValReport, consumer_main)
 from stoker.dataset import Skipped
 from stoker.devices import available_cores, resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
@@ -42,16 +32,8 @@ from stoker.metrics import MetricsLog, RunStats, time_shares
 from stoker.models import check_model
 from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool, check_hang_timeout
-from stoker.procs import (
-    CONTEXT,
-    POLL_S,
-    Mailbox,
-    StokerRunError,
-    describe_exit,
-    name_process,
-    start,
-    stop_processes,
-)
+from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
+                          stop_processes)
 from stoker.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.progress import ProgressView, Snapshot
 from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
