@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stoker.backward_average import BackwardAverage
+from stoker.backward_average import GROUP_BYTES, BackwardAverage
+
+GPU_GROUP_BYTES = 25 << 20
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,8 @@ class Averager:
         self.outer = OuterOptimizer(outer, parameters) if outer is not None else None
         self.delayed = DelayedAverage(self.float_buckets, world_size) if overlap and world_size > 1 else None
         hide = in_backward and world_size > 1 and outer is None and not overlap
-        self.backward = BackwardAverage(model, self.float_buckets, world_size) if hide else None
+        self.backward = BackwardAverage(model, self.float_buckets, world_size,
+                                        _group_bytes(self.float_buckets)) if hide else None
 
     @property
     def replicas_agree(self) -> bool:
@@ -255,3 +258,11 @@ class OuterOptimizer:
     def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
         for mine, saved in [*zip(self.anchor, state["anchor"]), *zip(self.velocity, state["velocity"])]:
             mine.copy_(saved)
+
+
+def _group_bytes(buckets: list[torch.Tensor]) -> int:
+    """Groups averaged during backward: small on the CPU, where each all_reduce is cheap to start and the backward
+    of a small model is short; on a GPU each group costs an optimizer step and an NCCL launch, so groups of
+    DDP's bucket size (25 MB) keep them to a few per step."""
+    on_gpu = bool(buckets) and buckets[0].is_cuda
+    return GPU_GROUP_BYTES if on_gpu else GROUP_BYTES

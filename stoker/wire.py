@@ -17,6 +17,7 @@ import torch.distributed as dist
 _DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in vars(torch).values()
            if isinstance(dtype, torch.dtype)}
 _LENGTH = torch.int64
+MAX_MESSAGE_BYTES = 64 << 30  # a replica's state with its optimizer: far below; a peer cannot claim more
 _SCALARS = (type(None), bool, int, float, str)
 
 
@@ -63,7 +64,10 @@ def send(value: Any, dst: int, device: torch.device) -> None:
 def recv(src: int, device: torch.device) -> Any:
     size = torch.empty(1, dtype=_LENGTH, device=device)
     dist.recv(size, src)
-    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    claimed = int(size.item())
+    if not 0 <= claimed <= MAX_MESSAGE_BYTES:
+        raise WireError(f"rank {src} announced a message of {claimed} bytes (at most {MAX_MESSAGE_BYTES} accepted)")
+    buffer = torch.empty(claimed, dtype=torch.uint8, device=device)
     dist.recv(buffer, src)
     return unpack(buffer)
 
