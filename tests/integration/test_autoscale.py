@@ -29,13 +29,15 @@ def test_slow_input_adds_producers_past_the_free_cores_while_consumers_wait(text
     summary = run(textures, tmp_path / "auto", "--epochs", "14", "--producers", "auto", "--max-producers", "6",
                   env=SLOW_INPUT)
     assert summary["producers_initial"] == 1  # and 1 is what the cores the CPU consumer leaves free hold (2 cores)
-    assert 3 <= summary["producers_max"] <= 6 and summary["producers_final"] >= 2
+    assert 3 <= summary["producers_max"] <= 6 and summary["producers_final"] >= 3
     changes = summary["producers_timeline"][1:]
     assert "wait" in changes[0]["reason"] and changes[0]["producers"] == 2
     assert all({"stall", "samples_per_s", "rate_at_count"} <= set(c["measurement"]) for c in changes)
     late = steps(tmp_path / "auto")[-60:]  # after warm-up
     stall = sum(s["wait_s"] for s in late) / sum(s["wait_s"] + s["compute_s"] + s["averaging_s"] for s in late)
-    assert stall < 0.25, stall  # one producer leaves the consumer waiting about 85% of the time
+    # A producer reads ~16 files/s, the consumer takes up to 160 samples/s: one producer leaves it waiting about 90%
+    # of the time, three 70%, six (the most allowed) 40%; a loaded machine slows the consumer and lowers all three.
+    assert stall < 0.75, stall
 
     fixed = run(textures, tmp_path / "fixed", "--epochs", "14", "--producers", "3", env={})  # fast input
     assert fixed["producers_max"] == 3
