@@ -48,8 +48,9 @@ class Waiting:
     """The count of one wait; `advance` and `update` from the code that waits."""
 
     def __init__(self, description: str, total: int | None, unit: str, bar: Progress | None,
-                 rate: bool = True) -> None:
+                 rate: bool = True, silent: bool = False) -> None:
         self.description = description
+        self.silent = silent  # a wait inside another: counted, never shown (the outer one is)
         self.total = total
         self.unit = unit
         self.rate = rate
@@ -68,6 +69,8 @@ class Waiting:
             self._push(now)
 
     def _push(self, now: float) -> None:
+        if self.silent:
+            return
         self._last_push = now
         if self._bar is not None:
             self._bar.update(self._task, completed=self.count)
@@ -90,8 +93,8 @@ def waiting(description: str, total: int | None = None, unit: str = "files", rat
             ) -> Iterator[Waiting]:
     """`rate=False` for a wait counted in seconds (a soak test), where a rate says nothing."""
     global _current
-    if _current is not None:  # one bar at a time
-        yield _current
+    if _current is not None:  # one bar at a time: the outer wait's (a benchmark's runs, not each run's scan)
+        yield Waiting(description, total, unit, None, rate, silent=True)
         return
     stderr = StderrAbove() if sys.stderr.isatty() else None
     bar = _bar(stderr, total is not None, unit, rate) if stderr is not None else None

@@ -39,14 +39,17 @@ def test_off_a_terminal_log_lines_carry_the_count_and_the_rate(every_update_show
     assert re.search(r"\(([\d,.]+ images/s|[\d.]+ s each)\)$", lines[-1]), lines[-1]
 
 
-def test_a_wait_inside_another_reports_into_it(every_update_shows, caplog):
+def test_a_wait_inside_another_is_counted_apart_and_not_shown(every_update_shows, caplog):
+    # A benchmark counts its runs; each run scans its files inside: the runs' count must stay a count of runs.
     caplog.set_level(logging.INFO, logger="stoker")
-    with waiting.waiting("scanning /data", unit="files") as outer:
-        with waiting.waiting("scanning /data/train", unit="files") as inner:
-            inner.advance(5)
-        outer.advance(2)
-    assert outer is inner and outer.count == 7
-    assert caplog.records[-1].getMessage().startswith("scanning /data: 7 files in")
+    with waiting.waiting("bench autoscale", total=5, unit="runs") as outer:
+        with waiting.waiting("indexing /data/train", unit="files") as inner:
+            inner.advance(96)
+        outer.advance()
+    assert outer is not inner and (outer.count, inner.count) == (1, 96)
+    messages = [record.getMessage() for record in caplog.records]
+    assert not any("indexing" in message for message in messages), messages
+    assert messages[-1].startswith("bench autoscale: 1/5 runs in")
 
 
 BAR_SCRIPT = """
