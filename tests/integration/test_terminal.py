@@ -21,8 +21,8 @@ def stoker_in_terminal(textures, out, *extra: str, env: dict | None = None, on_o
     train_dir, val_dir = textures
     environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    **(env or {})}
-    return run_in_terminal([sys.executable, "-m", "stoker", "train", "--data", str(train_dir), "--val", str(val_dir), "--batch-size", "8",
-                            "--image-size", "32", "--out", str(out), *extra], env=environment,
+    return run_in_terminal([sys.executable, "-m", "stoker", "train", "--data", str(train_dir), "--val", str(val_dir),
+                            "--batch-size", "8", "--image-size", "32", "--out", str(out), *extra], env=environment,
                            on_output=on_output)
 
 

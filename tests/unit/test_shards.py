@@ -104,7 +104,8 @@ def test_truncated_shard_is_indexed_up_to_its_last_whole_member(tmp_path):
 def test_pax_shard_cut_inside_a_header_is_listed_as_truncated(tmp_path):
     """Long names make pax headers, which Python's tarfile reads; it ends a cut archive as if it were whole."""
     folder = "class_" + "x" * 120
-    members = [(f"{folder}/k{n}.{ext}", b"%d" % n if ext == "cls" else b"img") for n in range(3) for ext in ("jpg", "cls")]
+    members = [(f"{folder}/k{n}.{ext}", b"%d" % n if ext == "cls" else b"img")
+               for n in range(3) for ext in ("jpg", "cls")]
     write_tar(tmp_path / "a.tar", members, tarfile.PAX_FORMAT)
     with tarfile.open(tmp_path / "a.tar") as archive:
         last = archive.getmembers()[-1]
