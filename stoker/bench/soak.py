@@ -5,10 +5,10 @@ Every half second it samples the resident memory of every process of the run, th
 or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the later.
 Producer 0 is never killed: it is the witness whose memory is judged over its own life (a replaced producer is
 young; comparing a title across replacements compares different processes). At the end it interrupts the run and
-checks: the memory of every process that lived through the judged window stays flat (growth under `--max-rss-
-growth`), /dev/shm keeps the same segments and the same bytes in use (the ring is allocated up front, so a leak
-shows as new segments or new bytes, not as a ring that grows), every killed producer was replaced, every epoch had
-every sample exactly once, and nothing is left behind. Exit status 1 when a check fails.
+checks: the memory of every process that lived through the judged window stays flat (growth under
+`--max-rss-growth`), /dev/shm keeps the same segments and the same bytes in use (the ring is allocated up front, so
+a leak shows as new segments or new bytes, not as a ring that grows), every killed producer was replaced, every
+epoch had every sample exactly once, and nothing is left behind. Exit status 1 when a check fails.
 """
 
 from __future__ import annotations
