@@ -27,6 +27,7 @@ MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the no
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
 SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
 SETTLE_WINDOWS = 1  # after a change: the new producer starts, the queues refill
+STARTUP_WINDOWS = 2  # the ring is full when training starts: its first seconds measure the ring, not the producers
 MEASURE_WINDOWS = 2  # windows at one count that make its rate ...
 MEASURE_STEPS = 8  # ... with at least this many training steps in them (slow steps: more windows)
 KEEP_WINDOWS = 10  # the rate at a count is measured over its latest windows, at most these
@@ -92,14 +93,15 @@ def required_gain(producers_before: int, stall_before: float) -> float:
 
 
 class Autoscaler:
-    def __init__(self, minimum: int, budget: int, ceiling: int | None = None) -> None:
+    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0) -> None:
         self.minimum = minimum
         self.budget = budget  # what fits the free cores: shown, not a limit
         self.ceiling = max(budget, ceiling or budget)
         self.limit = self.ceiling  # lowered to a count whose fork did not pay, until `_hold` runs out
         self._hold = 0
         self._retry_windows = RETRY_WINDOWS
-        self._settling = 0
+        self._settling = startup_windows
+        self._settling_reason = "start-up: the batches the ring held before training began are being drained"
         self._measured: list[Window] = []  # windows at the current count, after settling
         self._trial: _Trial | None = None
         self._calm_windows = 0
@@ -113,7 +115,7 @@ class Autoscaler:
                        "producers": window.producers, "limit": self.limit}
         if self._settling > 0:
             self._settling -= 1
-            return Decision(0, f"settling after a change; {summary}", measurement=measurement)
+            return Decision(0, f"{self._settling_reason}; {summary}", measurement=measurement)
         self._measured = [*self._measured, window][-KEEP_WINDOWS:]
         measured = (len(self._measured) >= MEASURE_WINDOWS
                     and sum(w.steps for w in self._measured) >= MEASURE_STEPS)
@@ -174,7 +176,7 @@ class Autoscaler:
                 self.limit = self.ceiling
 
     def _change(self, change: int, reason: str, measurement: dict[str, Any], retire_newest: bool = False) -> Decision:
-        self._settling = SETTLE_WINDOWS
+        self._settling, self._settling_reason = SETTLE_WINDOWS, "settling after a change"
         self._measured = []
         self._calm_windows = 0
         return Decision(change, reason, retire_newest, measurement)

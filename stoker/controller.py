@@ -16,7 +16,7 @@ from statistics import mean
 from typing import Any
 
 from stoker import checkpoint, cluster, faults, rundir
-from stoker.autoscale import Autoscaler, Window, default_ceiling, static_budget
+from stoker.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
 from stoker.averager import OuterSpec
 from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
@@ -255,7 +255,7 @@ class Controller:
         self._record_producers("start")
         auto = self.config.producers == "auto"
         self.autoscaler = Autoscaler(self.config.min_producers, min(self.static_budget, self.budget),
-                                     self.budget) if auto else None
+                                     self.budget, STARTUP_WINDOWS) if auto else None
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
         self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),

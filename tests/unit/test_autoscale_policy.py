@@ -106,3 +106,14 @@ def test_a_fork_must_bring_less_as_the_count_grows_and_as_the_wait_left_shrinks(
     assert required_gain(4, stall_before=0.8) == 0.0625
     assert abs(required_gain(3, stall_before=0.06) - 0.5 * 0.06 / 0.94) < 1e-12  # half of ending a 6% wait
     assert required_gain(50, stall_before=0.5) == 0.02  # never below the noise of a few windows
+
+
+def test_the_ring_drained_at_start_up_is_not_taken_for_the_producers_rate():
+    # Recorded shape: training starts on a full ring, so the first seconds run at the ring's pace, not the
+    # producers'; a fork judged against that rate never looks as if it paid (seen: 193 "before" against 121).
+    drained = [window(1, 0.40, 400.0), window(1, 0.60, 300.0)]
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6, startup_windows=2)
+    assert feed(scaler, [*drained, ONE[0]]) == [0, 0, 0]
+    fork = scaler.decide(ONE[1])
+    assert fork.change == 1 and fork.measurement["rate_at_count"] == 177.0
+    assert feed(scaler, [window(2, 0.9, 40.0), *TWO]) == [0, 0, 1]  # so 177 -> 320 pays
