@@ -26,6 +26,7 @@ from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Sa
 from stoker.dataset import Skipped
 from stoker.devices import available_cores, resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.files import replace_with
 from stoker.index import PackedIndex
 from stoker.lifecycle import Interrupted, Lifecycle
 from stoker.metrics import MetricsLog, RunStats, time_shares
@@ -729,7 +730,5 @@ def default_run_dir() -> Path:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # machines sharing the run folder write too
-    temporary.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-    os.replace(temporary, path)
+    replace_with(path, (json.dumps(payload, indent=2, default=str) + "\n").encode())  # machines share the folder
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import io
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ import numpy as np
 from stoker import faults
 from stoker.builtin_data import cache_root
 from stoker.dataset import Skipped, list_image_folder
+from stoker.files import replace_with
 from stoker.imaging import UnusableImage
 
 log = logging.getLogger(__name__)
@@ -257,9 +259,7 @@ def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> Pa
     (temporary / "meta.json").write_text(json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
                                                      "base": packed.base, "shards": packed.shards}))
     os.rename(temporary, cache / name)
-    pointer = cache / f".{key}.{os.getpid()}.tmp"
-    pointer.write_text(json.dumps({"entry": name, "inputs": inputs}))
-    os.replace(pointer, cache / f"{key}.json")
+    replace_with(cache / f"{key}.json", json.dumps({"entry": name, "inputs": inputs}).encode())
     _remove_stale(cache, keep=name)
     return cache / name
 
@@ -271,10 +271,9 @@ def _join_names(names: list[str]) -> np.ndarray:
 
 
 def _save_atomically(path: Path, array: np.ndarray) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as handle:
-        np.save(handle, array)
-    os.replace(temporary, path)
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    replace_with(path, buffer.getvalue())
 
 
 def _remove_stale(cache: Path, keep: str) -> None:

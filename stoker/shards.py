@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from stoker.dataset import IMAGE_EXTENSIONS, Skipped
+from stoker.files import replace_with
 from stoker.index import (MTIME_GUARD_NS, SHARDS_FOLDER, Packed, PackedIndex, cache_key, index_cache_dir,
                           input_stamps, load_cached, write_entry)
 from stoker.waiting import waiting
@@ -184,10 +185,8 @@ def _one_shard_cached(path: str, cache: Path) -> ShardMembers:
     members = index_one_shard(path)
     if stat.st_mtime_ns < started - MTIME_GUARD_NS:  # a shard still being written is read again next time
         cache.mkdir(parents=True, exist_ok=True)
-        temporary = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
         skipped = [[item.path, item.reason] for item in members.skipped]
-        temporary.write_text(json.dumps({**members.__dict__, "skipped": skipped}))
-        os.replace(temporary, saved)
+        replace_with(saved, json.dumps({**members.__dict__, "skipped": skipped}).encode())
     return members
 
 
