@@ -145,5 +145,15 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bo
     return result
 
 
+def assert_same_weights(run_a: Path, run_b: Path) -> None:
+    """The two runs' model.pt hold bitwise the same tensors."""
+    import torch  # here: a test that needs no torch does not pay for its import
+
+    a = torch.load(run_a / "model.pt", weights_only=True)
+    b = torch.load(run_b / "model.pt", weights_only=True)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())

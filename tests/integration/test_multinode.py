@@ -10,9 +10,8 @@ import sys
 import time
 
 import pytest
-import torch
 
-from tests.conftest import read_summary, run_cli, wait_for_no_trace
+from tests.conftest import assert_same_weights, read_summary, run_cli, wait_for_no_trace
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,13 +56,6 @@ def two_machines(textures, tmp_path_factory):
     results = launch_machines(textures, out)
     assert [code for code, _ in results] == [0, 0], results[1][1][-3000:] + results[0][1][-3000:]
     return out
-
-
-def assert_same_weights(run_a, run_b) -> None:
-    a = torch.load(run_a / "model.pt", weights_only=True)
-    b = torch.load(run_b / "model.pt", weights_only=True)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def test_two_machines_train_like_one_with_as_many_consumers_and_every_sample_once(textures, two_machines,

@@ -7,9 +7,8 @@ import os
 import shutil
 
 import pytest
-import torch
 
-from tests.conftest import read_summary, run_cli
+from tests.conftest import assert_same_weights, read_summary, run_cli
 from tests.integration.test_multinode import launch_machines
 from tests.helpers.trees import make_unreadable_folder
 
@@ -55,13 +54,6 @@ def packed(textures, tmp_path_factory):
     run_cli("pack", str(val), str(root / "val"), "--shard-size", "40KB", "--workers", "1")
     run_cli("train", "--data", str(train), "--val", str(val), *common(root / "folder", *SETTINGS))
     return root
-
-
-def assert_same_weights(run_a, run_b) -> None:
-    a = torch.load(run_a / "model.pt", weights_only=True)
-    b = torch.load(run_b / "model.pt", weights_only=True)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
 
 
 def test_packed_shards_train_like_the_folder_with_two_consumers_across_a_resume(packed, tmp_path):
