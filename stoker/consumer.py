@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import queue
-import signal
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -154,7 +153,6 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
     """Process entry point."""
     name_process(f"stoker consumer {setup.rank}")
     exit_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the controller handles Ctrl-C and tells us what to do
     ring = SlotRing.attach(setup.ring)
     doing = "starting"
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import os
 import queue
-import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -88,7 +87,6 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
     """Process entry point: build batches until told to stop, retired (a None task) or orphaned."""
     name_process(f"stoker producer {producer}")
     exit_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the controller decides
     make_decode_warnings_errors()
     # Under CPU contention the consumers go first: a late consumer holds up a device and, through the
     # averaging collective, every other one; a late producer only eats into the batches queued ahead.
