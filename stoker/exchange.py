@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from stoker import checkpoint, wire
 
-POLL_S = 0.05
+# Polls start fast (a checkpoint of a small model is over in milliseconds, and each poll here delays the next
+# step) and back off to POLL_S for a slow disk.
+FIRST_POLL_S, POLL_S = 0.001, 0.05
 SLOW_DISK_BYTES_PER_S = 10e6
 
 
@@ -49,6 +51,7 @@ class RankZeroWork:
     def wait(self, key: str) -> None:
         """Until rank 0 posts `key`; fails only when rank 0 stops making progress."""
         seen, deadline = -1, time.monotonic() + self.allowance_s
+        pause = FIRST_POLL_S
         while not self._ask(lambda: self.store.check([key])):
             self.alive()
             done = self._ask(lambda: self.store.add("progress", 0))
@@ -57,7 +60,8 @@ class RankZeroWork:
             elif time.monotonic() > deadline:
                 raise RankZeroStuck(f"consumer 0 finished no file of the {self.name} for {self.allowance_s:.0f} s "
                                     "(is its disk or network filesystem stuck?)")
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
 
     def _ask(self, question: Callable[[], Any]) -> Any:
         try:
