@@ -84,15 +84,16 @@ def center_crop_box(height: int, width: int) -> Box:
     return Box((height - side) // 2, (width - side) // 2, side, side)
 
 
-def choose_box(height: int, width: int, augment: Augment, rng: np.random.Generator) -> tuple[Box, bool]:
-    """The crop box and whether to flip it horizontally."""
+def choose_box(height: int, width: int, augment: Augment,
+               rng: np.random.Generator | None) -> tuple[Box, bool]:
+    """The crop box and whether to flip it horizontally; `rng` may be None when `augment` is "none"."""
     if augment == "none":
         return center_crop_box(height, width), False
     box = random_resized_crop_box(height, width, rng)
     return box, augment == "standard" and bool(rng.integers(0, 2))
 
 
-def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
+def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
     """Decode `data`, crop and resize into `out` (H, W, 3 uint8). Raises UnusableImage for bad files."""
     if not data:
         raise UnusableImage("empty file")
@@ -109,7 +110,7 @@ class _NeedsPillow(Exception):
     """A valid JPEG that libjpeg-turbo's RGB path does not take (CMYK/YCCK): Pillow converts it."""
 
 
-def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
+def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as error:
@@ -142,7 +143,7 @@ def _jpeg_failure(message: str) -> str:
     return f"corrupt JPEG: {message}"
 
 
-def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator) -> None:
+def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
     try:
         with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
             _check_pixels(image.height, image.width)

@@ -75,12 +75,12 @@ class PackedIndex:
         self.classes: tuple[str, ...] = tuple(meta["classes"])
         self.base: str = meta["base"]
         self.shards: tuple[str, ...] = tuple(meta["shards"])
-        self._names = np.load(self.folder / "names.npy", mmap_mode="r")
-        self._offsets = np.load(self.folder / "offsets.npy", mmap_mode="r")
-        self._ids = np.load(self.folder / f"{part}.ids.npy", mmap_mode="r") if part else None
-        self.labels = np.load(self.folder / (f"{part}.labels.npy" if part else "labels.npy"), mmap_mode="r")
+        self._names = _mapped(self.folder / "names.npy")
+        self._offsets = _mapped(self.folder / "offsets.npy")
+        self._ids = _mapped(self.folder / f"{part}.ids.npy") if part else None
+        self.labels = _mapped(self.folder / (f"{part}.labels.npy" if part else "labels.npy"))
         if self.shards:
-            self._where = np.load(self.folder / "where.npy", mmap_mode="r")  # (shard, start, size) per sample
+            self._where = _mapped(self.folder / "where.npy")  # (shard, start, size) per sample
         self.paths = _Names(self)
 
     def __reduce__(self):
@@ -121,6 +121,12 @@ class PackedIndex:
             _save_atomically(labels_file, np.asarray(self.labels)[ids])
             _save_atomically(ids_file, ids)
         return PackedIndex(self.folder, name)
+
+
+def _mapped(path: Path) -> np.ndarray:
+    """A read-only array over the mapped file. A plain ndarray view, not the np.memmap itself: memmap's Python
+    __getitem__ costs microseconds on every index, and a producer indexes several times per image."""
+    return np.load(path, mmap_mode="r").view(np.ndarray)
 
 
 class _Names(Sequence[str]):

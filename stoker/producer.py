@@ -134,16 +134,17 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
     skipped: dict[int, Skipped] = {}
     for position, sample_id in enumerate(work.sample_ids.tolist()):
         status[:] = (task.task_id, position, time.monotonic_ns())
-        path = source.paths[sample_id]
         if sample_id in task.skip:
-            skipped[sample_id] = Skipped(path, task.skip[sample_id])
+            skipped[sample_id] = Skipped(source.paths[sample_id], task.skip[sample_id])
             continue
-        faults.maybe_inject("producer", path)
+        if faults.armed():
+            faults.maybe_inject("producer", source.paths[sample_id])
+        # Drawing a generator costs more than decoding a small PNG: only augmentations that draw get one.
+        rng = sample_rng(setup.seed, work.kind, work.epoch, sample_id) if augment != "none" else None
         try:
-            load_into(source.read(sample_id), images[count], augment,
-                      sample_rng(setup.seed, work.kind, work.epoch, sample_id))
+            load_into(source.read(sample_id), images[count], augment, rng)
         except UnusableImage as error:
-            skipped[sample_id] = Skipped(path, str(error))
+            skipped[sample_id] = Skipped(source.paths[sample_id], str(error))
             continue
         labels[count] = source.labels[sample_id]
         ids[count] = sample_id
