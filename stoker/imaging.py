@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -32,8 +33,13 @@ SCALE_RANGE = (0.08, 1.0)
 RATIO_RANGE = (3 / 4, 4 / 3)
 JPEG_MAGIC = b"\xff\xd8"
 JPEG_EOI = b"\xff\xd9"  # end of image: a complete JPEG ends with it (entropy-coded data can never hold it)
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLAIN_PNG_COLOUR_TYPES = (0, 2)  # IHDR colour types grey and RGB: nothing to composite, no palette
+# libpng through OpenCV, as Pillow decodes: no EXIF rotation (Pillow's path applies none either).
+PNG_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
 
 cv2.setNumThreads(1)  # producers are processes; OpenCV's own thread pool would oversubscribe the cores
+cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)  # a refused file is reported by stoker, once
 
 
 class UnusableImage(Exception):
@@ -97,17 +103,21 @@ def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     """Decode `data`, crop and resize into `out` (H, W, 3 uint8). Raises UnusableImage for bad files."""
     if not data:
         raise UnusableImage("empty file")
-    if data[:2] == JPEG_MAGIC:
-        try:
+    try:
+        if data[:2] == JPEG_MAGIC:
             _jpeg_into(data, out, augment, rng)
             return
-        except _NeedsPillow:
-            pass
+        if _is_plain_png(data):
+            _png_into(data, out, augment, rng)
+            return
+    except _NeedsPillow:
+        pass
     _pillow_into(data, out, augment, rng)
 
 
 class _NeedsPillow(Exception):
-    """A valid JPEG that libjpeg-turbo's RGB path does not take (CMYK/YCCK): Pillow converts it."""
+    """A file the fast decoder does not take: a CMYK/YCCK JPEG, which Pillow converts, or a PNG libpng refused,
+    which Pillow decodes or names the fault of."""
 
 
 def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
@@ -135,6 +145,26 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
     scaled = Box(int(box.top * scale_y), int(box.left * scale_x),
                  max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
     resize_box_into(image, scaled, flip, out)
+
+
+def _is_plain_png(data: bytes) -> bool:
+    """An 8-bit grey or RGB PNG, from its IHDR (always the first chunk)."""
+    return data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and len(data) >= 26 and data[24] == 8 \
+        and data[25] in PLAIN_PNG_COLOUR_TYPES
+
+
+def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+    """Through libpng: the same pixels as Pillow's decode, in a third of its time on small images (no Python
+    per image). libpng refuses a file cut anywhere, even just before IEND; such a file goes on to Pillow, whose
+    message names the fault."""
+    width, height = struct.unpack(">II", data[16:24])
+    # At 8 bits and 1 or 3 channels, MAX_IMAGE_PIXELS keeps the decode far under MAX_DECODE_BYTES.
+    _check_pixels(height, width)
+    image = cv2.imdecode(np.frombuffer(data, np.uint8), PNG_READ_FLAGS)
+    if image is None:
+        raise _NeedsPillow  # before any draw: Pillow's path makes the same draws from the same generator
+    box, flip = choose_box(height, width, augment, rng)
+    resize_box_into(image, box, flip, out)
 
 
 def _jpeg_failure(message: str) -> str:
