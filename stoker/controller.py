@@ -5,12 +5,9 @@ gradients.
 
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -18,18 +15,16 @@ from typing import Any
 from stoker import checkpoint, cluster, faults, rundir
 from stoker.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
 from stoker.averager import OuterSpec
-from stoker.builtin_data import builtin_dataset
 from stoker.checkpoint import Position
 from stoker.config import RUN_CONFIG_FILE, TrainConfig
 from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
                              StepReport, ValReport, consumer_main)
-from stoker.dataset import Skipped
 from stoker.devices import available_cores, resolve_devices, threads_per_consumer
 from stoker.diagnosis import TimeSplit, Verdict, diagnose
-from stoker.files import replace_with
-from stoker.index import PackedIndex
+from stoker.failures import FailureWitness
+from stoker.files import write_json
 from stoker.lifecycle import Interrupted, Lifecycle
-from stoker.metrics import MetricsLog, RunStats, time_shares
+from stoker.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.models import check_model
 from stoker.plan import EpochPlan
 from stoker.pool import ProducerPool, check_hang_timeout
@@ -40,22 +35,13 @@ from stoker.progress import ProgressView, Snapshot
 from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.scheduler import Issue, Scheduler
-from stoker.sources import load_source, log_refused, split_source
+from stoker.sources import load_data
 from stoker.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
-from stoker.waiting import waiting
 
 log = logging.getLogger(__name__)
 
 SCALE_WINDOW_S = 1.0
 KEEP_CHECKPOINTS = 3
-STUCK_GRACE_S = 3.0  # after one consumer's collective timed out, how long its peers' reports may take
-
-
-@dataclass(frozen=True)
-class Data:
-    train: PackedIndex
-    val: PackedIndex | None
-    refused: tuple[Skipped, ...] = ()  # entries the scan or the shard index could not use
 
 
 class Controller:
@@ -82,7 +68,7 @@ class Controller:
         self._ring_bytes_check()
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
-        self.run_dir = Path(config.out or config.resume or default_run_dir())
+        self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
         if config.resume is None:
             rundir.check_new_run_dir(self.run_dir)
         cluster.join_controllers(self.cluster, config.collective_timeout_s)
@@ -131,6 +117,7 @@ class Controller:
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
+        self.witness = FailureWitness(self.consumers, self.mailbox, self.config.collective_timeout_s)
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
         for item in self.data.refused:
@@ -308,7 +295,7 @@ class Controller:
 
     def _loop(self) -> None:
         window_started = time.monotonic()
-        window = _WindowTotals()
+        window = WindowTotals()
         while len(self.finished) < self.num_consumers:
             self._follow_interrupts()
             self._dispatch()
@@ -318,7 +305,7 @@ class Controller:
             self._record_commits()
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
                 self._close_window(window, time.monotonic() - window_started)
-                window_started, window = time.monotonic(), _WindowTotals()
+                window_started, window = time.monotonic(), WindowTotals()
             self._show()
 
     def _follow_interrupts(self) -> None:
@@ -358,7 +345,7 @@ class Controller:
             self.stats.expect(issued.work.epoch, issued.work.sample_ids)
         self.pool.assign(task)
 
-    def _deliver(self, window: _WindowTotals) -> None:
+    def _deliver(self, window: WindowTotals) -> None:
         for rank, message in self.scheduler.deliverable():
             if getattr(message, "slot", None) is not None:
                 self.delivered[rank] += 1
@@ -381,11 +368,11 @@ class Controller:
         for ready in self.ready_queues:
             ready.put(Finish(self.run_dir / "model.pt"))
 
-    def _handle_messages(self, window: _WindowTotals) -> None:
+    def _handle_messages(self, window: WindowTotals) -> None:
         for message in self.mailbox.receive(timeout_s=POLL_S):
             self._handle(message, window)
 
-    def _handle(self, message: Any, window: _WindowTotals) -> None:
+    def _handle(self, message: Any, window: WindowTotals) -> None:
         now = time.monotonic()
         if isinstance(message, SlotFree):
             self.delivered[self.slot_owner[message.slot]] -= 1
@@ -396,7 +383,7 @@ class Controller:
             self.stats.record_step(message, now)
             self.ledger.record_step(message)
             window.add(message)
-            self.metrics.write("step", **_step_fields(message, self.cluster.first_rank))
+            self.metrics.write("step", **step_fields(message, self.cluster.first_rank))
             if message.digest is not None:
                 self._compare_replicas(message)
         elif isinstance(message, ValReport):
@@ -411,7 +398,7 @@ class Controller:
             self.finished[message.rank] = message
             self.final_digests[self.cluster.first_rank + message.rank] = message.digest
         elif isinstance(message, ConsumerFailed):
-            causes = self._dead_peers(message.rank) or self._stuck_peers(message)
+            causes = self.witness.causes(message)
             if not causes and self.cluster.multi:
                 causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
             raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
@@ -486,7 +473,7 @@ class Controller:
                 self._read_last_messages(rank)
                 if rank in self.finished:
                     continue
-                self._drain_failures()
+                self.witness.log_reported_failures()
                 raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
         for loss in self.pool.check():
             log.warning("%s; starting a replacement and re-issuing its %d batch(es)", loss.message,
@@ -503,40 +490,9 @@ class Controller:
         """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
         while rank not in self.finished and (messages := self.mailbox.receive(timeout_s=POLL_S)):
             for message in messages:
-                self._handle(message, _WindowTotals())
+                self._handle(message, WindowTotals())
 
-    def _dead_peers(self, reporter: int) -> list[str]:
-        """A collective error usually means a peer died: name it first, it is the cause."""
-        dead = []
-        for rank, process in enumerate(self.consumers):
-            if rank == reporter:
-                continue
-            process.join(timeout=1.0)
-            if process.exitcode not in (None, 0):
-                dead.append(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
-        return dead
-
-    def _stuck_peers(self, first: ConsumerFailed) -> list[str]:
-        """A collective timed out and no peer died: every peer waiting in it times out too, within moments; one
-        that is alive and does not report that never reached the collective."""
-        if "timed out" not in first.error.error.lower() and "timeout" not in first.error.error.lower():
-            return []
-        reported = {first.rank}
-        deadline = time.monotonic() + STUCK_GRACE_S
-        while len(reported) < self.num_consumers and time.monotonic() < deadline:
-            reported |= {m.rank for m in self.mailbox.receive(timeout_s=POLL_S) if isinstance(m, ConsumerFailed)}
-        return [f"consumer {rank} (pid {process.pid}) is stuck: it did not reach the collective within "
-                f"collective_timeout_s={self.config.collective_timeout_s:g} while its peers waited in it"
-                for rank, process in enumerate(self.consumers) if rank not in reported and process.is_alive()]
-
-    def _drain_failures(self) -> None:
-        """A consumer died: if another one reported why (a collective error, say), say that first."""
-        while messages := self.mailbox.receive(timeout_s=0.5):
-            for message in messages:
-                if isinstance(message, ConsumerFailed):
-                    log.error("%s", message.error)
-
-    def _close_window(self, window: _WindowTotals, elapsed_s: float) -> None:
+    def _close_window(self, window: WindowTotals, elapsed_s: float) -> None:
         """Every SCALE_WINDOW_S: record the pipeline's state and let the autoscaler decide."""
         consumer_time = max(1e-9, elapsed_s * self.num_consumers)
         utilization = min(1.0, self.pool.take_utilization(elapsed_s))  # a task counts in the window it ends in
@@ -676,59 +632,3 @@ class Controller:
             "wall_s": round(time.monotonic() - self.started, 3),
         }
         return self.ledger.whole_run(summary, self.stats, self.start_at.global_step)
-
-
-@dataclass
-class _WindowTotals:
-    """What the consumers and the ready queues did in one window."""
-
-    wait_s: float = 0.0
-    compute_s: float = 0.0
-    averaging_s: float = 0.0
-    steps: int = 0
-    samples: int = 0
-    queue_fill: float = 0.0
-    queue_samples: int = 0
-
-    def add(self, report: StepReport) -> None:
-        self.wait_s += report.wait_s
-        self.compute_s += report.compute_s
-        self.averaging_s += report.averaging_s
-        self.steps += 1
-        self.samples += report.count
-
-
-def _step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
-    return {"rank": first_rank + report.rank, "epoch": report.epoch, "step": report.step,
-            "global_step": report.global_step,
-            "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
-            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6), **report.memory}
-
-
-def load_data(config: TrainConfig) -> Data:
-    train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    train = _load(train_root)
-    if val_root is not None:
-        val = _load(val_root, classes=train.classes)
-        refused = train.skipped + val.skipped
-    else:
-        refused = train.skipped
-        train, val = split_source(train, config.val_fraction, config.seed)
-    log_refused(refused)
-    return Data(train, val, refused)
-
-
-def _load(root: Path, classes: tuple[str, ...] | None = None) -> PackedIndex:
-    with waiting(f"indexing {root}", unit="files") as progress:
-        index = load_source(root, classes=classes)
-        progress.update(len(index))
-    return index
-
-
-def default_run_dir() -> Path:
-    return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    replace_with(path, (json.dumps(payload, indent=2, default=str) + "\n").encode())  # machines share the folder
-

@@ -20,6 +20,34 @@ if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--h
 RATE_WINDOW_S = 5.0
 
 
+@dataclass
+class WindowTotals:
+    """What the consumers and the ready queues did in one window."""
+
+    wait_s: float = 0.0
+    compute_s: float = 0.0
+    averaging_s: float = 0.0
+    steps: int = 0
+    samples: int = 0
+    queue_fill: float = 0.0
+    queue_samples: int = 0
+
+    def add(self, report: StepReport) -> None:
+        self.wait_s += report.wait_s
+        self.compute_s += report.compute_s
+        self.averaging_s += report.averaging_s
+        self.steps += 1
+        self.samples += report.count
+
+
+def step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
+    """A `step` event's fields (docs/metrics.md), with the rank numbered across machines."""
+    return {"rank": first_rank + report.rank, "epoch": report.epoch, "step": report.step,
+            "global_step": report.global_step,
+            "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
+            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6), **report.memory}
+
+
 class MetricsLog:
     """One JSON object per line: every step report and every event, with the time since the run started
     (schema: docs/metrics.md); with `tensorboard_dir`, the same numbers as TensorBoard scalars too. A resumed run

@@ -5,6 +5,7 @@ Checked in the controller before any process starts, so a user error is an exit 
 
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 
 from stoker import checkpoint
@@ -35,3 +36,7 @@ def newest_checkpoint(run_dir: Path) -> tuple[Path, dict]:
         raise RunDirError(f"{error}: nothing to resume from (the run stopped before its first checkpoint, or "
                           f"every checkpoint was refused, see the warnings above); start it again with "
                           f"--out {run_dir} after removing the folder, or with a new --out folder") from None
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -4,13 +4,45 @@ has not changed; the validation split; the refused entries, logged once."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
+from stoker.builtin_data import builtin_dataset
+from stoker.config import TrainConfig
 from stoker.dataset import Skipped, validation_ids
 from stoker.index import PackedIndex, load_image_folder
 from stoker.shards import load_shards, shard_paths
+from stoker.waiting import waiting
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Data:
+    train: PackedIndex
+    val: PackedIndex | None
+    refused: tuple[Skipped, ...] = ()  # entries the scan or the shard index could not use
+
+
+def load_data(config: TrainConfig) -> Data:
+    """The run's training and validation samples (the built-in dataset without `--data`)."""
+    train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
+    train = _load(train_root)
+    if val_root is not None:
+        val = _load(val_root, classes=train.classes)
+        refused = train.skipped + val.skipped
+    else:
+        refused = train.skipped
+        train, val = split_source(train, config.val_fraction, config.seed)
+    log_refused(refused)
+    return Data(train, val, refused)
+
+
+def _load(root: Path, classes: tuple[str, ...] | None = None) -> PackedIndex:
+    with waiting(f"indexing {root}", unit="files") as progress:
+        index = load_source(root, classes=classes)
+        progress.update(len(index))
+    return index
 
 
 def load_source(spec: Path, classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:

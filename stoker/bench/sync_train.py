@@ -3,10 +3,11 @@
 Data: scikit-learn's handwritten digits written as 32x32 PNG files (ImageFolder, a fifth held out). stoker runs
 `stoker train` with default settings on 2 CPU consumers, averaging during backward (the default) and, for
 reference, after the optimizer's step. DDP trains the same model from the same initialization with the same
-optimizer, schedule, batch per rank and 2 ranks on the same images, decoded once into memory, with one thread per
-rank as stoker's consumers have on 2 cores. Samples per second over the second half of each run's steps, all
-ranks; repeats interleaved, medians.
-"""
+optimizer, schedule, batch per rank and 2 ranks, one thread per rank as stoker's consumers have on 2 cores, and
+does what stoker does at each epoch's end as PyTorch's ImageNet example does: a validation pass and a checkpoint.
+It is fed twice: by a DataLoader reading the same files (persistent workers, prefetch: the same work as stoker's
+producers) and from the images decoded once into memory (no input cost at all: the bound). Samples per second over
+the second half of each run's steps, all ranks; repeats interleaved, medians."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from stoker.bench.autoscale import steady_rate
 from stoker.bench.group import run_group
 
 WORLD = 2
+STOKER_RUNS = {"stoker": True, "stoker_after_step": False}  # name: average_in_backward
+DDP_FEEDS = {"ddp_loader": "loader", "ddp_memory": "memory"}
+LOADER_WORKERS = 1  # per rank
 MODEL = "stoker.bench.sync:small_cnn"
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4  # stoker's defaults
 MEAN = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1) * 255
@@ -38,14 +42,14 @@ STD = torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1) * 255
 def run_training(args: argparse.Namespace) -> int:
     import stoker
 
-    runs: dict[str, list[float]] = {"stoker": [], "stoker_after_step": [], "ddp": []}
-    averaging: dict[str, list[float]] = {"stoker": [], "stoker_after_step": []}
-    accuracy: list[float] = []
+    runs: dict[str, list[float]] = {name: [] for name in (*STOKER_RUNS, *DDP_FEEDS)}
+    averaging: dict[str, list[float]] = {name: [] for name in STOKER_RUNS}
+    accuracy: dict[str, list[float]] = {name: [] for name in ("stoker", *DDP_FEEDS)}
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as scratch:
         root = Path(scratch)
         train, val = write_digits(root / "digits")
-        for repeat in range(args.repeats):  # interleaved: drift in the machine's speed hits all three alike
-            for name, in_backward in (("stoker", True), ("stoker_after_step", False)):
+        for repeat in range(args.repeats):  # interleaved: drift in the machine's speed hits every variant alike
+            for name, in_backward in STOKER_RUNS.items():
                 out = root / f"{name}-{repeat}"
                 summary = stoker.train(data=train, val=val, devices=f"cpu:{WORLD}", model=MODEL, augment="none",
                                        image_size=32, batch_size=args.batch_size, epochs=args.epochs, seed=0,
@@ -55,16 +59,23 @@ def run_training(args: argparse.Namespace) -> int:
                 runs[name].append(steady_rate(out))
                 averaging[name].append(statistics.mean(summary["averaging_fraction"]))
                 if in_backward:
-                    accuracy.append(summary["val_accuracy"])
-            runs["ddp"].append(run_group(_ddp_train, WORLD, (str(train), args.batch_size, args.epochs),
-                                         timeout_s=600))
+                    accuracy["stoker"].append(summary["val_accuracy"])
+            for name, feed in DDP_FEEDS.items():
+                folder = root / f"{name}-{repeat}"
+                folder.mkdir()
+                rate, val_accuracy = run_group(_ddp_train, WORLD, (str(train), str(val), str(folder),
+                                                                   args.batch_size, args.epochs, feed),
+                                               timeout_s=600)
+                runs[name].append(rate)
+                accuracy[name].append(val_accuracy)
     medians = {name: statistics.median(values) for name, values in runs.items()}
     result = {"model": MODEL, "consumers": WORLD, "batch_size": args.batch_size, "epochs": args.epochs,
-              "repeats": args.repeats, "samples_per_s": medians, "all_runs": runs,
-              "averaging_fraction": {k: statistics.median(v) for k, v in averaging.items()},
-              "stoker_val_accuracy": statistics.median(accuracy),
-              "stoker_over_ddp": round(medians["stoker"] / medians["ddp"], 3),
-              "after_step_over_ddp": round(medians["stoker_after_step"] / medians["ddp"], 3)}
+              "repeats": args.repeats, "loader_workers_per_rank": LOADER_WORKERS, "samples_per_s": medians,
+              "all_runs": runs, "averaging_fraction": {k: statistics.median(v) for k, v in averaging.items()},
+              "val_accuracy": {k: statistics.median(v) for k, v in accuracy.items()},
+              "stoker_over_ddp_loader": round(medians["stoker"] / medians["ddp_loader"], 3),
+              "stoker_over_ddp_memory": round(medians["stoker"] / medians["ddp_memory"], 3),
+              "after_step_over_ddp_loader": round(medians["stoker_after_step"] / medians["ddp_loader"], 3)}
     print_training(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -86,46 +97,118 @@ def write_digits(folder: Path) -> tuple[Path, Path]:
     return folder / "train", folder / "val"
 
 
-def _ddp_train(rank: int, world: int, train: str, batch_size: int, epochs: int) -> float:
+def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_size: int, epochs: int,
+               feed: str) -> tuple[float, float]:
+    """One rank of the DDP run, written as PyTorch's ImageNet example trains: DistributedSampler, every epoch a
+    validation pass over this rank's part of the validation set and a checkpoint written by rank 0.
+    Returns (samples/s over the second half of the steps, validation accuracy at the end)."""
     from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data.distributed import DistributedSampler
 
     from stoker.dataset import scan_image_folder
     from stoker.models import build_model
 
-    index = scan_image_folder(Path(train))
-    images = torch.stack([torch.from_numpy(np.array(Image.open(p).convert("RGB"))) for p in index.paths])
-    labels = torch.as_tensor(np.asarray(index.labels), dtype=torch.int64)
+    train_index = scan_image_folder(Path(train))
+    val_index = scan_image_folder(Path(val), train_index.classes)
+    sampler = DistributedSampler(_Files(train_index), world, rank, shuffle=True, seed=0, drop_last=True)
+    bounds = np.linspace(0, len(val_index.labels), world + 1).round().astype(int)
+    train_batches = _Batches(_Files(train_index), sampler, batch_size, feed)
+    val_batches = _Batches(_Files(val_index), range(bounds[rank], bounds[rank + 1]), batch_size, feed)
     torch.manual_seed(0)
-    model = DistributedDataParallel(build_model(MODEL, len(index.classes)))
+    model = DistributedDataParallel(build_model(MODEL, len(train_index.classes)))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
-    steps_per_epoch = len(labels) // (batch_size * world)
-    total = steps_per_epoch * epochs
-    stamps, step = [], 0
+    total = len(train_batches) * epochs
+    stamps, step, accuracy = [], 0, 0.0
     for epoch in range(epochs):
-        order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(epoch))
-        for position in range(steps_per_epoch):
-            chosen = order[(position * world + rank) * batch_size:(position * world + rank + 1) * batch_size]
-            batch = (images[chosen].permute(0, 3, 1, 2).float() - MEAN) / STD
+        sampler.set_epoch(epoch)
+        model.train()
+        for images, labels in train_batches:
             for group in optimizer.param_groups:
                 group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * step / total))
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(batch), labels[chosen]).backward()
+            F.cross_entropy(model(_normalized(images)), labels).backward()
             optimizer.step()
             step += 1
             stamps.append(time.perf_counter())
+        accuracy = _validate(model, val_batches)
+        if rank == 0:
+            torch.save({"epoch": epoch + 1, "model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
+                       Path(folder) / "checkpoint.pt")
     dist.barrier()
     late = stamps[len(stamps) // 2:]
-    return round((len(late) - 1) * batch_size * world / (late[-1] - late[0]), 2)
+    return round((len(late) - 1) * batch_size * world / (late[-1] - late[0]), 2), accuracy
+
+
+class _Files(torch.utils.data.Dataset):
+    """The image files as a DDP script reads them: Pillow, RGB, uint8 HWC (normalized on the rank, as stoker's
+    consumers do)."""
+
+    def __init__(self, index) -> None:
+        self.paths, self.labels = index.paths, index.labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, sample: int) -> tuple[torch.Tensor, int]:
+        with Image.open(self.paths[sample]) as image:
+            return torch.from_numpy(np.array(image.convert("RGB"))), int(self.labels[sample])
+
+
+class _Batches:
+    """Batches of `files` in the order of `order` (a sampler or a range), each epoch: from a DataLoader with
+    persistent workers and prefetch ("loader"), or from images decoded once into memory ("memory", no input cost
+    at all)."""
+
+    def __init__(self, files: _Files, order, batch_size: int, feed: str) -> None:
+        self.order, self.batch_size = order, batch_size
+        if feed == "loader":
+            self.loader = torch.utils.data.DataLoader(files, batch_size, sampler=order, num_workers=LOADER_WORKERS,
+                                                      persistent_workers=True, prefetch_factor=4)
+        else:
+            self.loader = None
+            decoded = [files[sample] for sample in range(len(files))]
+            self.images = torch.stack([image for image, _ in decoded])
+            self.labels = torch.as_tensor([label for _, label in decoded], dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.order) / self.batch_size)
+
+    def __iter__(self):
+        if self.loader is not None:
+            yield from self.loader
+            return
+        order = torch.as_tensor(list(self.order), dtype=torch.int64)
+        for chosen in order.split(self.batch_size):
+            yield self.images[chosen], self.labels[chosen]
+
+
+def _normalized(images: torch.Tensor) -> torch.Tensor:
+    return (images.permute(0, 3, 1, 2).float() - MEAN) / STD
+
+
+def _validate(model: torch.nn.Module, batches: _Batches) -> float:
+    """Accuracy over every rank's part of the validation set."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for images, labels in batches:
+            totals += torch.tensor([(model(_normalized(images)).argmax(1) == labels).sum().item(), len(labels)])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
 
 
 def print_training(result: dict[str, Any]) -> None:
-    rates, shares = result["samples_per_s"], result["averaging_fraction"]
+    rates, shares, accuracy = result["samples_per_s"], result["averaging_fraction"], result["val_accuracy"]
     print(f"real training: {result['model']}, {result['consumers']} CPU consumers / ranks, batch "
           f"{result['batch_size']}, {result['epochs']} epochs, median of {result['repeats']}")
     print(f"  stoker, averaging during backward (default)  {rates['stoker']:9.1f} samples/s   averaging "
-          f"{shares['stoker']:.1%} of the time")
+          f"{shares['stoker']:.1%} of the time, val accuracy {accuracy['stoker']:.1%}")
     print(f"  stoker, averaging after the step            {rates['stoker_after_step']:9.1f} samples/s   averaging "
           f"{shares['stoker_after_step']:.1%} of the time")
-    print(f"  DistributedDataParallel                     {rates['ddp']:9.1f} samples/s")
-    print(f"  stoker / DDP: {result['stoker_over_ddp']:.3f} (after the step: {result['after_step_over_ddp']:.3f}); "
-          f"stoker's val accuracy {result['stoker_val_accuracy']:.1%}")
+    print(f"  DDP, DataLoader on the same files            {rates['ddp_loader']:9.1f} samples/s   val accuracy "
+          f"{accuracy['ddp_loader']:.1%}")
+    print(f"  DDP, images decoded once into memory         {rates['ddp_memory']:9.1f} samples/s   val accuracy "
+          f"{accuracy['ddp_memory']:.1%}")
+    print(f"  stoker / DDP with a DataLoader: {result['stoker_over_ddp_loader']:.3f} (after the step: "
+          f"{result['after_step_over_ddp_loader']:.3f}); stoker / DDP from memory: "
+          f"{result['stoker_over_ddp_memory']:.3f}")
