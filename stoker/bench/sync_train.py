@@ -28,6 +28,8 @@ from PIL import Image
 
 from stoker.bench.autoscale import steady_rate
 from stoker.bench.group import run_group
+from stoker.imaging import load_into
+from stoker.index import read_file
 
 WORLD = 2
 STOKER_RUNS = {"stoker": True, "stoker_after_step": False}  # name: average_in_backward
@@ -98,7 +100,7 @@ def write_digits(folder: Path) -> tuple[Path, Path]:
 
 
 def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_size: int, epochs: int,
-               feed: str) -> tuple[float, float]:
+               feed: str, workers: int = 1) -> tuple[float, float]:
     """One rank of the DDP run, written as PyTorch's ImageNet example trains: DistributedSampler, every epoch a
     validation pass over this rank's part of the validation set and a checkpoint written by rank 0.
     Returns (samples/s over the second half of the steps, validation accuracy at the end)."""
@@ -112,13 +114,14 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
     val_index = scan_image_folder(Path(val), train_index.classes)
     sampler = DistributedSampler(_Files(train_index), world, rank, shuffle=True, seed=0, drop_last=True)
     bounds = np.linspace(0, len(val_index.labels), world + 1).round().astype(int)
-    train_batches = _Batches(_Files(train_index), sampler, batch_size, feed)
-    val_batches = _Batches(_Files(val_index), range(bounds[rank], bounds[rank + 1]), batch_size, feed)
+    train_batches = _Batches(_Files(train_index), sampler, batch_size, feed, workers)
+    val_batches = _Batches(_Files(val_index), range(bounds[rank], bounds[rank + 1]), batch_size, feed, workers)
     torch.manual_seed(0)
     model = DistributedDataParallel(build_model(MODEL, len(train_index.classes)))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     total = len(train_batches) * epochs
-    stamps, step, accuracy = [], 0, 0.0
+    stamps: list[tuple[float, int]] = []  # (when a step ended, the samples every rank trained in it)
+    step, accuracy = 0, 0.0
     for epoch in range(epochs):
         sampler.set_epoch(epoch)
         model.train()
@@ -129,29 +132,30 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
             F.cross_entropy(model(_normalized(images)), labels).backward()
             optimizer.step()
             step += 1
-            stamps.append(time.perf_counter())
+            stamps.append((time.perf_counter(), len(labels) * world))  # each epoch ends with a short batch
         accuracy = _validate(model, val_batches)
         if rank == 0:
             torch.save({"epoch": epoch + 1, "model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
                        Path(folder) / "checkpoint.pt")
     dist.barrier()
-    late = stamps[len(stamps) // 2:]
-    return round((len(late) - 1) * batch_size * world / (late[-1] - late[0]), 2), accuracy
+    late = stamps[len(stamps) // 2:]  # as `steady_rate` counts stoker's: the samples after the first stamp
+    return round(sum(samples for _, samples in late[1:]) / (late[-1][0] - late[0][0]), 2), accuracy
 
 
 class _Files(torch.utils.data.Dataset):
-    """The image files as a DDP script reads them: Pillow, RGB, uint8 HWC (normalized on the rank, as stoker's
-    consumers do)."""
+    """The image files decoded as stoker's producers decode them (`load_into`, augment "none"): the same pixels
+    and the same work per image, normalized on the rank as stoker's consumers normalize."""
 
-    def __init__(self, index) -> None:
-        self.paths, self.labels = index.paths, index.labels
+    def __init__(self, index, image_size: int = 32) -> None:
+        self.paths, self.labels, self.image_size = index.paths, index.labels, image_size
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def __getitem__(self, sample: int) -> tuple[torch.Tensor, int]:
-        with Image.open(self.paths[sample]) as image:
-            return torch.from_numpy(np.array(image.convert("RGB"))), int(self.labels[sample])
+        image = np.empty((self.image_size, self.image_size, 3), np.uint8)
+        load_into(read_file(self.paths[sample]), image, "none", None)
+        return torch.from_numpy(image), int(self.labels[sample])
 
 
 class _Batches:
@@ -159,11 +163,12 @@ class _Batches:
     persistent workers and prefetch ("loader"), or from images decoded once into memory ("memory", no input cost
     at all)."""
 
-    def __init__(self, files: _Files, order, batch_size: int, feed: str) -> None:
+    def __init__(self, files: _Files, order, batch_size: int, feed: str, workers: int) -> None:
         self.order, self.batch_size = order, batch_size
         if feed == "loader":
-            self.loader = torch.utils.data.DataLoader(files, batch_size, sampler=order, num_workers=LOADER_WORKERS,
-                                                      persistent_workers=True, prefetch_factor=4)
+            background = {"persistent_workers": True, "prefetch_factor": 4} if workers else {}
+            self.loader = torch.utils.data.DataLoader(files, batch_size, sampler=order, num_workers=workers,
+                                                      **background)
         else:
             self.loader = None
             decoded = [files[sample] for sample in range(len(files))]

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import math
+import struct
 import subprocess
 import sys
+import zlib
 
 import cv2
 import numpy as np
@@ -284,8 +286,35 @@ def test_png_orientation_tag_is_ignored_as_pillow_ignores_it():
 
 
 @pytest.mark.parametrize("mode", ["L", "RGB"])
-def test_plain_png_cut_anywhere_is_refused(mode):
+def test_plain_png_cut_anywhere_is_refused_silently(mode, capfd):
     data = encode(Image.fromarray(photo_like(120, 160, 1)).convert(mode), "PNG")
-    for cut in np.random.default_rng(2).integers(33, len(data) - 1, 25):  # after IHDR, before the last byte
+    cuts = [*np.random.default_rng(2).integers(33, len(data) - 12, 25), len(data) - 12, len(data) - 1]
+    for cut in cuts:  # after IHDR: inside the image data, and inside IEND
         with pytest.raises(UnusableImage, match="truncated|corrupt|not an image"):
             load_into(data[:cut], np.zeros((8, 8, 3), np.uint8), "none", None)
+    assert capfd.readouterr().err == ""  # libpng's messages are caught, not printed once per file and epoch
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_png_whose_image_data_ends_before_its_last_row_is_refused():
+    """Pillow decodes this file, the rows its data lacks black; libpng refuses it, and so does stoker."""
+    data = bytearray(encode(Image.fromarray(RGB), "PNG"))
+    header = bytearray(data[16:29])
+    header[4:8] = struct.pack(">I", RGB.shape[0] + 20)  # IHDR claims 20 rows more than the data holds
+    data[8:33] = png_chunk(b"IHDR", bytes(header))
+    assert np.asarray(Image.open(io.BytesIO(bytes(data))).convert("RGB"))[-20:].max() == 0
+    with pytest.raises(UnusableImage, match="corrupt PNG.*Not enough image data"):
+        load_into(bytes(data), np.zeros((8, 8, 3), np.uint8), "none", None)
+
+
+def test_png_libpng_warns_about_goes_to_pillow_silently(capfd):
+    """A malformed ancillary chunk: libpng decodes with a warning on stderr; Pillow decides, as for any PNG."""
+    plain = encode(Image.fromarray(RGB), "PNG")
+    data = plain[:33] + png_chunk(b"iCCP", b"x\x00\x00" + zlib.compress(b"short")) + plain[33:]
+    out = np.zeros((24, 24, 3), np.uint8)
+    load_into(data, out, "none", None)
+    assert np.array_equal(out, pillow_reference(data, 24))
+    assert capfd.readouterr().err == ""
