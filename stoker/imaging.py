@@ -12,6 +12,7 @@ import io
 import math
 import os
 import struct
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Literal
@@ -36,6 +37,8 @@ JPEG_MAGIC = b"\xff\xd8"
 JPEG_EOI = b"\xff\xd9"  # end of image: a complete JPEG ends with it (entropy-coded data can never hold it)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"IEND\xaeB`\x82"  # the last chunk's type and CRC: a whole PNG ends with them
+LIBPNG_MAX_SIDE = 1_000_000  # libpng's default user limit on a side: a longer one goes to Pillow
+MAX_REASON_CHARS = 200
 PLAIN_PNG_COLOUR_TYPES = (0, 2)  # IHDR colour types grey and RGB: nothing to composite, no palette
 # libpng through OpenCV, as Pillow decodes: no EXIF rotation (Pillow's path applies none either).
 PNG_READ_FLAGS = cv2.IMREAD_COLOR_RGB | cv2.IMREAD_IGNORE_ORIENTATION
@@ -160,11 +163,14 @@ def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     """Through libpng, when it has nothing to say: the same pixels as Pillow's decode, in less than half its time
     on small images (no Python per image). A file libpng decodes with a warning (a bad ancillary chunk, an odd
     colour profile) goes to Pillow, as every PNG did before. One it refuses is unusable, even where Pillow would
-    decode it: a cut file, or image data that ends before the last row (Pillow fills the rows left with black)."""
+    decode it: a cut file (IEND included), or image data that ends before the last row (Pillow fills the rows
+    left with black)."""
     width, height = struct.unpack(">II", data[16:24])
     # At 8 bits and 1 or 3 channels the decode's peak is about 12 bytes a pixel (measured, an APNG's two frames
     # included): at MAX_IMAGE_PIXELS 0.77 GB, under MAX_DECODE_BYTES.
     _check_pixels(height, width)
+    if max(width, height) > LIBPNG_MAX_SIDE:
+        raise _NeedsPillow
     image, said = _libpng_decode(data)
     if image is None:
         raise UnusableImage(_png_refusal(data, said))
@@ -174,36 +180,69 @@ def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     resize_box_into(image, box, flip, out)
 
 
-_libpng_messages: tuple[int, int] | None = None  # (pid, memory file) libpng's stderr goes to: one per process,
-# a forked child making its own (a shared file would share its offset and size)
+# Where libpng's stderr goes during a decode: (pid, memory file), one per process (a forked child makes its own: a
+# shared file would share its offset and size).
+_libpng_messages: tuple[int, int] | None = None
+_descriptor_2 = threading.Lock()
 
 
 def _libpng_decode(data: bytes) -> tuple[np.ndarray | None, str]:
     """(the RGB image or None, what libpng said). libpng writes its warnings and errors straight to descriptor 2,
-    past OpenCV's log level: caught here, they would otherwise print a line per image and epoch."""
+    past OpenCV's log level: caught here, they would otherwise print a line per image and epoch. Descriptor 2 is
+    the whole process's, so it is pointed away only where no other thread can write to it or decode meanwhile
+    (a producer has one thread); elsewhere Pillow decodes. While it points away, a crash inside libpng loses its
+    own message; the producer's death still names the file."""
     global _libpng_messages
-    if _libpng_messages is None or _libpng_messages[0] != os.getpid():
-        _libpng_messages = (os.getpid(), os.memfd_create("stoker-libpng-messages", os.MFD_CLOEXEC))
-    messages = _libpng_messages[1]
-    stderr = os.dup(2)
-    os.dup2(messages, 2)
+    if threading.active_count() > 1 or not _descriptor_2.acquire(blocking=False):
+        raise _NeedsPillow
     try:
-        image = cv2.imdecode(np.frombuffer(data, np.uint8), PNG_READ_FLAGS)
+        if _libpng_messages is None or _libpng_messages[0] != os.getpid():
+            _libpng_messages = (os.getpid(), _memory_file())
+        messages = _libpng_messages[1]
+        if messages < 0:
+            raise _NeedsPillow
+        stderr = os.dup(2)
+        try:
+            os.dup2(messages, 2)
+            image = cv2.imdecode(np.frombuffer(data, np.uint8), PNG_READ_FLAGS)
+        except cv2.error:  # an OpenCV limit (OPENCV_IO_MAX_IMAGE_PIXELS, say): Pillow decides
+            raise _NeedsPillow from None
+        finally:
+            os.dup2(stderr, 2)
+            os.close(stderr)
+            said = _take_messages(messages)
+        return image, said
     finally:
-        os.dup2(stderr, 2)
-        os.close(stderr)
-    if not os.fstat(messages).st_size:
-        return image, ""
-    said = os.pread(messages, 4096, 0).decode(errors="replace")
+        _descriptor_2.release()
+
+
+def _memory_file() -> int:
+    """A memory file for libpng's messages, or -1 where descriptor 2 is closed (the file would take its number and
+    become the process's stderr for good)."""
+    messages = os.memfd_create("stoker-libpng-messages", os.MFD_CLOEXEC)
+    if messages > 2:
+        return messages
+    os.close(messages)
+    return -1
+
+
+def _take_messages(messages: int) -> str:
+    """What libpng wrote, emptied for the next file: its last error (or warning), repeats folded, kept short."""
+    size = os.fstat(messages).st_size
+    if not size:
+        return ""
+    tail = os.pread(messages, 4096, max(0, size - 4096)).decode(errors="replace")
     os.ftruncate(messages, 0)
     os.lseek(messages, 0, os.SEEK_SET)  # descriptor 2 shared this offset while it pointed here
-    return image, " ".join(line.removeprefix("libpng error: ").removeprefix("libpng warning: ")
-                           for line in said.splitlines())
+    lines = [line for line in tail.splitlines() if line.startswith(("libpng error: ", "libpng warning: "))]
+    errors = [line for line in lines if line.startswith("libpng error: ")]
+    last = (errors or lines or [tail.strip() or "libpng spoke"])[-1]
+    return last.removeprefix("libpng error: ").removeprefix("libpng warning: ")[:MAX_REASON_CHARS]
 
 
 def _png_refusal(data: bytes, said: str) -> str:
     reason = f" ({said})" if said else ""
-    if not data.endswith(PNG_IEND):
+    if PNG_IEND not in data:
         return f"truncated: the file ends before its IEND chunk{reason}"
     return f"corrupt PNG: libpng refused it{reason}"
 

@@ -6,7 +6,7 @@ reference, after the optimizer's step. DDP trains the same model from the same i
 optimizer, schedule, batch per rank and 2 ranks, one thread per rank as stoker's consumers have on 2 cores, and
 does what stoker does at each epoch's end as PyTorch's ImageNet example does: a validation pass and a checkpoint.
 It is fed twice: by a DataLoader reading the same files with stoker's own decoder (`load_into`: the same pixels
-and the same work per image as stoker's producers; its best worker count, see DDP_FEEDS) and from the images
+and the same work per image as stoker's producers; its best worker count and bucket size, see DDP_FEEDS) and from the images
 decoded once into memory (no input cost at all: the bound). Samples per second over the second half of each run's
 steps, all ranks, each step credited the samples it trained; repeats interleaved, medians and the spread."""
 
@@ -34,9 +34,11 @@ from stoker.index import read_file
 
 WORLD = 2
 STOKER_RUNS = {"stoker": True, "stoker_after_step": False}  # name: average_in_backward
-# name: (feed, DataLoader workers per rank). With the files decoded by libpng (23 us a 32x32 image) the rank's own
-# thread decodes fastest: medians of 3, DDP samples/s with 0, 1 and 2 workers per rank: 2,449, 2,287, 2,217.
-DDP_FEEDS = {"ddp_loader": ("loader", 0), "ddp_memory": ("memory", 0)}
+# name: (feed, DataLoader workers per rank, gradient bucket MB): DDP at its best here. The rank's own thread decodes
+# fastest (medians of 3, samples/s with 0, 1 and 2 workers per rank: 2,449, 2,287, 2,217). The model's 0.38 MB fit
+# DDP's default first bucket whole, so its all_reduce could not start before backward ended; 0.25 MB buckets, the
+# size of stoker's groups, let it overlap (medians of 4: 2,452 with the default, 2,648 at 0.1 MB, 2,708 at 0.25).
+DDP_FEEDS = {"ddp_loader": ("loader", 0, 0.25), "ddp_memory": ("memory", 0, 0.25)}
 MODEL = "stoker.bench.sync:small_cnn"
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 5e-4  # stoker's defaults
 MEAN = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1) * 255
@@ -52,32 +54,37 @@ def run_training(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="stoker-bench-") as scratch:
         root = Path(scratch)
         train, val = write_digits(root / "digits")
-        for repeat in range(args.repeats):  # interleaved: drift in the machine's speed hits every variant alike
-            for name, in_backward in STOKER_RUNS.items():
-                out = root / f"{name}-{repeat}"
-                summary = stoker.train(data=train, val=val, devices=f"cpu:{WORLD}", model=MODEL, augment="none",
-                                       image_size=32, batch_size=args.batch_size, epochs=args.epochs, seed=0,
-                                       average_in_backward=in_backward, out=out, show_progress=False, report=False)
-                if summary["status"] != "completed":
-                    raise RuntimeError(f"{name}: {summary.get('error')}")
-                runs[name].append(steady_rate(out))
-                averaging[name].append(statistics.mean(summary["averaging_fraction"]))
-                if in_backward:
-                    accuracy["stoker"].append(summary["val_accuracy"])
-            for name, (feed, workers) in DDP_FEEDS.items():
+        variants = [*STOKER_RUNS, *DDP_FEEDS]
+        for repeat in range(args.repeats):
+            # Interleaved, each repeat starting one variant later: drift in the machine's speed and any cost of
+            # following another run hit every variant alike.
+            for name in variants[repeat % len(variants):] + variants[:repeat % len(variants)]:
                 folder = root / f"{name}-{repeat}"
+                if name in STOKER_RUNS:
+                    summary = stoker.train(data=train, val=val, devices=f"cpu:{WORLD}", model=MODEL, augment="none",
+                                           image_size=32, batch_size=args.batch_size, epochs=args.epochs, seed=0,
+                                           average_in_backward=STOKER_RUNS[name], out=folder, show_progress=False,
+                                           report=False)
+                    if summary["status"] != "completed":
+                        raise RuntimeError(f"{name}: {summary.get('error')}")
+                    runs[name].append(steady_rate(folder))
+                    averaging[name].append(statistics.mean(summary["averaging_fraction"]))
+                    if name == "stoker":
+                        accuracy[name].append(summary["val_accuracy"])
+                    continue
                 folder.mkdir()
                 rate, val_accuracy = run_group(_ddp_train, WORLD, (str(train), str(val), str(folder),
-                                                                   args.batch_size, args.epochs, feed, workers),
+                                                                   args.batch_size, args.epochs, *DDP_FEEDS[name]),
                                                timeout_s=600)
                 runs[name].append(rate)
                 accuracy[name].append(val_accuracy)
     medians = {name: statistics.median(values) for name, values in runs.items()}
     result = {"model": MODEL, "consumers": WORLD, "batch_size": args.batch_size, "epochs": args.epochs,
-              "repeats": args.repeats, "loader_workers_per_rank": DDP_FEEDS["ddp_loader"][1], "samples_per_s": medians,
+              "repeats": args.repeats, "ddp_settings": {name: dict(zip(("feed", "workers", "bucket_mb"), value))
+                                 for name, value in DDP_FEEDS.items()}, "samples_per_s": medians,
               "all_runs": runs, "averaging_fraction": {k: statistics.median(v) for k, v in averaging.items()},
               "val_accuracy": {k: statistics.median(v) for k, v in accuracy.items()},
-              # Repeat i of every variant ran back to back: its ratios are paired, and their spread is the noise.
+              # Repeat i of every variant ran in one block: its ratios are paired, and their spread is the noise.
               "paired_ratios": {baseline: [round(a / b, 3) for a, b in zip(runs["stoker"], runs[baseline])]
                                 for baseline in DDP_FEEDS},
               "stoker_over_ddp_loader": round(medians["stoker"] / medians["ddp_loader"], 3),
@@ -105,7 +112,7 @@ def write_digits(folder: Path) -> tuple[Path, Path]:
 
 
 def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_size: int, epochs: int,
-               feed: str, workers: int) -> tuple[float, float]:
+               feed: str, workers: int, bucket_mb: float) -> tuple[float, float]:
     """One rank of the DDP run, written as PyTorch's ImageNet example trains: DistributedSampler, every epoch a
     validation pass over this rank's part of the validation set and a checkpoint written by rank 0.
     Returns (samples/s over the second half of the steps, validation accuracy at the end)."""
@@ -122,7 +129,7 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
     train_batches = _Batches(_Files(train_index), sampler, batch_size, feed, workers)
     val_batches = _Batches(_Files(val_index), range(bounds[rank], bounds[rank + 1]), batch_size, feed, workers)
     torch.manual_seed(0)
-    model = DistributedDataParallel(build_model(MODEL, len(train_index.classes)))
+    model = DistributedDataParallel(build_model(MODEL, len(train_index.classes)), bucket_cap_mb=bucket_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     total = len(train_batches) * epochs
     stamps: list[tuple[float, int]] = []  # (when a step ended, the samples every rank trained in it)
