@@ -122,8 +122,8 @@ def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
 
 
 class _NeedsPillow(Exception):
-    """A file the fast decoder does not take: a CMYK/YCCK JPEG, which Pillow converts, or a PNG libpng refused,
-    which Pillow decodes or names the fault of."""
+    """A file the fast decoder does not take, which Pillow decodes: a CMYK/YCCK JPEG, a PNG libpng warned about
+    or cannot be asked about (a side over its limit, another thread alive, an OpenCV limit)."""
 
 
 def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:

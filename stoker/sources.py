@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stoker.builtin_data import builtin_dataset
 from stoker.dataset import Skipped, validation_ids
 from stoker.index import PackedIndex, load_image_folder
 from stoker.shards import load_shards, shard_paths
 from stoker.waiting import waiting
 
-if TYPE_CHECKING:  # `stoker pack` reads sources and needs neither
+if TYPE_CHECKING:  # `stoker pack` reads sources and needs no config (pydantic)
     from stoker.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ class Data:
 
 def load_data(config: TrainConfig) -> Data:
     """The run's training and validation samples (the built-in dataset without `--data`)."""
-    from stoker.builtin_data import builtin_dataset
-
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
     train = _load(train_root)
     if val_root is not None:

@@ -124,9 +124,10 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
 
     train_index = scan_image_folder(Path(train))
     val_index = scan_image_folder(Path(val), train_index.classes)
-    sampler = DistributedSampler(_Files(train_index), world, rank, shuffle=True, seed=0, drop_last=True)
+    train_files = _Files(train_index)
+    sampler = DistributedSampler(train_files, world, rank, shuffle=True, seed=0, drop_last=True)
     bounds = np.linspace(0, len(val_index.labels), world + 1).round().astype(int)
-    train_batches = _Batches(_Files(train_index), sampler, batch_size, feed, workers)
+    train_batches = _Batches(train_files, sampler, batch_size, feed, workers)
     val_batches = _Batches(_Files(val_index), range(bounds[rank], bounds[rank + 1]), batch_size, feed, workers)
     torch.manual_seed(0)
     model = DistributedDataParallel(build_model(MODEL, len(train_index.classes)), bucket_cap_mb=bucket_mb)
