@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stoker.config import TrainConfig
+    from stoker.common.config import TrainConfig
 
 __all__ = ["TrainConfig", "train"]
 
@@ -19,11 +19,11 @@ __all__ = ["TrainConfig", "train"]
 def train(config: TrainConfig | None = None, *, show_progress: bool = True, **settings: Any) -> dict[str, Any]:
     """Train with `config` (or the given settings) and return the summary written to RUN_DIR/summary.json.
 
-    Raises `stoker.config.ConfigError` for a bad setting before any process starts. The run's own failures are
+    Raises `stoker.common.config.ConfigError` for a bad setting before any process starts. The run's own failures are
     reported in the summary (`status` "failed" with `error`), like on the command line.
     """
-    from stoker.config import make_config
-    from stoker.controller import Controller
+    from stoker.common.config import make_config
+    from stoker.run.controller import Controller
 
     if config is None:
         config = make_config(settings)
@@ -33,8 +33,8 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, **se
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy: producers import stoker.producer, which must not pay for torch.
+    # Lazy: producers import stoker.pipeline.producer, which must not pay for torch.
     if name == "TrainConfig":
-        from stoker.config import TrainConfig
+        from stoker.common.config import TrainConfig
         return TrainConfig
     raise AttributeError(name)

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stoker.config import FIELD_NAMES, ConfigError, load_toml, make_config
+from stoker.common.config import FIELD_NAMES, ConfigError, load_toml, make_config
 
 USAGE_ERROR = 2
 
-# (flag help, metavar) for each setting; the defaults and the checks live in stoker.config.TrainConfig.
+# (flag help, metavar) for each setting; the defaults and the checks live in stoker.common.config.TrainConfig.
 TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "data": ("ImageFolder root (a sub-folder per class) or WebDataset-layout .tar shards (a brace pattern "
              "such as train-{000..127}.tar, a folder of shards, a list file); default: the built-in dataset",
@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, help="where the PNG goes (default RUN_DIR/report.png, or "
                         "report-compare.png for two runs)")
     from stoker.bench import add_bench_parser
-    from stoker.pack import add_parser as add_pack_parser
+    from stoker.data.pack import add_parser as add_pack_parser
     add_pack_parser(commands)
     add_bench_parser(commands)
     return parser
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report_command(args: argparse.Namespace) -> int:
-    from stoker import report
+    from stoker.observe import report
 
     if len(args.runs) > 2:
         print("stoker: error: report takes one run folder, or two to compare", file=sys.stderr)
@@ -126,7 +126,7 @@ def report_command(args: argparse.Namespace) -> int:
 def train_command(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-        from stoker.controller import Controller
+        from stoker.run.controller import Controller
         controller = Controller(config, show_progress=not getattr(args, "quiet", False))
     except ValueError as error:  # ConfigError and every other user error found before a process starts
         print(f"stoker: error: {error}", file=sys.stderr)
@@ -135,7 +135,7 @@ def train_command(args: argparse.Namespace) -> int:
         print("stoker: interrupted before training started", file=sys.stderr)
         return 130
     summary = controller.run()
-    from stoker.report import ending
+    from stoker.observe.report import ending
 
     out = sys.stderr if getattr(args, "json", False) else sys.stdout
     width = shutil.get_terminal_size().columns if out.isatty() else None

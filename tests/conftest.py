@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from stoker import builtin_data
-from stoker.procs import stoker_processes
-from stoker.ring import live_segments
+from stoker.common.procs import stoker_processes
+from stoker.data import builtin_data
+from stoker.pipeline.ring import live_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"

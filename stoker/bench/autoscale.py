@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stoker import builtin_data, faults
-from stoker.metrics import read_events
-from stoker.waiting import waiting
+from stoker.common import faults
+from stoker.common.waiting import waiting
+from stoker.data import builtin_data
+from stoker.observe.metrics import read_events
 
 WORKLOADS = ("a", "b", "c", "d")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.index import load_image_folder
+from stoker.data.index import load_image_folder
 
 NUM_CLASSES = 1000
 SOURCE_IMAGES = 64
@@ -83,7 +83,7 @@ def build_folder(root: Path, sources: list[Path], num_files: int) -> None:
 def settle() -> None:
     """A folder changed within the cache's guard time is rescanned every time: wait it out, as a user's
     tree that was not written a moment ago."""
-    from stoker.index import MTIME_GUARD_NS
+    from stoker.data.index import MTIME_GUARD_NS
 
     time.sleep(MTIME_GUARD_NS / 1e9 + 0.2)
 
@@ -98,8 +98,8 @@ def measure_size(scratch: Path, sources: list[Path], num_files: int, args: argpa
     for _ in range(args.repeats):
         cache = scratch / "cache"
         shutil.rmtree(cache, ignore_errors=True)
-        cold.append(_timed(lambda: load_image_folder(root, cache=cache)))
-        cached.append(_timed(lambda: load_image_folder(root, cache=cache)))
+        cold.append(_timed(lambda cache=cache: load_image_folder(root, cache=cache)))
+        cached.append(_timed(lambda cache=cache: load_image_folder(root, cache=cache)))
     starts = [first_step(root, scratch, args, fresh_cache=False) for _ in range(args.repeats)]
     cold_start = first_step(root, scratch, args, fresh_cache=True)
     shutil.rmtree(root, ignore_errors=True)
@@ -205,8 +205,8 @@ def _rollup(pid: int) -> dict[str, float]:
 def measure_throughput(scratch: Path, sources: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     """Producers decoding the same images from files and from shards, interleaved runs, medians."""
     from stoker.bench.pipeline import time_stoker
-    from stoker.pack import pack
-    from stoker.shards import load_shards
+    from stoker.data.pack import pack
+    from stoker.data.shards import load_shards
 
     root = scratch / "throughput"
     build_folder(root, sources, args.throughput_files)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoker.devices import available_cores
+from stoker.common.devices import available_cores
 
 SET = "500x375"  # about ImageNet's average picture
 

@@ -13,12 +13,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stoker import accel
 from stoker.bench.pipeline import TorchvisionStyleDataset
-from stoker.dataset import scan_image_folder
-from stoker.devices import available_cores
-from stoker.feed import MEAN, STD
-from stoker.models import build_model
+from stoker.common.devices import available_cores
+from stoker.data.dataset import scan_image_folder
+from stoker.pipeline.feed import MEAN, STD
+from stoker.training import accel
+from stoker.training.models import build_model
 
 WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
 

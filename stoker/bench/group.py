@@ -6,15 +6,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stoker.rendezvous import StoreAddress
+    from stoker.training.rendezvous import StoreAddress
 
 
 def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: float) -> Any:
     """Start `world` processes running `worker(rank, world, *args)` in one gloo group; return rank 0's result.
 
     A worker's exception comes back as a RuntimeError naming the rank; every process is gone when this returns."""
-    from stoker.procs import CONTEXT  # here, not at the top: `stoker --help` must not wait for torch
-    from stoker.rendezvous import LocalStore
+    from stoker.common.procs import CONTEXT  # here, not at the top: `stoker --help` must not wait for torch
+    from stoker.training.rendezvous import LocalStore
 
     store = LocalStore()
     results = CONTEXT.Queue()
@@ -41,7 +41,7 @@ def _member(worker: Callable[..., Any], rank: int, world: int, address: StoreAdd
     import torch
     import torch.distributed as dist
 
-    from stoker.rendezvous import bind_to_loopback
+    from stoker.training.rendezvous import bind_to_loopback
 
     try:
         torch.set_num_threads(1)

@@ -33,14 +33,14 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from stoker.dataset import scan_image_folder
-from stoker.imaging import random_resized_crop_box
-from stoker.plan import Work
-from stoker.pool import MAX_IN_FLIGHT, ProducerPool
-from stoker.procs import CONTEXT, Mailbox
-from stoker.producer import ProducerSetup, SampleSource, Source, Task, TaskDone
-from stoker.ring import SlotRing
-from stoker.waiting import waiting
+from stoker.common.procs import CONTEXT, Mailbox
+from stoker.common.waiting import waiting
+from stoker.data.dataset import scan_image_folder
+from stoker.data.imaging import random_resized_crop_box
+from stoker.pipeline.plan import Work
+from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
+from stoker.pipeline.producer import ProducerSetup, SampleSource, Source, Task, TaskDone
+from stoker.pipeline.ring import SlotRing
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
 QUALITY = 90

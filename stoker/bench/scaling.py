@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stoker import builtin_data, faults
 from stoker.bench.group import run_group
-from stoker.metrics import read_events
-from stoker.waiting import waiting
+from stoker.common import faults
+from stoker.common.waiting import waiting
+from stoker.data import builtin_data
+from stoker.observe.metrics import read_events
 
 if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench scaling --help` need not wait for it
     from torch import nn

@@ -27,11 +27,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stoker import builtin_data
-from stoker.metrics import read_events
-from stoker.procs import stoker_processes
-from stoker.ring import SHM_DIR, live_segments
-from stoker.waiting import waiting
+from stoker.common.procs import stoker_processes
+from stoker.common.waiting import waiting
+from stoker.data import builtin_data
+from stoker.observe.metrics import read_events
+from stoker.pipeline.ring import SHM_DIR, live_segments
 
 SAMPLE_EVERY_S = 0.5
 WITNESS = "stoker producer 0"  # never killed: its memory over its own life is what the producer check judges

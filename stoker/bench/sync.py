@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stoker.bench.group import run_group
-from stoker.waiting import waiting
+from stoker.common.waiting import waiting
 
 if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench sync --help` need not wait for it
     import torch
@@ -71,7 +71,7 @@ def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
-    from stoker.averager import Averager
+    from stoker.training.averager import Averager
 
     steps, repeats = settings["steps"], settings["repeats"]
     batches = _batches(rank, settings, max(steps, CHECK_STEPS))
@@ -135,7 +135,7 @@ def small_cnn(num_classes: int) -> nn.Module:
 def _model(settings: dict[str, Any]) -> torch.nn.Module:
     import torch
 
-    from stoker.models import build_model
+    from stoker.training.models import build_model
 
     torch.manual_seed(0)  # both replicas and both methods start from the same weights
     return build_model(settings["model"], 10)
@@ -180,7 +180,7 @@ def _averaging_costs(model: torch.nn.Module, repeats: int = 200) -> tuple[float,
     import torch
     import torch.distributed as dist
 
-    from stoker.averager import Averager
+    from stoker.training.averager import Averager
 
     averager = Averager(model, 1, WORLD, batch_size=1)
     flat = torch.zeros(sum(b.numel() for b in averager.float_buckets))

@@ -6,9 +6,9 @@ reference, after the optimizer's step. DDP trains the same model from the same i
 optimizer, schedule, batch per rank and 2 ranks, one thread per rank as stoker's consumers have on 2 cores, and
 does what stoker does at each epoch's end as PyTorch's ImageNet example does: a validation pass and a checkpoint.
 It is fed twice: by a DataLoader reading the same files with stoker's own decoder (`load_into`: the same pixels
-and the same work per image as stoker's producers; its best worker count and bucket size, see DDP_FEEDS) and from the images
-decoded once into memory (no input cost at all: the bound). Samples per second over the second half of each run's
-steps, all ranks, each step credited the samples it trained; repeats interleaved, medians and the spread."""
+and the same work per image as stoker's producers; its best worker count and bucket size, see DDP_FEEDS) and from
+the images decoded once into memory (no input cost at all: the bound). Samples per second over the second half of
+each run's steps, all ranks, each step credited the samples it trained; repeats interleaved, medians and the spread."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from PIL import Image
 
 from stoker.bench.autoscale import steady_rate
 from stoker.bench.group import run_group
-from stoker.imaging import load_into
-from stoker.index import read_file
+from stoker.data.imaging import load_into
+from stoker.data.index import read_file
 
 WORLD = 2
 STOKER_RUNS = {"stoker": True, "stoker_after_step": False}  # name: average_in_backward
@@ -119,8 +119,8 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data.distributed import DistributedSampler
 
-    from stoker.dataset import scan_image_folder
-    from stoker.models import build_model
+    from stoker.data.dataset import scan_image_folder
+    from stoker.training.models import build_model
 
     train_index = scan_image_folder(Path(train))
     val_index = scan_image_folder(Path(val), train_index.classes)

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from stoker import rendezvous
-from stoker.consumer import _join_group
-from stoker.faults import CHECKPOINT_READ_ENV, CHECKPOINT_WRITE_ENV
+from stoker.common.faults import CHECKPOINT_READ_ENV, CHECKPOINT_WRITE_ENV
+from stoker.training import rendezvous
+from stoker.training.consumer import _join_group
 from tests.conftest import read_summary, run_cli
 from tests.faults.test_faults import fault, train_args
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from stoker import checkpoint
-from stoker.ring import NAME_PREFIX, SHM_DIR, live_segments
+from stoker.common import checkpoint
+from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR, live_segments
 from tests.conftest import read_summary, run_cli, stoker_processes, wait_for_no_trace
 
 pytestmark = pytest.mark.timeout(240)

@@ -54,10 +54,10 @@ def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_pa
     more: the retiring producer still holds its status row until it exits, so there is none free yet."""
     import numpy as np
 
-    from stoker.pool import ProducerPool
-    from stoker.procs import CONTEXT, Mailbox
-    from stoker.producer import ProducerSetup, Source
-    from stoker.ring import SlotRing
+    from stoker.common.procs import CONTEXT, Mailbox
+    from stoker.pipeline.pool import ProducerPool
+    from stoker.pipeline.producer import ProducerSetup, Source
+    from stoker.pipeline.ring import SlotRing
 
     ring = SlotRing.create(num_slots=2, batch_size=2, image_size=8, num_status=2)
     mailbox, stop = Mailbox(), CONTEXT.Event()
@@ -139,9 +139,9 @@ def test_a_hung_producer_with_two_consumers_at_default_timeouts_is_recovered(tex
     both scaled by one factor to keep the test short, the file is skipped before the peer gives up. The file is in
     rank 1's step 4, so rank 0 is already in that step's collective (at step 0 both would still wait for input),
     and two slots per consumer keep rank 0 from being far behind the hang."""
-    from stoker.config import TrainConfig
-    from stoker.dataset import scan_image_folder
-    from stoker.plan import EpochPlan
+    from stoker.common.config import TrainConfig
+    from stoker.data.dataset import scan_image_folder
+    from stoker.pipeline.plan import EpochPlan
 
     train, val = textures
     paths = scan_image_folder(train).paths
@@ -192,7 +192,7 @@ def test_the_stale_segment_sweep_keeps_a_segment_a_live_controller_holds_whateve
     import subprocess
     import sys
 
-    from stoker.ring import NAME_PREFIX, SHM_DIR, sweep_dead_segments
+    from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR, sweep_dead_segments
 
     name = f"{NAME_PREFIX}999999_cafe0001"
     path = os.path.join(SHM_DIR, name)

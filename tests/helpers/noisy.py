@@ -3,9 +3,8 @@ code or a library in a consumer would (loaded through --model noisy:noisy_cnn)."
 
 import os
 
-from torch import nn
-
 from nobn import small_cnn
+from torch import nn
 
 WARNING = "noisy: a warning written by a consumer"
 

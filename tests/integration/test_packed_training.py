@@ -9,8 +9,8 @@ import shutil
 import pytest
 
 from tests.conftest import assert_same_weights, read_summary, run_cli
-from tests.integration.test_multinode import launch_machines
 from tests.helpers.trees import make_unreadable_folder
+from tests.integration.test_multinode import launch_machines
 
 
 def common(out, *extra):

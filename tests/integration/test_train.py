@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import stoker
-from stoker.feed import DeviceLoader
-from stoker.imaging import make_decode_warnings_errors
-from stoker.models import build_model
-from stoker.plan import EpochPlan
-from stoker.producer import ProducerSetup, Source, Task, build_batch
-from stoker.ring import SlotRing
+from stoker.data.imaging import make_decode_warnings_errors
+from stoker.pipeline.feed import DeviceLoader
+from stoker.pipeline.plan import EpochPlan
+from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch
+from stoker.pipeline.ring import SlotRing
+from stoker.training.models import build_model
 from tests.conftest import HELPERS, read_summary, run_cli
 
 DESIGN_FIELDS = {
@@ -94,7 +94,7 @@ def test_averaging_equals_training_on_the_concatenated_batches(textures, tmp_pat
 
 def _concatenated_batch(train, plan, step, seed, size):
     """Both ranks' batches of `step`, built by the producer's own code into a local ring."""
-    from stoker.dataset import scan_image_folder
+    from stoker.data.dataset import scan_image_folder
 
     make_decode_warnings_errors()
     index = scan_image_folder(train)

@@ -7,8 +7,8 @@ import multiprocessing
 import pytest
 import torch
 
-from stoker import accel
-from stoker.checkpoint import load_verified, save_tensors
+from stoker.common.checkpoint import load_verified, save_tensors
+from stoker.training import accel
 
 
 @pytest.fixture

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from stoker.checkpoint import Position
-from stoker.consumer import Batch, StepReport
-from stoker.metrics import RunStats
-from stoker.plan import EpochPlan
-from stoker.scheduler import Scheduler
-from stoker.summary import Ledger
+from stoker.common.checkpoint import Position
+from stoker.observe.metrics import RunStats
+from stoker.observe.summary import Ledger
+from stoker.pipeline.messages import Batch, StepReport
+from stoker.pipeline.plan import EpochPlan
+from stoker.pipeline.scheduler import Scheduler
 
 
 def report(epoch: int, step: int, ids: list[int], steps_per_epoch: int = 4) -> StepReport:

@@ -3,7 +3,7 @@ they wait and forks pay, retire a fork that did not pay, never add competition f
 
 from __future__ import annotations
 
-from stoker.autoscale import RETRY_WINDOWS, Autoscaler, Window, required_gain, static_budget
+from stoker.pipeline.autoscale import RETRY_WINDOWS, Autoscaler, Window, required_gain, static_budget
 
 
 def window(producers: int, stall: float, samples_per_s: float, queue_fill: float = 0.1,

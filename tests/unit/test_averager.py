@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from stoker.averager import Averager
 from stoker.bench import sync
 from stoker.bench.group import run_group
+from stoker.training.averager import Averager
 
 
 def _two_rounds(rank: int, world: int) -> dict[str, list[float] | float]:

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stoker.averager import Averager
 from stoker.bench.group import run_group
-from stoker.models import build_model
+from stoker.training.averager import Averager
+from stoker.training.models import build_model
 
 # Per step, (samples on rank 0, samples on rank 1): full steps, a short last batch, a rank without samples.
 STEPS = [(8, 8), (8, 8), (8, 8), (5, 3), (8, 8), (4, 0), (8, 8)]

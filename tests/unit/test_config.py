@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from stoker.config import ConfigError, load_toml, make_config
+from stoker.common.config import ConfigError, load_toml, make_config
 from tests.conftest import run_cli, stoker_processes
 
 

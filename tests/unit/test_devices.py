@@ -11,7 +11,7 @@ import pytest
 
 def test_a_cpu_test_hides_cuda_from_what_it_starts():
     assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""
-    probe = "import torch; from stoker.devices import resolve_devices; print(resolve_devices('auto')[0])"
+    probe = "import torch; from stoker.common.devices import resolve_devices; print(resolve_devices('auto')[0])"
     started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert started.stdout.strip() == "cpu"
 

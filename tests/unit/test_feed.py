@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.feed import DeviceLoader
-from stoker.ring import SlotRing
-from stoker.streams import CpuOps
-from stoker.timing import StepClock
+from stoker.pipeline.feed import DeviceLoader
+from stoker.pipeline.ring import SlotRing
+from stoker.pipeline.streams import CpuOps
+from stoker.training.timing import StepClock
 
 IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
@@ -256,10 +256,10 @@ def _replica_on(ops: FakeOps, ring: SlotRing):
     """A consumer's training steps on a device that runs behind the host (world of one: no process group)."""
     from types import SimpleNamespace
 
-    from stoker.accel import MixedPrecision
-    from stoker.averager import Averager
-    from stoker.consumer import REPORT_EVERY_ASYNC, Replica
-    from stoker.models import build_model
+    from stoker.training.accel import MixedPrecision
+    from stoker.training.averager import Averager
+    from stoker.training.consumer import REPORT_EVERY_ASYNC, Replica
+    from stoker.training.models import build_model
 
     replica = Replica.__new__(Replica)
     replica.setup = SimpleNamespace(rank=0, local_rank=0, lr=0.01, schedule="constant", total_steps=100,
@@ -279,7 +279,8 @@ def _replica_on(ops: FakeOps, ring: SlotRing):
 def test_a_gpu_consumer_reads_the_device_once_per_group_of_steps(ring):
     """No synchronization per step: after the first step (reported at once, the controller times the run from it)
     steps are reported in groups, each read with one synchronization."""
-    from stoker.consumer import REPORT_EVERY_ASYNC, Batch, StepReport
+    from stoker.pipeline.messages import Batch, StepReport
+    from stoker.training.consumer import REPORT_EVERY_ASYNC
 
     ops = FakeOps()
     replica = _replica_on(ops, ring)

@@ -19,8 +19,17 @@ import simplejpeg
 from PIL import Image
 from scipy import stats
 
-from stoker.imaging import (MAX_IMAGE_PIXELS, Box, UnusableImage, center_crop_box, load_into,
-                            make_decode_warnings_errors, random_resized_crop_box, resize_box_into, to_rgb_array)
+from stoker.data.imaging import (
+    MAX_IMAGE_PIXELS,
+    Box,
+    UnusableImage,
+    center_crop_box,
+    load_into,
+    make_decode_warnings_errors,
+    random_resized_crop_box,
+    resize_box_into,
+    to_rgb_array,
+)
 from tests.conftest import forged_png_header, photograph_jpeg, scan_data_start
 
 make_decode_warnings_errors()
@@ -80,7 +89,7 @@ PEAK_RSS_OF_ONE_DECODE = """
 import resource, sys
 import numpy as np
 from PIL import Image
-from stoker.imaging import decode_bytes, load_into
+from stoker.data.imaging import decode_bytes, load_into
 data = open(sys.argv[1], "rb").read()
 out = np.zeros((32, 32, 3), np.uint8)
 with Image.open(sys.argv[1]) as image:

@@ -9,11 +9,11 @@ import pickle
 
 import numpy as np
 
-from stoker.dataset import scan_image_folder, split_validation
-from stoker import index as stoker_index
-from stoker.index import PackedIndex, load_image_folder
-from stoker.procs import CONTEXT
-from stoker.sources import split_source
+from stoker.common.procs import CONTEXT
+from stoker.data import index as stoker_index
+from stoker.data.dataset import scan_image_folder, split_validation
+from stoker.data.index import PackedIndex, load_image_folder
+from stoker.data.sources import split_source
 
 AN_HOUR_AGO = 3600
 

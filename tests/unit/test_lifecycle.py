@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from stoker.lifecycle import Interrupted, Lifecycle
-from stoker.procs import CONTEXT, start
+from stoker.common.procs import CONTEXT, start
+from stoker.run.lifecycle import Interrupted, Lifecycle
 
 
 def send(signum: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stoker.models import build_model
+from stoker.training.models import build_model
 
 
 @pytest.mark.parametrize("name,parameters", [("resnet18", 11_689_512), ("resnet50", 25_557_032)])

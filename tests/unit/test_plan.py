@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stoker.plan import EpochPlan
+from stoker.pipeline.plan import EpochPlan
 
 
 @pytest.mark.parametrize("samples,batch,ranks", [(120, 16, 1), (121, 16, 2), (100, 7, 3), (5, 4, 4)])

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from stoker.ring import SHM_DIR, SlotRing
+from stoker.pipeline.ring import SHM_DIR, SlotRing
 
 KERNEL = tuple(int(part) for part in os.uname().release.split(".")[:2])
 

@@ -10,9 +10,9 @@ import tarfile
 
 import pytest
 
-from stoker.dataset import scan_image_folder
-from stoker.pack import pack, parse_size
-from stoker.shards import expand_braces, load_shards, shard_paths
+from stoker.data.dataset import scan_image_folder
+from stoker.data.pack import pack, parse_size
+from stoker.data.shards import expand_braces, load_shards, shard_paths
 
 
 def write_tar(path, members: list[tuple[str, bytes]], format: int = tarfile.DEFAULT_FORMAT) -> None:

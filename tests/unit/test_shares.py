@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stoker.consumer import StepReport
-from stoker.metrics import RunStats, time_shares
+from stoker.observe.metrics import RunStats, time_shares
+from stoker.pipeline.messages import StepReport
 
 
 def test_shares_are_parts_of_the_wall_time():

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from stoker import builtin_data, waiting
+from stoker.common import waiting
+from stoker.data import builtin_data
 from tests.helpers.terminal import run_in_terminal
 
 
@@ -54,7 +55,7 @@ def test_a_wait_inside_another_is_counted_apart_and_not_shown(every_update_shows
 
 BAR_SCRIPT = """
 import logging, time
-from stoker.waiting import waiting
+from stoker.common.waiting import waiting
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 with waiting("scanning /data/train", total=40, unit="files") as progress:
     for index in range(40):

@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stoker import checkpoint, cluster, exchange, wire
 from stoker.bench.group import run_group
+from stoker.common import checkpoint, wire
+from stoker.run import cluster
+from stoker.training import exchange
 
 CPU = torch.device("cpu")
 

@@ -21,11 +21,20 @@ from pathlib import Path
 
 import numpy as np
 
-from stoker.dataset import IMAGE_EXTENSIONS, Skipped
-from stoker.files import replace_with
-from stoker.index import (MTIME_GUARD_NS, SHARDS_FOLDER, Packed, PackedIndex, cache_key, index_cache_dir,
-                          input_stamps, load_cached, write_entry)
-from stoker.waiting import waiting
+from stoker.common.files import replace_with
+from stoker.common.waiting import waiting
+from stoker.data.dataset import IMAGE_EXTENSIONS, Skipped
+from stoker.data.index import (
+    MTIME_GUARD_NS,
+    SHARDS_FOLDER,
+    Packed,
+    PackedIndex,
+    cache_key,
+    index_cache_dir,
+    input_stamps,
+    load_cached,
+    write_entry,
+)
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stoker import wire
-from stoker.rendezvous import StoreAddress
+from stoker.common import wire
+from stoker.training.rendezvous import StoreAddress
 
 log = logging.getLogger(__name__)
 

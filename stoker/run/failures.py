@@ -7,8 +7,8 @@ import logging
 import time
 from collections.abc import Sequence
 
-from stoker.consumer import ConsumerFailed
-from stoker.procs import POLL_S, Mailbox, describe_exit
+from stoker.common.procs import POLL_S, Mailbox, describe_exit
+from stoker.pipeline.messages import ConsumerFailed
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.dataset import Skipped
+from stoker.data.dataset import Skipped
 
 if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
-    from stoker.consumer import StepReport
+    from stoker.pipeline.messages import StepReport
 
 
 RATE_WINDOW_S = 5.0
@@ -221,7 +221,7 @@ class RunStats:
         return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
 
     def export(self) -> dict[str, Any]:
-        """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.wire`)."""
+        """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.common.wire`)."""
         import torch  # only the controllers of several machines call this; `stoker report` and `--help` need not
 
         return {"consumers": [asdict(times) for times in self.consumers],

@@ -15,9 +15,9 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 
-from stoker.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
-from stoker.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
-from stoker.ring import SlotRing
+from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
+from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
+from stoker.pipeline.ring import SlotRing
 
 log = logging.getLogger(__name__)
 

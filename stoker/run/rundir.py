@@ -8,8 +8,8 @@ from __future__ import annotations
 import datetime
 from pathlib import Path
 
-from stoker import checkpoint
-from stoker.config import RUN_CONFIG_FILE
+from stoker.common import checkpoint
+from stoker.common.config import RUN_CONFIG_FILE
 
 # What a run leaves in its folder (the first is written when it starts, before any step).
 RUN_MARKERS = (RUN_CONFIG_FILE, "metrics.jsonl", "summary.json", "checkpoints")

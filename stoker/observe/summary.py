@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from stoker.checkpoint import write_atomic
-from stoker.consumer import StepReport
-from stoker.metrics import EpochAccount, RunStats, accounting_rows
+from stoker.common.checkpoint import write_atomic
+from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows
+from stoker.pipeline.messages import StepReport
 
 log = logging.getLogger(__name__)
 

@@ -21,12 +21,12 @@ import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from stoker.dataset import list_image_folder
-from stoker.devices import available_cores
-from stoker.procs import CONTEXT
-from stoker.shards import CLASSES_FILE
-from stoker.sources import log_refused
-from stoker.waiting import waiting
+from stoker.common.devices import available_cores
+from stoker.common.procs import CONTEXT
+from stoker.common.waiting import waiting
+from stoker.data.dataset import list_image_folder
+from stoker.data.shards import CLASSES_FILE
+from stoker.data.sources import log_refused
 
 log = logging.getLogger(__name__)
 

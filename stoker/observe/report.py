@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoker.metrics import read_events
+from stoker.observe.metrics import read_events
 
 REPORT_PNG = "report.png"
 REPORT_TXT = "report.txt"

@@ -17,13 +17,13 @@ from typing import Protocol
 
 import numpy as np
 
-from stoker import faults
-from stoker.dataset import Skipped
-from stoker.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
-from stoker.index import read_file
-from stoker.plan import Work, sample_rng
-from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
-from stoker.ring import RingSpec, SlotRing
+from stoker.common import faults
+from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.data.dataset import Skipped
+from stoker.data.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
+from stoker.data.index import read_file
+from stoker.pipeline.plan import Work, sample_rng
+from stoker.pipeline.ring import RingSpec, SlotRing
 
 
 class SampleSource(Protocol):

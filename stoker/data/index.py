@@ -29,11 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from stoker import faults
-from stoker.builtin_data import cache_root
-from stoker.dataset import Skipped, list_image_folder
-from stoker.files import replace_with
-from stoker.imaging import UnusableImage
+from stoker.common import faults
+from stoker.common.files import replace_with
+from stoker.data.builtin_data import cache_root
+from stoker.data.dataset import Skipped, list_image_folder
+from stoker.data.imaging import UnusableImage
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ INDEX_VERSION = 1
 MTIME_GUARD_NS = 2_000_000_000
 STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
 MAX_OPEN_SHARDS = 128
-SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.shards` (small; kept until removed by hand)
+SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
 
 

@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from stoker.terminal import StderrAbove
+from stoker.common.terminal import StderrAbove
 
 log = logging.getLogger("stoker")
 REFRESH_S = 0.25

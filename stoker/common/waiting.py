@@ -19,11 +19,19 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from rich.progress import (BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn,
-                           TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
 
-from stoker.terminal import StderrAbove
+from stoker.common.terminal import StderrAbove
 
 log = logging.getLogger("stoker")
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoker.checkpoint import Position, checkpoint_dir
-from stoker.consumer import Batch, Save, ValEnd
-from stoker.plan import EpochPlan, Work
+from stoker.common.checkpoint import Position, checkpoint_dir
+from stoker.pipeline.messages import Batch, Save, ValEnd
+from stoker.pipeline.plan import EpochPlan, Work
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stoker.backward_average import GROUP_BYTES, BackwardAverage
+from stoker.training.backward_average import GROUP_BYTES, BackwardAverage
 
 GPU_GROUP_BYTES = 25 << 20
 

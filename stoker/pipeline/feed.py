@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoker.ring import SlotRing
-from stoker.streams import DeviceOps, ops_for
+from stoker.pipeline.ring import SlotRing
+from stoker.pipeline.streams import DeviceOps, ops_for
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

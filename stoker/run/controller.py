@@ -12,31 +12,40 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from stoker import checkpoint, cluster, faults, rundir
-from stoker.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
-from stoker.averager import OuterSpec
-from stoker.checkpoint import Position
-from stoker.config import RUN_CONFIG_FILE, TrainConfig
-from stoker.consumer import (ConsumerFailed, ConsumerSetup, Finish, Finished, Save, Saved, SlotFree,
-                             StepReport, ValReport, consumer_main)
-from stoker.devices import available_cores, resolve_devices, threads_per_consumer
-from stoker.diagnosis import TimeSplit, Verdict, diagnose
-from stoker.failures import FailureWitness
-from stoker.files import write_json
-from stoker.lifecycle import Interrupted, Lifecycle
-from stoker.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
-from stoker.models import check_model
-from stoker.plan import EpochPlan
-from stoker.pool import ProducerPool, check_hang_timeout
-from stoker.procs import (CONTEXT, POLL_S, Mailbox, StokerRunError, describe_exit, name_process, start,
-                          stop_processes)
-from stoker.producer import ProducerFailed, ProducerSetup, Task, TaskDone
-from stoker.progress import ProgressView, Snapshot
-from stoker.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
-from stoker.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
-from stoker.scheduler import Issue, Scheduler
-from stoker.sources import load_data
-from stoker.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
+from stoker.common import checkpoint, faults
+from stoker.common.checkpoint import Position
+from stoker.common.config import RUN_CONFIG_FILE, TrainConfig
+from stoker.common.devices import available_cores, resolve_devices, threads_per_consumer
+from stoker.common.files import write_json
+from stoker.common.procs import (
+    CONTEXT,
+    POLL_S,
+    Mailbox,
+    StokerRunError,
+    describe_exit,
+    name_process,
+    start,
+    stop_processes,
+)
+from stoker.data.sources import load_data
+from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
+from stoker.observe.progress import ProgressView, Snapshot
+from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
+from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
+from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
+from stoker.pipeline.plan import EpochPlan
+from stoker.pipeline.pool import ProducerPool, check_hang_timeout
+from stoker.pipeline.producer import ProducerFailed, ProducerSetup, Task, TaskDone
+from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
+from stoker.pipeline.scheduler import Issue, Scheduler
+from stoker.run import cluster, rundir
+from stoker.run.failures import FailureWitness
+from stoker.run.lifecycle import Interrupted, Lifecycle
+from stoker.training.averager import OuterSpec
+from stoker.training.consumer import ConsumerSetup, consumer_main
+from stoker.training.models import check_model
+from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +225,7 @@ class Controller:
         return None
 
     def _write_report(self) -> None:
-        from stoker.report import write_report
+        from stoker.observe.report import write_report
 
         try:
             faults.maybe_inject("controller", "drawing the report")

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from stoker.waiting import waiting
+from stoker.common.waiting import waiting
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import math
 import os
 import queue
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,16 +21,28 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stoker import accel, checkpoint, exchange, faults
-from stoker.averager import Averager, OuterSpec
-from stoker.feed import DeviceLoader
-from stoker.models import build_model
-from stoker.plan import Kind
-from stoker.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
-from stoker.rendezvous import StoreAddress, bind_to_loopback, group_options
-from stoker.ring import RingSpec, SlotRing
-from stoker.streams import ops_for
-from stoker.timing import StepClock, StepMarks
+from stoker.common import checkpoint, faults
+from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.pipeline.feed import DeviceLoader
+from stoker.pipeline.messages import (
+    Batch,
+    ConsumerFailed,
+    Finish,
+    Finished,
+    Save,
+    Saved,
+    SlotFree,
+    StepReport,
+    ValEnd,
+    ValReport,
+)
+from stoker.pipeline.ring import RingSpec, SlotRing
+from stoker.pipeline.streams import ops_for
+from stoker.training import accel, exchange
+from stoker.training.averager import Averager, OuterSpec
+from stoker.training.models import build_model
+from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
+from stoker.training.timing import StepClock, StepMarks
 
 # On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
 REPORT_EVERY_ASYNC = 16
@@ -65,84 +77,6 @@ class ConsumerSetup:
     channels_last: bool = True
     compile: bool = False
     deterministic: bool = False
-
-
-# Controller -> consumer, in the order they must be handled.
-@dataclass(frozen=True)
-class Batch:
-    kind: Kind
-    epoch: int
-    step: int
-    global_step: int
-    slot: int | None  # None: this rank has no samples in this step but still joins the collective
-    step_samples: int
-
-
-@dataclass(frozen=True)
-class ValEnd:
-    epoch: int
-
-
-@dataclass(frozen=True)
-class Save:
-    folder: Path
-    global_step: int
-
-
-@dataclass(frozen=True)
-class Finish:
-    model_path: Path
-
-
-# Consumer -> controller.
-@dataclass(frozen=True)
-class SlotFree:
-    slot: int
-
-
-@dataclass(frozen=True)
-class StepReport:
-    rank: int
-    epoch: int
-    step: int
-    global_step: int
-    count: int
-    loss: float
-    wait_s: float
-    compute_s: float
-    averaging_s: float
-    sample_ids: np.ndarray
-    digest: str | None
-    memory: dict[str, int] = field(default_factory=dict)  # GPU memory peaks so far (nothing on the CPU)
-
-
-@dataclass(frozen=True)
-class ValReport:
-    epoch: int
-    loss: float
-    accuracy: float
-    count: int
-
-
-@dataclass(frozen=True)
-class Saved:
-    rank: int
-    global_step: int
-    files: dict[str, str]  # file name -> SHA-256
-
-
-@dataclass(frozen=True)
-class Finished:
-    rank: int
-    digest: str
-    first_wait_s: float
-    memory: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class ConsumerFailed:
-    rank: int
-    error: ChildError
 
 
 class Stopped(Exception):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from stoker import faults
+from stoker.common import faults
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
-from stoker import faults
-from stoker.procs import kill_children
+from stoker.common import faults
+from stoker.common.procs import kill_children
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.streams import DeviceOps
+from stoker.pipeline.streams import DeviceOps
 
 
 @dataclass

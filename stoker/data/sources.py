@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stoker.builtin_data import builtin_dataset
-from stoker.dataset import Skipped, validation_ids
-from stoker.index import PackedIndex, load_image_folder
-from stoker.shards import load_shards, shard_paths
-from stoker.waiting import waiting
+from stoker.common.waiting import waiting
+from stoker.data.builtin_data import builtin_dataset
+from stoker.data.dataset import Skipped, validation_ids
+from stoker.data.index import PackedIndex, load_image_folder
+from stoker.data.shards import load_shards, shard_paths
 
 if TYPE_CHECKING:  # `stoker pack` reads sources and needs no config (pydantic)
-    from stoker.config import TrainConfig
+    from stoker.common.config import TrainConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""What --data names: folders, shards, the packed index, decoding and augmenting one image."""

@@ -1,0 +1,89 @@
+"""What the controller and the consumers send each other: work on the ready queue, reports on the outbox."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from stoker.common.procs import ChildError
+from stoker.pipeline.plan import Kind
+
+
+# Controller -> consumer, in the order they must be handled.
+@dataclass(frozen=True)
+class Batch:
+    kind: Kind
+    epoch: int
+    step: int
+    global_step: int
+    slot: int | None  # None: this rank has no samples in this step but still joins the collective
+    step_samples: int
+
+
+@dataclass(frozen=True)
+class ValEnd:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Save:
+    folder: Path
+    global_step: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    model_path: Path
+
+
+# Consumer -> controller.
+@dataclass(frozen=True)
+class SlotFree:
+    slot: int
+
+
+@dataclass(frozen=True)
+class StepReport:
+    rank: int
+    epoch: int
+    step: int
+    global_step: int
+    count: int
+    loss: float
+    wait_s: float
+    compute_s: float
+    averaging_s: float
+    sample_ids: np.ndarray
+    digest: str | None
+    memory: dict[str, int] = field(default_factory=dict)  # GPU memory peaks so far (nothing on the CPU)
+
+
+@dataclass(frozen=True)
+class ValReport:
+    epoch: int
+    loss: float
+    accuracy: float
+    count: int
+
+
+@dataclass(frozen=True)
+class Saved:
+    rank: int
+    global_step: int
+    files: dict[str, str]  # file name -> SHA-256
+
+
+@dataclass(frozen=True)
+class Finished:
+    rank: int
+    digest: str
+    first_wait_s: float
+    memory: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ConsumerFailed:
+    rank: int
+    error: ChildError

@@ -1,0 +1,1 @@
+"""A run: the controller that conducts processes and signals, the run folder, several machines."""
