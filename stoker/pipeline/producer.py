@@ -128,6 +128,7 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
     if setup.transport_only:
         return _copy_ready_made(task, ring), {}
     source = setup.train if work.kind == "train" else setup.val
+    assert source is not None, "validation work is scheduled only when there is a validation split"
     augment = setup.augment if work.kind == "train" else "none"
     images, labels, ids = ring.images[task.slot], ring.labels[task.slot], ring.ids[task.slot]
     count = 0
