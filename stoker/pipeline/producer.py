@@ -29,8 +29,11 @@ from stoker.pipeline.ring import RingSpec, SlotRing
 class SampleSource(Protocol):
     """One split: `paths[i]` names sample i in messages, `labels[i]` is its class, `read(i)` its bytes."""
 
-    paths: Sequence[str]
-    labels: np.ndarray
+    @property
+    def paths(self) -> Sequence[str]: ...  # read-only: a frozen Source and PackedIndex's names both qualify
+
+    @property
+    def labels(self) -> np.ndarray: ...
 
     def read(self, sample_id: int) -> bytes: ...
 
