@@ -1,4 +1,4 @@
-# `make demo` trains the built-in model on the built-in dataset; `make test` runs the test suite.
+# `make demo` trains the built-in model on the built-in dataset; `make test` runs the test suite; `make lint` runs ruff and mypy.
 # Both create .venv and install what they need. Where $(PYTHON) already has torch (a CUDA build on a GPU image or
 # NGC container, often offline), .venv uses that torch and installs only stoker's other dependencies (offline:
 # PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR of wheels). Elsewhere it installs the CPU build of torch where no NVIDIA GPU is
@@ -19,7 +19,7 @@ export OWN_SITE := import sysconfig; print(sysconfig.get_paths()["purelib"])
 # that builds wheels without the `wheel` package.
 export MODERN_SETUPTOOLS := import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))
 
-.PHONY: demo test bench install clean
+.PHONY: demo test lint bench install clean
 
 demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 	rm -rf runs/demo
@@ -27,6 +27,10 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check stoker tests
+	$(VENV)/bin/mypy
 
 install: $(VENV)/.installed
 

@@ -134,7 +134,7 @@ def measure(workload: Workload, data: Path, scratch: Path, args: argparse.Namesp
                 progress.advance()
                 if producers == "auto":
                     summaries[str(repeat)] = summary
-    fixed = [{"producers": m, "samples_per_s": statistics.median(rates[m]), "runs": rates[m]}
+    fixed: list[dict[str, Any]] = [{"producers": m, "samples_per_s": statistics.median(rates[m]), "runs": rates[m]}
              for m in configurations if m != "auto"]
     best = max(fixed, key=lambda row: row["samples_per_s"])
     auto_rate = statistics.median(rates["auto"])

@@ -153,6 +153,7 @@ def first_step(root: Path, scratch: Path, args: argparse.Namespace, fresh_cache:
 def _wait_first_step(metrics: Path, process: subprocess.Popen, started: float) -> float:
     while time.perf_counter() - started < FIRST_STEP_TIMEOUT_S:
         if process.poll() is not None:
+            assert process.stderr is not None, "started with stderr=PIPE"
             raise RuntimeError(f"stoker train exited {process.returncode}: {process.stderr.read()[-2000:]}")
         try:
             if '"event": "step"' in metrics.read_text():

@@ -6,9 +6,9 @@ import argparse
 import json
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +44,7 @@ class _Trainer:
         self.device = torch.device(args.device)
         accel.configure_backends(deterministic=False)
         self.memory_format = torch.channels_last if args.channels_last == "true" else torch.contiguous_format
-        self.model = build_model(model, num_classes).to(self.device).to(memory_format=self.memory_format)
+        self.model = build_model(model, num_classes).to(self.device).to(memory_format=self.memory_format)  # type: ignore[call-overload]  # stub omits memory_format
         self.precision = accel.MixedPrecision(args.precision, self.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9,
                                          **accel.fused_option(torch.optim.SGD, self.device))
@@ -113,13 +113,15 @@ def steady_figures(metrics: Path) -> dict[str, float]:
 
 
 def time_dataloader(folder: Path, model: str, args: argparse.Namespace) -> dict[str, float]:
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, Dataset
 
     index = scan_image_folder(folder)
     trainer = _Trainer(model, args, num_classes=len(index.classes))
     dataset = TorchvisionStyleDataset(index.paths, index.labels, args.image_size, to_float=False)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        pin_memory=args.device == "cuda", persistent_workers=True, drop_last=True)
+    # DataLoader reads any object with __getitem__ and __len__; the stub asks for a Dataset
+    loader: DataLoader[Any] = DataLoader(cast("Dataset[Any]", dataset), batch_size=args.batch_size, shuffle=True,
+                                         num_workers=args.workers, pin_memory=args.device == "cuda",
+                                         persistent_workers=True, drop_last=True)
     batches = _forever(loader)
     try:
         for _ in range(WARMUP_STEPS):
@@ -139,7 +141,7 @@ def time_dataloader(folder: Path, model: str, args: argparse.Namespace) -> dict[
     return {"samples_per_s": round(args.steps * args.batch_size / wall, 1), "input_stall": round(waited / wall, 4)}
 
 
-def _forever(loader) -> Iterator:
+def _forever(loader) -> Generator:
     while True:
         yield from loader
 

@@ -25,9 +25,9 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import simplejpeg
@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         generate(args.generate, args.small_images, args.large_images)
         print(f"wrote {args.small_images} + {args.large_images} JPEGs (quality {QUALITY}) under {args.generate}")
         return 0
+    result: dict[str, Any]
     if args.transport:
         result = {"transport": measure_transport(args)}
     elif args.data:
@@ -102,7 +103,7 @@ def photographs() -> list[np.ndarray]:
     try:
         from matplotlib import cbook
 
-        with cbook.get_sample_data("grace_hopper.jpg") as handle:
+        with cbook.get_sample_data("grace_hopper.jpg") as handle:  # type: ignore[union-attr]  # a file by default
             photos.append(np.asarray(Image.open(handle).convert("RGB")))
     except (ImportError, OSError, ValueError):
         pass
@@ -181,10 +182,11 @@ def _rate(batches: Iterator[int], args: argparse.Namespace) -> float:
     return images / (time.perf_counter() - started)
 
 
-def time_stoker(paths: tuple[str, ...] | None, labels: np.ndarray | None, args: argparse.Namespace,
+def time_stoker(paths: Sequence[str] | None, labels: np.ndarray | None, args: argparse.Namespace,
                 transport_only: bool = False, source: SampleSource | None = None) -> float:
     """Images per second of stoker's producers over `paths` (or over `source`, a packed index)."""
-    with _StokerFeed(source or Source(tuple(paths), np.asarray(labels)), args, transport_only) as feed:
+    feed_source: SampleSource = source or Source(tuple(paths or ()), np.asarray(labels))
+    with _StokerFeed(feed_source, args, transport_only) as feed:
         return _rate(feed.batches(), args)
 
 
@@ -223,6 +225,7 @@ class _StokerFeed:
                 self.pool.assign(Task(next(self.task_ids), next(works), free.pop(), {}))
             done = self._next_done()
             task = self.pool.finished(done)
+            assert task is not None, "every task is assigned once and done once"
             count = int(self.ring.counts[task.slot])
             np.copyto(self.staging[:count], self.ring.images[task.slot, :count])
             free.append(task.slot)
@@ -249,7 +252,8 @@ class _StokerFeed:
 
 def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> float:
     import torch
-    from torch.utils.data import DataLoader, RandomSampler
+    from torch.utils.data import DataLoader, Dataset, RandomSampler
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
     dataset = TorchvisionStyleDataset(paths, labels, args.image_size, to_float)
     skip, timed = _batches_to_time(args)
@@ -257,9 +261,11 @@ def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> 
     # replacement, the file list walked again whenever it runs out, as shuffle=True does epoch after epoch.
     sampler = RandomSampler(dataset, num_samples=(skip + timed + 2 * skip) * args.batch_size,
                             generator=torch.Generator().manual_seed(0))
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                        drop_last=True, persistent_workers=True, prefetch_factor=PREFETCH)
-    iterator = iter(loader)
+    # DataLoader reads any object with __getitem__ and __len__; the stub asks for a Dataset
+    loader: DataLoader[Any] = DataLoader(cast("Dataset[Any]", dataset), batch_size=args.batch_size, sampler=sampler,
+                                         num_workers=args.workers, drop_last=True, persistent_workers=True,
+                                         prefetch_factor=PREFETCH)
+    iterator = cast(_MultiProcessingDataLoaderIter, iter(loader))  # workers > 0: the multi-process iterator
     try:
         return _rate((len(labels) for _, labels in iterator), args)
     finally:
@@ -285,9 +291,9 @@ class TorchvisionStyleDataset:
             image = Image.open(handle).convert("RGB")  # what torchvision's default pil_loader does
         box = random_resized_crop_box(image.height, image.width, self.rng)
         image = image.crop((box.left, box.top, box.left + box.width, box.top + box.height))
-        image = image.resize((self.size, self.size), Image.BILINEAR)
+        image = image.resize((self.size, self.size), Image.Resampling.BILINEAR)
         if self.rng.random() < 0.5:
-            image = image.transpose(Image.FLIP_LEFT_RIGHT)
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         pixels = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1)  # pil_to_tensor
         if self.to_float:
             pixels = pixels.contiguous().to(torch.float32).div(255)  # to_tensor

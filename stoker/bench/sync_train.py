@@ -107,7 +107,7 @@ def write_digits(folder: Path) -> tuple[Path, Path]:
         pixels = (bunch.images[index] * (255 / 16)).round().astype(np.uint8)
         target = folder / split / str(bunch.target[index])
         target.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels, mode="L").resize((32, 32), Image.NEAREST).save(target / f"{index:04d}.png")
+        Image.fromarray(pixels, mode="L").resize((32, 32), Image.Resampling.NEAREST).save(target / f"{index:04d}.png")
     return folder / "train", folder / "val"
 
 
@@ -125,7 +125,7 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
     train_index = scan_image_folder(Path(train))
     val_index = scan_image_folder(Path(val), train_index.classes)
     train_files = _Files(train_index)
-    sampler = DistributedSampler(train_files, world, rank, shuffle=True, seed=0, drop_last=True)
+    sampler: DistributedSampler = DistributedSampler(train_files, world, rank, shuffle=True, seed=0, drop_last=True)
     bounds = np.linspace(0, len(val_index.labels), world + 1).round().astype(int)
     train_batches = _Batches(train_files, sampler, batch_size, feed, workers)
     val_batches = _Batches(_Files(val_index), range(bounds[rank], bounds[rank + 1]), batch_size, feed, workers)
@@ -179,9 +179,9 @@ class _Batches:
     def __init__(self, files: _Files, order, batch_size: int, feed: str, workers: int) -> None:
         self.order, self.batch_size = order, batch_size
         if feed == "loader":
-            background = {"persistent_workers": True, "prefetch_factor": 4} if workers else {}
-            self.loader = torch.utils.data.DataLoader(files, batch_size, sampler=order, num_workers=workers,
-                                                      **background)
+            background: dict[str, Any] = {"persistent_workers": True, "prefetch_factor": 4} if workers else {}
+            self.loader: torch.utils.data.DataLoader | None = torch.utils.data.DataLoader(
+                files, batch_size, sampler=order, num_workers=workers, **background)
         else:
             self.loader = None
             decoded = [files[sample] for sample in range(len(files))]

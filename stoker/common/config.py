@@ -35,40 +35,40 @@ _DEVICES_PATTERN = re.compile(r"^(auto|cpu:[1-9][0-9]*|cuda|cuda:[0-9]+(,[0-9]+)
 class TrainConfig:
     data: Path | None = None
     val: Path | None = None
-    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
     model: str = "resnet8"
-    image_size: int | None = Field(None, ge=8, le=2048)
+    image_size: int | None = Field(default=None, ge=8, le=2048)
     augment: Augment = "standard"
     devices: str = "auto"
     producers: int | Literal["auto"] = "auto"
-    min_producers: int = Field(1, ge=1)
-    initial_producers: int | None = Field(None, ge=1)
-    max_producers: int | None = Field(None, ge=1)
-    batch_size: int = Field(64, ge=1, le=65536)
-    epochs: int = Field(10, ge=1)
+    min_producers: int = Field(default=1, ge=1)
+    initial_producers: int | None = Field(default=None, ge=1)
+    max_producers: int | None = Field(default=None, ge=1)
+    batch_size: int = Field(default=64, ge=1, le=65536)
+    epochs: int = Field(default=10, ge=1)
     optimizer: Literal["sgd", "adamw"] = "sgd"
-    lr: float = Field(0.05, gt=0.0)
+    lr: float = Field(default=0.05, gt=0.0)
     schedule: Literal["cosine", "constant"] = "cosine"
-    momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    weight_decay: float = Field(5e-4, ge=0.0)
-    sync_every: int = Field(1, ge=1)
+    momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(default=5e-4, ge=0.0)
+    sync_every: int = Field(default=1, ge=1)
     outer_optimizer: Literal["none", "sgd", "nesterov"] = "none"
-    outer_lr: float = Field(0.7, gt=0.0)
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    outer_lr: float = Field(default=0.7, gt=0.0)
+    outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     overlap_averaging: bool = False
     average_in_backward: bool = True
-    seed: int = Field(0, ge=0)
+    seed: int = Field(default=0, ge=0)
     out: Path | None = None
     resume: Path | None = None
-    checkpoint_every: int = Field(0, ge=0)
-    slots_per_consumer: int = Field(4, ge=2, le=64)
-    check_replicas_every: int = Field(0, ge=0)
-    collective_timeout_s: float = Field(60.0, gt=0)
+    checkpoint_every: int = Field(default=0, ge=0)
+    slots_per_consumer: int = Field(default=4, ge=2, le=64)
+    check_replicas_every: int = Field(default=0, ge=0)
+    collective_timeout_s: float = Field(default=60.0, gt=0)
     # A third of the collective timeout: a hung file is detected, its batch rebuilt and the waiting rank trained
     # while its peers still wait in the averaging collective (at equal timeouts they gave up first).
-    producer_timeout_s: float = Field(20.0, gt=0)
-    max_bad_fraction: float = Field(0.1, ge=0.0, le=1.0)
-    log_every_s: float = Field(10.0, gt=0)
+    producer_timeout_s: float = Field(default=20.0, gt=0)
+    max_bad_fraction: float = Field(default=0.1, ge=0.0, le=1.0)
+    log_every_s: float = Field(default=10.0, gt=0)
     report: bool = True
     tensorboard: bool = False
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
@@ -86,7 +86,7 @@ class TrainConfig:
     @field_validator("producers")
     @classmethod
     def _producers_positive(cls, value: int | str) -> int | str:
-        if value != "auto" and value < 1:
+        if isinstance(value, int) and value < 1:
             raise ValueError("expected 'auto' or a positive number of producer processes")
         return value
 

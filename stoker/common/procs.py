@@ -11,7 +11,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, cast
 
 import setproctitle
 
@@ -104,7 +104,8 @@ class Mailbox:
     def receive(self, timeout_s: float) -> list[Any]:
         """Whatever arrived within the timeout (one message per pipe that has one, in no particular order)."""
         messages = []
-        for end in wait(self._ends, timeout_s):
+        # wait returns some of the objects it was given: here, only our Connections
+        for end in cast(list[Connection], wait(self._ends, timeout_s)):
             try:
                 messages.append(end.recv())
             except (EOFError, OSError):  # the child exited or died, maybe mid-message: its process check says why

@@ -26,7 +26,7 @@ class StderrAbove:
         sys.stderr.flush()
         self.terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="replace")
         self.console = Console(file=self.terminal)
-        self._saved = os.dup(2)
+        self._saved: int | None = os.dup(2)
         read, write = os.pipe()
         os.dup2(write, 2)
         os.close(write)

@@ -80,7 +80,7 @@ class Waiting:
         if self.silent:
             return
         self._last_push = now
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=self.count)
         elif now - self._last_log >= LOG_EVERY_S:
             self._last_log = now

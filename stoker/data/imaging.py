@@ -15,7 +15,7 @@ import struct
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import cv2
 import numpy as np
@@ -101,6 +101,7 @@ def choose_box(height: int, width: int, augment: Augment,
     """The crop box and whether to flip it horizontally; `rng` may be None when `augment` is "none"."""
     if augment == "none":
         return center_crop_box(height, width), False
+    assert rng is not None, "a random crop needs a generator"
     box = random_resized_crop_box(height, width, rng)
     return box, augment == "standard" and bool(rng.integers(0, 2))
 
@@ -332,7 +333,8 @@ def _wide_to_gray8(image: Image.Image) -> np.ndarray:
     if image.mode.startswith("I;16"):
         return WIDE_TO_8BIT[wide]
     gray = np.empty(wide.shape, np.uint8)
-    peak = 65535 if image.mode == "I" and image.getextrema()[1] > 255 else 255
+    # one band: (min, max) as numbers, not the per-band pairs the stub also allows
+    peak = 65535 if image.mode == "I" and cast(tuple[float, float], image.getextrema())[1] > 255 else 255
     rows = max(1, ROWS_PER_PASS_PIXELS // max(1, wide.shape[1]))
     for top in range(0, wide.shape[0], rows):
         band = np.clip(wide[top:top + rows], 0, peak)

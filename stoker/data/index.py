@@ -81,7 +81,7 @@ class PackedIndex:
         self.labels = _mapped(self.folder / (f"{part}.labels.npy" if part else "labels.npy"))
         if self.shards:
             self._where = _mapped(self.folder / "where.npy")  # (shard, start, size) per sample
-        self.paths = _Names(self)
+        self.paths: Sequence[str] = _Names(self)
 
     def __reduce__(self):
         return PackedIndex, (self.folder, self.part)
@@ -138,7 +138,7 @@ class _Names(Sequence[str]):
     def __len__(self) -> int:
         return len(self._index)
 
-    def __getitem__(self, sample):  # type: ignore[override]
+    def __getitem__(self, sample):
         if isinstance(sample, slice):
             return [self[i] for i in range(*sample.indices(len(self)))]
         return self._index.name(self._index.position(int(sample)))
@@ -259,6 +259,7 @@ def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> Pa
     np.save(temporary / "offsets.npy", np.concatenate([[0], ends + 1]).astype(np.int64))
     np.save(temporary / "labels.npy", np.asarray(packed.labels, dtype=np.int64))
     if packed.shards:
+        assert packed.shard_ids is not None and packed.starts is not None and packed.sizes is not None
         np.save(temporary / "where.npy", np.stack([packed.shard_ids, packed.starts, packed.sizes], axis=1)
                 .astype(np.int64))
     (temporary / "skipped.json").write_text(json.dumps([[s.path, s.reason] for s in packed.skipped]))

@@ -18,6 +18,7 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -161,14 +162,17 @@ class ShardMembers:
         self.skipped = [s if isinstance(s, Skipped) else Skipped(*s) for s in self.skipped]  # read back from JSON
 
     def add(self, key: str, label: int, shard_id: int, start: int, size: int) -> None:
-        for column, value in ((self.keys, key), (self.labels, label), (self.shard_ids, shard_id),
-                              (self.starts, start), (self.sizes, size)):
+        pairs: tuple[tuple[list[Any], Any], ...] = ((self.keys, key), (self.labels, label), (self.shard_ids, shard_id),
+                                                    (self.starts, start), (self.sizes, size))
+        for column, value in pairs:
             column.append(value)
 
     def extend(self, shard: ShardMembers, shard_id: int) -> None:
         """Append one shard's members (indexed alone, as shard 0) as shard `shard_id`."""
-        for mine, theirs in ((self.keys, shard.keys), (self.labels, shard.labels), (self.starts, shard.starts),
-                             (self.sizes, shard.sizes), (self.skipped, shard.skipped), (self.shards, shard.shards)):
+        pairs: tuple[tuple[list[Any], list[Any]], ...] = (
+            (self.keys, shard.keys), (self.labels, shard.labels), (self.starts, shard.starts),
+            (self.sizes, shard.sizes), (self.skipped, shard.skipped), (self.shards, shard.shards))
+        for mine, theirs in pairs:
             mine.extend(theirs)
         self.shard_ids.extend([shard_id] * len(shard.keys))
 
@@ -176,7 +180,8 @@ class ShardMembers:
         for position in np.flatnonzero(mask):
             self.skipped.append(Skipped(f"{self.shards[self.shard_ids[position]]}:{self.keys[position]}", reason))
         keep = np.flatnonzero(~mask).tolist()
-        for column in (self.keys, self.labels, self.shard_ids, self.starts, self.sizes):
+        columns: tuple[list[Any], ...] = (self.keys, self.labels, self.shard_ids, self.starts, self.sizes)
+        for column in columns:
             column[:] = [column[i] for i in keep]
 
 

@@ -31,6 +31,7 @@ def load_data(config: TrainConfig) -> Data:
     """The run's training and validation samples (the built-in dataset without `--data`)."""
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
     train = _load(train_root)
+    val: PackedIndex | None
     if val_root is not None:
         val = _load(val_root, classes=train.classes)
         refused = train.skipped + val.skipped

@@ -7,7 +7,7 @@ import time
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -216,6 +216,7 @@ class RunStats:
 
     def record_digest(self, report: StepReport) -> bool | None:
         """Keep a replica's hash; once every replica reported for that step, whether they are all equal."""
+        assert report.digest is not None, "called for reports that carry a digest"
         check = self.digests[report.global_step]
         check[self.first_rank + report.rank] = report.digest
         return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
@@ -293,7 +294,8 @@ class RunStats:
     def shares(self) -> list[tuple[float, float, float]]:
         """Per consumer: (compute, input wait, averaging) as `time_shares` of its wall time, from its first step's
         start to its last step's end (waiting for the very first batch is start-up, not counted)."""
-        return [tuple(round(share, 4) for share in time_shares(c.compute_s, c.wait_s, c.averaging_s, c.wall_s()))
+        return [cast(tuple[float, float, float],  # three shares in, three rounded out
+                     tuple(round(share, 4) for share in time_shares(c.compute_s, c.wait_s, c.averaging_s, c.wall_s())))
                 for c in self.consumers]
 
     def compute_fractions(self) -> list[float]:

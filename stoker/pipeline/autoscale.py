@@ -138,6 +138,7 @@ class Autoscaler:
     def _judge_trial(self, window: Window, rate: float, measurement: dict[str, Any]) -> Decision | None:
         """A fork has been measured: keep it if the rate rose enough, else retire the newest and hold the count."""
         trial, self._trial = self._trial, None
+        assert trial is not None, "judged only while a fork is on trial"
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else math.inf
         needed = required_gain(trial.producers, trial.stall_before)
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))

@@ -14,6 +14,8 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field, replace
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
@@ -34,8 +36,8 @@ OUTSIDE_KILLS_TO_SKIP = 2
 @dataclass
 class Handle:
     producer: int
-    process: object
-    tasks: object
+    process: BaseProcess
+    tasks: Queue[Task | None]
     in_flight: dict[int, Task] = field(default_factory=dict)
     retiring: bool = False
     busy_s: float = 0.0
@@ -176,7 +178,9 @@ class ProducerPool:
         reissue = list(handle.in_flight.values())
         if current is not None:
             sample = int(current.work.sample_ids[position])
-            path = (self.setup.train if current.work.kind == "train" else self.setup.val).paths[sample]
+            source = self.setup.train if current.work.kind == "train" else self.setup.val
+            assert source is not None, "validation work is scheduled only when there is a validation split"
+            path = source.paths[sample]
             where = f"while decoding {path}"
             reason = self._skip_reason(handle, how, external, current, sample)
             if reason is not None:

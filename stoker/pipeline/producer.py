@@ -29,8 +29,11 @@ from stoker.pipeline.ring import RingSpec, SlotRing
 class SampleSource(Protocol):
     """One split: `paths[i]` names sample i in messages, `labels[i]` is its class, `read(i)` its bytes."""
 
-    paths: Sequence[str]
-    labels: np.ndarray
+    @property
+    def paths(self) -> Sequence[str]: ...  # read-only: a frozen Source and PackedIndex's names both qualify
+
+    @property
+    def labels(self) -> np.ndarray: ...
 
     def read(self, sample_id: int) -> bytes: ...
 
@@ -128,6 +131,7 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
     if setup.transport_only:
         return _copy_ready_made(task, ring), {}
     source = setup.train if work.kind == "train" else setup.val
+    assert source is not None, "validation work is scheduled only when there is a validation split"
     augment = setup.augment if work.kind == "train" else "none"
     images, labels, ids = ring.images[task.slot], ring.labels[task.slot], ring.ids[task.slot]
     count = 0

@@ -132,6 +132,7 @@ def _map_every_page(segment: shared_memory.SharedMemory) -> int:
     15 ms in each process that attaches, against 31 and 13 ms here, outside the hot path). In the creator it also
     allocates the memory, so a /dev/shm that cannot hold the ring fails here instead of with a SIGBUS mid-run.
     Kernels before 5.14 answer EINVAL and pages are faulted lazily as before."""
+    assert segment.buf is not None, "an open segment"  # the buffer is None only once closed
     pages = (ctypes.c_char * segment.size).from_buffer(segment.buf)
     try:
         return 0 if _madvise(ctypes.addressof(pages), segment.size, _MADV_POPULATE_WRITE) == 0 else ctypes.get_errno()
@@ -179,7 +180,7 @@ def _hold_lock(name: str) -> int | None:
 
 def sweep_dead_segments() -> list[str]:
     """Remove segments no live controller holds (a SIGKILL of the process group kills the tracker too)."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:

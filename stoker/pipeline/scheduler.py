@@ -97,6 +97,7 @@ class Scheduler:
                 self._ready[rank][self._take(rank)] = self._message(item, slot=None)
             if item is None or not self.free_slots or self._outstanding[rank] >= self.per_rank_slots:
                 continue
+            assert item.work is not None  # an item that needs a slot has work
             slot = self.free_slots.popleft()
             self._outstanding[rank] += 1
             return Issue(rank, self._take(rank), item.work, slot, item.global_step)
@@ -112,6 +113,7 @@ class Scheduler:
 
     def _take(self, rank: int) -> int:
         item = self._peeked[rank]
+        assert item is not None, "taken after a peek that found an item"
         self._peeked[rank] = None
         self._last_row_issued[rank] = item.row
         self._items[rank][self._next_seq[rank]] = item

@@ -133,8 +133,11 @@ class StopAgreement:
     def join(cls, cluster: Cluster, leader_store: dist.Store | None, address: StoreAddress,
              timeout_s: float) -> StopAgreement:
         """On the first machine, over its own store; elsewhere as a client of it."""
-        store = leader_store or dist.TCPStore(address.host, address.port, is_master=False,
-                                              timeout=datetime.timedelta(seconds=timeout_s))
+        if leader_store is not None:
+            return cls(cluster, leader_store)
+        assert address.host is not None and address.port is not None, "other machines reach the leader over TCP"
+        store = dist.TCPStore(address.host, address.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
         return cls(cluster, store)
 
     def request(self) -> None:

@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 from statistics import mean
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
@@ -46,6 +46,9 @@ from stoker.training.averager import OuterSpec
 from stoker.training.consumer import ConsumerSetup, consumer_main
 from stoker.training.models import check_model
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +100,13 @@ class Controller:
         """The first machine finds the newest valid checkpoint; every machine continues from it."""
         if self.config.resume is None:
             return Position(0, 0, 0), None
-        found = None
+        found: tuple[str | None, Any, Any, str | None] | None = None
         if self.cluster.leader:
             try:
                 folder, meta = rundir.newest_checkpoint(self.config.resume)
                 found = (str(folder), meta["position"], meta["num_consumers"], None)
-            except rundir.RunDirError as error:
-                found = (None, None, None, str(error))
+            except rundir.RunDirError as failure:
+                found = (None, None, None, str(failure))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
         if error is not None:
             raise rundir.RunDirError(error)
@@ -121,7 +124,7 @@ class Controller:
         self.pool: ProducerPool | None = None
         self.consumers: list = []
         self.ready_queues: list = []
-        self.store = None
+        self.store: dist.Store | None = None
         self.local_store: LocalStore | None = None
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
         self.stop = CONTEXT.Event()
@@ -259,6 +262,7 @@ class Controller:
                            resume_from=self.resume_from)
 
     def _producer_setup(self) -> ProducerSetup:
+        assert self.ring is not None, "the ring is created first"
         # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
         return ProducerSetup(self.ring.spec, self.data.train, self.data.val, self.config.augment, self.config.seed)
 
@@ -282,6 +286,7 @@ class Controller:
                                                         self.config.collective_timeout_s)
         config = self.config
         threads = threads_per_consumer(self.devices)
+        assert self.ring is not None, "the ring is created first"
         outer = None if config.outer_optimizer == "none" else OuterSpec(config.outer_optimizer, config.outer_lr,
                                                                          config.outer_momentum)
         for rank, device in enumerate(self.devices):
@@ -340,6 +345,7 @@ class Controller:
             self.scheduler.cut(row)
 
     def _dispatch(self) -> None:
+        assert self.pool is not None, "producers run from _start to close"
         while self.pool.can_take():
             issued = self.scheduler.issue_one()
             if issued is None:
@@ -347,6 +353,7 @@ class Controller:
             self._assign(issued)
 
     def _assign(self, issued: Issue, skip: dict[int, str] | None = None) -> None:
+        assert self.pool is not None, "producers run from _start to close"
         task = Task(next(self.task_ids), issued.work, issued.slot, skip or {})
         self.tasks[task.task_id] = issued
         self.slot_owner[issued.slot] = issued.rank
@@ -422,6 +429,7 @@ class Controller:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
 
     def _task_done(self, done: TaskDone) -> None:
+        assert self.pool is not None, "producers run from _start to close"
         task = self.pool.finished(done)
         if task is None:
             return
@@ -477,6 +485,7 @@ class Controller:
             self.metrics.write("checkpoint", path=final, step=checkpoint.step_of(final))
 
     def _check_processes(self) -> None:
+        assert self.pool is not None, "producers run from _start to close"
         for rank, process in enumerate(self.consumers):
             if not process.is_alive() and rank not in self.finished:
                 self._read_last_messages(rank)
@@ -503,6 +512,7 @@ class Controller:
 
     def _close_window(self, window: WindowTotals, elapsed_s: float) -> None:
         """Every SCALE_WINDOW_S: record the pipeline's state and let the autoscaler decide."""
+        assert self.pool is not None, "producers run from _start to close"
         consumer_time = max(1e-9, elapsed_s * self.num_consumers)
         utilization = min(1.0, self.pool.take_utilization(elapsed_s))  # a task counts in the window it ends in
         self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
@@ -553,6 +563,7 @@ class Controller:
         return self.autoscaler.limit if self.autoscaler is not None else self.budget
 
     def _record_producers(self, reason: str, measurement: dict[str, Any] | None = None) -> None:
+        assert self.pool is not None, "producers run from _start to close"
         count = len(self.pool.active)
         behind = {"measurement": measurement} if measurement else {}
         self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason,
@@ -560,6 +571,7 @@ class Controller:
         self.metrics.write("producers", count=count, reason=reason, **behind)
 
     def _show(self, final: bool = False) -> None:
+        assert self.pool is not None, "producers run from _start to close"
         if not (final or self.view.due()):
             return
         steps_per_epoch = self.plan.steps_per_epoch

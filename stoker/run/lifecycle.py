@@ -91,7 +91,7 @@ class Lifecycle:
 
 
 def _install(handler: Callable[[int, Any], None]) -> dict[int, Any]:
-    previous = {}
+    previous: dict[int, Any] = {}
     for signum in SIGNALS:
         try:
             previous[signum] = signal.signal(signum, handler)

@@ -14,7 +14,7 @@ import logging
 import multiprocessing
 import os
 from contextlib import AbstractContextManager, nullcontext
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
@@ -83,10 +83,10 @@ def compiled(model: nn.Module) -> nn.Module:
 
     if multiprocessing.current_process().daemon and hasattr(inductor, "worker_start_method"):
         inductor.worker_start_method = "subprocess"
-    return torch.compile(model)
+    return cast(nn.Module, torch.compile(model))  # of a module, an OptimizedModule; the stub says a callable
 
 
-def fused_option(optimizer_class: type[torch.optim.Optimizer], device: torch.device) -> dict[str, bool]:
+def fused_option(optimizer_class: type[torch.optim.Optimizer], device: torch.device) -> dict[str, Any]:
     """`fused=True` where torch has a fused kernel for this optimizer on a GPU: one launch per step instead of
     several per parameter tensor."""
     if device.type == "cuda" and "fused" in inspect.signature(optimizer_class).parameters:

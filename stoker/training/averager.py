@@ -155,6 +155,7 @@ def flatten_float_state(model: nn.Module) -> tuple[list[torch.Tensor], list[torc
     Returns the buckets and, per bucket, the view of its leading part that holds the parameters (buffers follow)."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     parameter_counts: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
+    tensor: torch.Tensor  # parameters first, then any state tensor
     for tensor in model.parameters():
         if tensor.is_floating_point():
             parameter_counts[(tensor.device, tensor.dtype)] += tensor.numel()

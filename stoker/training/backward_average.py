@@ -92,6 +92,7 @@ class BackwardAverage:
         aside = [(p, p.grad) for p in self.parameters if p.grad is not None and id(p) not in members]
         for parameter, _ in aside:
             parameter.grad = None
+        assert self.optimizer is not None, "groups step only while a step is open"
         self.optimizer.step()
         for parameter, gradient in aside:
             parameter.grad = gradient
@@ -134,7 +135,7 @@ def _locate(parameter: torch.Tensor, buckets: list[torch.Tensor]) -> tuple[int, 
     """(bucket index, element offset) of a parameter that `flatten_float_state` made a view of a bucket."""
     for index, bucket in enumerate(buckets):
         if parameter.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr():
-            return index, parameter.storage_offset() - bucket.storage_offset()
+            return index, int(parameter.storage_offset() - bucket.storage_offset())
     raise AssertionError("every floating parameter lives in a flat bucket")
 
 
@@ -153,7 +154,7 @@ def _uncovered(buckets: list[torch.Tensor], groups: list[_Group]) -> list[torch.
     """The parts of each bucket no group holds (the buffers after the parameters), as slices."""
     rest = []
     for bucket in buckets:
-        covered = sorted((g.flat.storage_offset() - bucket.storage_offset(), g.flat.numel()) for g in groups
+        covered = sorted((int(g.flat.storage_offset() - bucket.storage_offset()), g.flat.numel()) for g in groups
                          if g.flat.untyped_storage().data_ptr() == bucket.untyped_storage().data_ptr())
         position = 0
         for start, length in covered:

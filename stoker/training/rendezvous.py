@@ -43,6 +43,7 @@ class StoreAddress:
             store = dist.FileStore(self.file, world_size)
             store.set_timeout(timeout)
             return store
+        assert self.host is not None and self.port is not None, "an address is a file or a host and a port"
         return dist.TCPStore(self.host, self.port, world_size, is_master=False, timeout=timeout)
 
 

@@ -47,15 +47,18 @@ class StepClock:
     def fed(self) -> None:
         """The batch's copy is enqueued and the compute stream waits for it: on a GPU the step starts here, so the
         time the device idles for the host's copy and the transfer counts as input wait, not compute."""
+        assert self.current is not None, "fed between begin() and end()"
         if self.current.start is None:
             self.current.start = self._mark()
 
     def computed(self) -> None:
+        assert self.current is not None, "computed between begin() and end()"
         self.current.computed = self._mark()
 
     def end(self, averaged: bool) -> StepMarks:
         """A step that did not average ends where its compute did: it spent exactly 0 s averaging."""
         marks, self.current = self.current, None
+        assert marks is not None, "end() follows begin()"
         marks.end = self.previous_end = self._mark() if averaged else marks.computed
         return marks
 
