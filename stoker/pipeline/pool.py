@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
+from stoker.common.terminal import printable
 from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
 from stoker.pipeline.ring import SlotRing
 
@@ -177,7 +178,7 @@ class ProducerPool:
         if current is not None:
             sample = int(current.work.sample_ids[position])
             path = (self.setup.train if current.work.kind == "train" else self.setup.val).paths[sample]
-            where = f"while decoding {path}"
+            where = f"while decoding {printable(path)}"
             reason = self._skip_reason(handle, how, external, current, sample)
             if reason is not None:
                 self.killers[(current.work.kind, sample)] = reason
