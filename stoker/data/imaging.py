@@ -218,6 +218,20 @@ def _png_image_data_complete(data: bytes, chunks: list[tuple[bytes, int, int]]) 
     return produced >= needed
 
 
+def _may_lack_rows(image: Image.Image) -> bool:
+    """Whether a decoded PNG could be one whose image data ended early: Pillow's image starts zeroed, and the
+    rows (or, interlaced, the odd rows of the last pass) its data lacked stay zero, so one of the last two rows is
+    all zero bytes. Only then is the stream inflated again to be sure: on a whole file that check alone cost
+    36% of an RGBA decode and 60% of a palette one (measured in the README)."""
+    if image.height <= 2:
+        return True
+    for row in (image.height - 2, image.height - 1):
+        raw = image.crop((0, row, image.width, row + 1)).tobytes()
+        if raw == bytes(len(raw)):
+            return True
+    return False
+
+
 def _is_plain_png(data: bytes) -> bool:
     """An 8-bit grey or RGB PNG, from its IHDR (always the first chunk)."""
     return data[:8] == PNG_MAGIC and data[12:16] == b"IHDR" and len(data) >= 26 and data[24] == 8 \
@@ -326,7 +340,8 @@ def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.
             _check_decode_bytes(image)
             box, flip = choose_box(image.height, image.width, augment, rng)
             pixels = to_rgb_array(image)
-        if chunks is not None and not _png_image_data_complete(data, chunks):
+            lacking = chunks is not None and _may_lack_rows(image) and not _png_image_data_complete(data, chunks)
+        if lacking:
             raise UnusableImage("truncated: its image data ends before the last row (a zlib stream that ends early)")
     except UnusableImage:
         raise
