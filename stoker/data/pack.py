@@ -120,9 +120,16 @@ def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, a
             write_shard(target, shard)
             advance()
         return
+    # Ctrl-C blocked while the workers start: one that came before a worker's initializer ran would print that
+    # worker's traceback. It waits, and is taken as soon as every worker holds it ignored.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pool = ProcessPoolExecutor(workers, mp_context=CONTEXT, initializer=_worker_start)
     try:
-        for _ in pool.map(write_shard, targets, plan):
+        try:
+            results = pool.map(write_shard, targets, plan)  # submits every shard, which starts every worker
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for _ in results:
             advance()
     finally:
         _stop_workers(pool)
@@ -132,6 +139,7 @@ def _worker_start() -> None:
     """Workers die with the parent (a killed pack leaves no orphans) and leave Ctrl-C to it (no traceback each)."""
     exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it started us
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:

@@ -47,7 +47,7 @@ def group_members(group: int) -> list[int]:
     return found
 
 
-def wait_until_gone(group: int, timeout_s: float = 10) -> list[int]:
+def wait_until_gone(group: int, timeout_s: float = 20) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while (left := group_members(group)) and time.monotonic() < deadline:
         time.sleep(0.05)
