@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stoker.common.config import FIELD_NAMES, ConfigError, load_toml, make_config
+from stoker.common.terminal import EscapedArguments
 
 USAGE_ERROR = 2
 
@@ -96,6 +97,8 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:  # file names in log lines printable (issue 24 item 15)
+        handler.addFilter(EscapedArguments())
     args = build_parser().parse_args(argv)
     if args.command in ("bench", "pack"):
         return args.run(args)

@@ -3,7 +3,9 @@ written to stderr, by this process or by its children, is printed above the disp
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
 import threading
 from multiprocessing import resource_tracker
@@ -45,3 +47,33 @@ class StderrAbove:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+
+
+# C0 controls (newline, escape, carriage return...), DEL, C1 controls (0x9b is a one-byte CSI), and the lone
+# surrogates that stand for a file name's undecodable bytes: a name holding them would clear the screen, forge a log
+# line or fail to print.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def printable(text: str) -> str:
+    """`text` with every control character escaped as Python writes it (`\\x1b`, `\\n`); an undecodable byte of a
+    file name as `\\xNN`. For what reaches a terminal or a log; the JSON files keep the real names."""
+    return _UNPRINTABLE.sub(_escape, text)
+
+
+def _escape(match: re.Match) -> str:
+    code = ord(match.group())
+    if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for the byte code - 0xDC00
+        return f"\\x{code - 0xDC00:02x}"
+    return repr(match.group())[1:-1]
+
+
+class EscapedArguments(logging.Filter):
+    """Log records' arguments (file names, shard keys, paths) printable: a handler's filter, so that every
+    `log.warning("refused %s: %s", path, reason)` is safe wherever it is written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(printable(os.fspath(a)) if isinstance(a, str | os.PathLike) else a
+                                for a in record.args)
+        return True

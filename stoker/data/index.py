@@ -7,8 +7,11 @@ grow with the dataset (the pages are the page cache's, shared by all).
 
 An entry is reused while its data is unchanged: for an ImageFolder, while every directory it read keeps its
 modification time (adding, removing or renaming a file changes its directory's); for shards, while every shard
-keeps its size and modification time. Entries are written to a temporary folder and renamed, and the pointer to
-the current entry is replaced atomically, so a reader never sees half an index.
+keeps its size, modification time, change time and inode (a shard replaced by `cp -p`, `rsync -t`, `tar x` or
+`mv` keeps its mtime, not its ctime or inode), and while `classes.json` stays as it was (absent included).
+Entries are written to a temporary folder, fsynced and renamed, and the pointer to the current entry (which holds
+each file's SHA-256) is written after them, durably, so a reader never sees half an index; an entry that fails
+its checksums is built again, with one warning. Where the cache cannot be written, the index is kept in memory.
 """
 
 from __future__ import annotations
@@ -30,14 +33,14 @@ from pathlib import Path
 import numpy as np
 
 from stoker.common import faults
-from stoker.common.files import replace_with
+from stoker.common.files import replace_durably, write_durably
 from stoker.data.builtin_data import cache_root
 from stoker.data.dataset import Skipped, list_image_folder
 from stoker.data.imaging import UnusableImage
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: stamps with size, ctime and inode; checksums; labels read strictly
 # A directory changed within this long before its listing may have changed again inside the same timestamp tick
 # (filesystems keep times as coarse as 1-2 s): such a listing is used but never trusted from the cache.
 MTIME_GUARD_NS = 2_000_000_000
@@ -45,6 +48,8 @@ STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a runni
 MAX_OPEN_SHARDS = 128
 SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
+ABSENT = "absent"  # the stamp of an input that did not exist: it must still not exist
+_warned: set[str] = set()  # one warning per problem and process, not one per shard or split
 
 
 @dataclass
@@ -66,25 +71,46 @@ class PackedIndex:
     """Samples of one split: `paths[i]` names sample i (a file, or `shard.tar:KEY`), `labels[i]` its class,
     `read(i)` its bytes. Read-only, memory-mapped; pickles as the entry's folder."""
 
-    def __init__(self, folder: Path, part: str | None = None) -> None:
-        self.folder, self.part = Path(folder), part
-        # A shared lock for as long as this process maps the entry: a later start's clean-up leaves it alone.
-        self._in_use = open(self.folder / "meta.json", "rb")  # noqa: SIM115 (closed with this object)
-        fcntl.flock(self._in_use, fcntl.LOCK_SH)
-        meta = json.loads(self._in_use.read())
+    def __init__(self, folder: Path | None, part: str | None = None, memory: dict | None = None) -> None:
+        """From the entry `folder`, or (`folder` None) from `memory`: the arrays and meta of an entry the cache
+        could not hold, which then travel to producers whole."""
+        self.folder, self.part, self._memory = (Path(folder) if folder is not None else None), part, memory
+        if memory is None:
+            # A shared lock for as long as this process maps the entry: a later start's clean-up leaves it alone.
+            self._in_use = open(self._file("meta.json"), "rb")  # noqa: SIM115 (closed with this object)
+            fcntl.flock(self._in_use, fcntl.LOCK_SH)
+            meta = json.loads(self._in_use.read())
+        else:
+            meta = memory["meta"]
         self.classes: tuple[str, ...] = tuple(meta["classes"])
         self.base: str = meta["base"]
         self.shards: tuple[str, ...] = tuple(meta["shards"])
-        self._names = _mapped(self.folder / "names.npy")
-        self._offsets = _mapped(self.folder / "offsets.npy")
-        self._ids = _mapped(self.folder / f"{part}.ids.npy") if part else None
-        self.labels = _mapped(self.folder / (f"{part}.labels.npy" if part else "labels.npy"))
+        self._names = self._array("names.npy")
+        self._offsets = self._array("offsets.npy")
+        self._ids = self._array(f"{part}.ids.npy") if part else None
+        self.labels = self._array(f"{part}.labels.npy" if part else "labels.npy")
         if self.shards:
-            self._where = _mapped(self.folder / "where.npy")  # (shard, start, size) per sample
+            self._where = self._array("where.npy")  # (shard, start, size) per sample
         self.paths: Sequence[str] = _Names(self)
 
+    def _array(self, name: str) -> np.ndarray:
+        return self._memory[name] if self._memory is not None else _mapped(self._file(name))
+
+    def _file(self, name: str) -> Path:
+        assert self.folder is not None, "an index in memory has no files"
+        return self.folder / name
+
+    def _as_memory(self) -> dict:
+        """This whole index's arrays and meta, copied into memory."""
+        memory: dict = {file: np.asarray(self._array(file)) for file in ("names.npy", "offsets.npy", "labels.npy")}
+        if self.shards:
+            memory["where.npy"] = np.asarray(self._where)
+        memory.update(meta={"classes": list(self.classes), "base": self.base, "shards": list(self.shards)},
+                      skipped=[[s.path, s.reason] for s in self.skipped])
+        return memory
+
     def __reduce__(self):
-        return PackedIndex, (self.folder, self.part)
+        return PackedIndex, (self.folder, self.part, self._memory)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -92,7 +118,8 @@ class PackedIndex:
     @property
     def skipped(self) -> tuple[Skipped, ...]:
         """Entries the scan refused; the whole index's, whatever the part."""
-        rows = json.loads((self.folder / "skipped.json").read_text())
+        rows = self._memory["skipped"] if self._memory is not None else \
+            json.loads(self._file("skipped.json").read_text())
         return tuple(Skipped(path, reason) for path, reason in rows)
 
     def position(self, sample: int) -> int:
@@ -116,11 +143,26 @@ class PackedIndex:
         fraction, the same ids every time)."""
         assert self.part is None, "a split is taken from a whole index"
         ids = np.asarray(ids, dtype=np.int64)
-        ids_file, labels_file = self.folder / f"{name}.ids.npy", self.folder / f"{name}.labels.npy"
-        if not ids_file.exists() or not np.array_equal(np.load(ids_file, mmap_mode="r"), ids):
-            _save_atomically(labels_file, np.asarray(self.labels)[ids])
-            _save_atomically(ids_file, ids)
+        labels = np.asarray(self.labels)[ids]
+        if self._memory is not None:
+            return PackedIndex(None, name, {**self._memory, f"{name}.ids.npy": ids, f"{name}.labels.npy": labels})
+        ids_file, labels_file = self._file(f"{name}.ids.npy"), self._file(f"{name}.labels.npy")
+        # Both compared, not trusted: a flipped bit in a cached label would train a sample under another class.
+        if not (_holds(ids_file, ids) and _holds(labels_file, labels)):
+            try:
+                _save_atomically(labels_file, labels)
+                _save_atomically(ids_file, ids)
+            except OSError as error:
+                _warn_unwritable(ids_file.parent, error)
+                return PackedIndex(None, None, self._as_memory()).subset(name, ids)
         return PackedIndex(self.folder, name)
+
+
+def _holds(path: Path, expected: np.ndarray) -> bool:
+    try:
+        return bool(np.array_equal(np.load(path, mmap_mode="r"), expected))
+    except (OSError, ValueError, EOFError):  # missing, cut short, not an array
+        return False
 
 
 def _mapped(path: Path) -> np.ndarray:
@@ -205,7 +247,7 @@ def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache:
     inputs = input_stamps(listing.folders, started)
     # A folder made readable, or a link target created, changes no directory's time: list such a tree every run.
     inputs += [[s.path, None] for s in listing.skipped if s.reason.startswith(UNSTABLE_REFUSALS)]
-    return PackedIndex(write_entry(cache, key, packed, inputs))
+    return write_entry(cache, key, packed, inputs)
 
 
 def load_cached(cache: Path, key: str) -> PackedIndex | None:
@@ -218,57 +260,127 @@ def cache_key(*parts) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+def file_stamp(path: str) -> list[int] | str | None:
+    """[size, mtime, ctime, inode], ABSENT for no such file, None when it cannot be asked. The mtime alone is
+    kept by `cp -p`, `rsync -t` and `tar x`; the ctime and inode are the file system's own, and `mv` changes them."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return ABSENT
+    except OSError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
 def input_stamps(paths: list[str], started_ns: int) -> list[list]:
-    """(path, mtime) of each input; None where it changed too close to the listing to be trusted."""
-    stamps = []
+    """(path, stamp) of each input; None where it changed too close to the listing to be trusted."""
+    stamps: list[list] = []
     for path in paths:
-        try:
-            mtime = os.stat(path).st_mtime_ns
-        except OSError:
-            mtime = None
-        stamps.append([path, mtime if mtime is not None and mtime < started_ns - MTIME_GUARD_NS else None])
+        stamp = file_stamp(path)
+        recent = isinstance(stamp, list) and stamp[1] >= started_ns - MTIME_GUARD_NS
+        stamps.append([path, None if recent else stamp])
     return stamps
 
 
 def _cached(cache: Path, key: str) -> Path | None:
-    """The entry the pointer names, if every input it was made from still has its recorded time."""
+    """The entry the pointer names, if every input it was made from still has its recorded stamp and every file
+    of the entry its checksum."""
     try:
         pointer = json.loads((cache / f"{key}.json").read_text())
-    except (OSError, ValueError):
+        inputs, entry, digests = pointer["inputs"], cache / pointer["entry"], pointer["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    for path, mtime in pointer["inputs"]:
-        if mtime is None:
-            return None
-        try:
-            if os.stat(path).st_mtime_ns != mtime:
-                return None
-        except OSError:
-            return None
-    entry = cache / pointer["entry"]
-    return entry if (entry / "meta.json").exists() else None
+    if any(stamp is None or file_stamp(path) != stamp for path, stamp in inputs):
+        return None
+    damaged = next((name for name, digest in digests.items() if _digest(entry / name) != digest), None)
+    if damaged is not None:
+        log.warning("the index cache entry %s is damaged (%s does not match its checksum): indexing again",
+                    entry, damaged)
+        if not _mapped_by_a_live_process(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        return None
+    return entry
 
 
-def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> Path:
-    """Write the arrays to a temporary folder, rename it into place, then point the key at it."""
-    cache.mkdir(parents=True, exist_ok=True)
+def _digest(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    except OSError:
+        return None
+
+
+def write_entry(cache: Path, key: str, packed: Packed, inputs: list[list]) -> PackedIndex:
+    """Write the entry's files to a temporary folder, fsync and rename it into place, then point the key at it
+    (the pointer written and fsynced last: a power cut leaves the old pointer or a whole entry). Where the cache
+    cannot be written (read-only, full), the index is kept in memory for this run, with a warning."""
+    files = _entry_files(packed)
     name = f"{key}-{uuid.uuid4().hex[:12]}"
     temporary = cache / f".{name}.tmp"
-    temporary.mkdir()
-    np.save(temporary / "names.npy", blob := _join_names(packed.names))
-    ends = np.flatnonzero(blob == 0)  # one NUL after every name: a name cannot hold one
-    np.save(temporary / "offsets.npy", np.concatenate([[0], ends + 1]).astype(np.int64))
-    np.save(temporary / "labels.npy", np.asarray(packed.labels, dtype=np.int64))
-    if packed.shards:
-        assert packed.shard_ids is not None and packed.starts is not None and packed.sizes is not None
-        np.save(temporary / "where.npy", np.stack([packed.shard_ids, packed.starts, packed.sizes], axis=1)
-                .astype(np.int64))
-    (temporary / "skipped.json").write_text(json.dumps([[s.path, s.reason] for s in packed.skipped]))
-    (temporary / "meta.json").write_text(json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
-                                                     "base": packed.base, "shards": packed.shards}))
-    os.rename(temporary, cache / name)
-    replace_with(cache / f"{key}.json", json.dumps({"entry": name, "inputs": inputs}).encode())
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        temporary.mkdir()
+        for file, data in files.items():
+            write_durably(temporary / file, data)
+        _fsync_folder(temporary)
+        os.rename(temporary, cache / name)
+        _fsync_folder(cache)
+        digests = {file: hashlib.sha256(data).hexdigest() for file, data in files.items()}
+        replace_durably(cache / f"{key}.json", json.dumps({"entry": name, "inputs": inputs,
+                                                           "sha256": digests}).encode())
+    except OSError as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        _warn_unwritable(cache, error)
+        return PackedIndex(None, None, _in_memory(files))
     _remove_stale(cache, keep=name)
-    return cache / name
+    return PackedIndex(cache / name)
+
+
+def _entry_files(packed: Packed) -> dict[str, bytes]:
+    blob = _join_names(packed.names)
+    ends = np.flatnonzero(blob == 0)  # one NUL after every name: a name cannot hold one
+    arrays = {"names.npy": blob, "offsets.npy": np.concatenate([[0], ends + 1]).astype(np.int64),
+              "labels.npy": np.asarray(packed.labels, dtype=np.int64)}
+    if packed.shards:
+        columns = [np.asarray(column) for column in (packed.shard_ids, packed.starts, packed.sizes)]
+        arrays["where.npy"] = np.stack(columns, axis=1).astype(np.int64)
+    files = {file: _npy_bytes(array) for file, array in arrays.items()}
+    files["skipped.json"] = json.dumps([[s.path, s.reason] for s in packed.skipped]).encode()
+    files["meta.json"] = json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
+                                     "base": packed.base, "shards": packed.shards}).encode()
+    return files
+
+
+def _in_memory(files: dict[str, bytes]) -> dict:
+    memory: dict = {file: np.load(io.BytesIO(data)) for file, data in files.items() if file.endswith(".npy")}
+    memory.update(meta=json.loads(files["meta.json"]), skipped=json.loads(files["skipped.json"]))
+    return memory
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _fsync_folder(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def warn_once(problem: str, message: str, *args) -> None:
+    if problem not in _warned:
+        _warned.add(problem)
+        log.warning(message, *args)
+
+
+def _warn_unwritable(cache: Path, error: OSError) -> None:
+    warn_once(f"unwritable {cache}", "the index cache %s cannot be written (%s): this run keeps its index in "
+              "memory (each producer gets a copy; set STOKER_CACHE to a writable folder to share one)",
+              cache, error.strerror or error)
 
 
 def _join_names(names: list[str]) -> np.ndarray:
@@ -278,9 +390,7 @@ def _join_names(names: list[str]) -> np.ndarray:
 
 
 def _save_atomically(path: Path, array: np.ndarray) -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    replace_with(path, buffer.getvalue())
+    replace_durably(path, _npy_bytes(array))
 
 
 def _remove_stale(cache: Path, keep: str) -> None:

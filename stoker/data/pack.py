@@ -6,6 +6,11 @@ file's path under the root without the extension (other dots replaced by `_`: a 
 Shards are cut at `--shard-size` bytes and written in parallel, each to a temporary name then renamed; headers
 carry no time, owner or permissions of the source, so the same folder always packs to the same bytes, whatever the
 number of workers. `classes.json` goes beside.
+
+A pack is written whole or not at all: into a hidden folder beside OUT_DIR, renamed to OUT_DIR at the end, so a
+pack killed or interrupted midway leaves no set that trains as if complete (its hidden folder is removed by the
+next pack into the same place). OUT_DIR must be empty or absent unless `--overwrite`; the workers die with the
+parent.
 """
 
 from __future__ import annotations
@@ -16,13 +21,16 @@ import json
 import logging
 import os
 import re
+import shutil
+import signal
 import sys
 import tarfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from stoker.common import faults
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT
+from stoker.common.procs import CONTEXT, exit_with_parent
 from stoker.common.waiting import waiting
 from stoker.data.dataset import list_image_folder
 from stoker.data.shards import CLASSES_FILE
@@ -45,28 +53,104 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def pack(source: Path, out: Path, shard_size: int, workers: int = 0) -> list[Path]:
-    """Write the shards and classes.json; returns the shards' paths in order."""
+def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False) -> list[Path]:
+    """Write the shards and classes.json; returns the shards' paths in order. Raises ValueError, before anything
+    is written, for an OUT_DIR that holds files (unless `overwrite`)."""
+    _check_out_folder(out, overwrite)
     listing = list_image_folder(source)
     log_refused(tuple(listing.skipped))
     members = [(listing.base + name, sample_key(name), label) for name, label in zip(listing.names, listing.labels)]
     _check_unique_keys(members)
     plan = split_into_shards(members, [os.path.getsize(path) for path, _, _ in members], shard_size)
-    out.mkdir(parents=True, exist_ok=True)
-    width = max(6, len(str(len(plan) - 1)))
-    targets = [out / f"shard-{i:0{width}d}.tar" for i in range(len(plan))]
-    workers = min(workers or available_cores(), len(plan))
-    with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
-        if workers <= 1:
-            for target, shard in zip(targets, plan):
-                write_shard(target, shard)
-                progress.advance()
-        else:
-            with ProcessPoolExecutor(workers, mp_context=CONTEXT) as pool:
-                for _ in pool.map(write_shard, targets, plan):
-                    progress.advance()
-    (out / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
-    return targets
+    _remove_dead_partials(out)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    partial.mkdir(parents=True)
+    try:
+        width = max(6, len(str(len(plan) - 1)))
+        targets = [partial / f"shard-{i:0{width}d}.tar" for i in range(len(plan))]
+        with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
+            _write_shards(targets, plan, min(workers or available_cores(), len(plan)), progress.advance)
+        (partial / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
+        _move_into_place(partial, out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already when the pack completed
+    return [out / target.name for target in targets]
+
+
+def _check_out_folder(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out}: not a folder (expected OUT_DIR, where the shards go)")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise ValueError(f"{out}: the folder holds files already (old shards would train beside the new ones); "
+                         f"give an empty or new OUT_DIR, or --overwrite to replace what it holds")
+
+
+def _remove_dead_partials(out: Path) -> None:
+    """What a killed pack into `out` left: its hidden folder, named with the dead pack's pid."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        pid = partial.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _move_into_place(partial: Path, out: Path) -> None:
+    """`partial` becomes `out` in one rename; an old `out` (empty, or replaced by --overwrite) goes first."""
+    if out.is_dir():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+        os.rename(partial, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(partial, out)
+
+
+def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance) -> None:
+    if workers <= 1:
+        for target, shard in zip(targets, plan):
+            write_shard(target, shard)
+            advance()
+        return
+    # Ctrl-C blocked while the workers start: one that came before a worker's initializer ran would print that
+    # worker's traceback. It waits, and is taken as soon as every worker holds it ignored.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pool = ProcessPoolExecutor(workers, mp_context=CONTEXT, initializer=_worker_start)
+    try:
+        try:
+            results = pool.map(write_shard, targets, plan)  # submits every shard, which starts every worker
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        for _ in results:
+            advance()
+    finally:
+        _stop_workers(pool)
+
+
+def _worker_start() -> None:
+    """Workers die with the parent (a killed pack leaves no orphans) and leave Ctrl-C to it (no traceback each)."""
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it started us
+
+
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Done: the workers exit. Interrupted: they are killed, not left to write the shard each holds."""
+    processes = list(getattr(pool, "_processes", {}).values())  # the executor has no public way to stop them
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=10)
 
 
 def sample_key(relative: str) -> str:
@@ -101,6 +185,7 @@ def write_shard(target: Path, members: list[Member]) -> None:
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     with tarfile.open(temporary, "w", format=tarfile.GNU_FORMAT) as archive:
         for path, key, label in members:
+            faults.simulated_delay(faults.READ_LATENCY_ENV)  # tests stretch a pack to signal it midway
             with open(path, "rb") as handle:
                 data = handle.read()
             _add(archive, key + os.path.splitext(path)[1].lower(), data)
@@ -120,6 +205,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("out", type=Path, metavar="OUT_DIR")
     parser.add_argument("--shard-size", default="1GB", help="largest shard (default 1GB)")
     parser.add_argument("--workers", type=int, default=0, help="processes writing shards (default: every core)")
+    parser.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds (default: refuse a "
+                                                                "folder that holds files)")
     parser.set_defaults(run=pack_command)
 
 
@@ -128,10 +215,13 @@ def pack_command(args: argparse.Namespace) -> int:
         if not args.source.is_dir():
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
         shard_size = parse_size(args.shard_size)
-        shards = pack(args.source, args.out, shard_size, args.workers)
+        shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
+        return 130
     first, last = shards[0].stem.split("-")[-1], shards[-1].stem.split("-")[-1]
     pattern = args.out / (f"shard-{{{first}..{last}}}.tar" if len(shards) > 1 else shards[0].name)
     print(f"wrote {len(shards)} shard(s) and {CLASSES_FILE} to {args.out}; train with --data {pattern}")

@@ -8,6 +8,7 @@ Samples are numbered in shard order, then member order: the plan picks samples e
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -16,13 +17,14 @@ import os
 import re
 import tarfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stoker.common.files import replace_with
+from stoker.common.files import replace_durably
 from stoker.common.waiting import waiting
 from stoker.data.dataset import IMAGE_EXTENSIONS, Skipped
 from stoker.data.index import (
@@ -31,9 +33,11 @@ from stoker.data.index import (
     Packed,
     PackedIndex,
     cache_key,
+    file_stamp,
     index_cache_dir,
     input_stamps,
     load_cached,
+    warn_once,
     write_entry,
 )
 
@@ -46,6 +50,14 @@ _PLAIN_KINDS = (b"0", b"\0", b"5", b"7")  # regular file (three spellings) and d
 IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
+_OCTAL = re.compile(rb"[0-7]+")  # a size field: int(_, 8) would also take '-1000', '+7' and '1_0'
+_DECIMAL = re.compile(rb"[0-9]+")
+MAX_LABEL_BYTES = 32  # a .cls holds one number: anything longer is not a label
+MAX_LABEL_DIGITS = 9  # labels are int64 in the index; far below that, a label this long names no real class
+# Without classes.json the class count is the largest label plus one: one stray label must not build a model of a
+# million outputs. Beyond this, write classes.json beside the shards (`stoker pack` always does).
+MAX_CLASSES_WITHOUT_LIST = 10_000
+COMPRESSED_SUFFIXES = (".gz", ".tgz", ".bz2", ".xz", ".zst", ".zstd", ".lz4")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -70,15 +82,17 @@ def shard_paths(spec: Path) -> list[str] | None:
     """The shards `spec` names (a brace pattern, one .tar, a folder of .tar files, a list file), or None for an
     ImageFolder. Raises ValueError naming what is missing."""
     text = str(spec)
-    if "{" in text:
-        paths = expand_braces(text)
-    elif spec.is_dir():
-        paths = sorted(str(p) for p in spec.glob("*.tar"))
+    if spec.is_dir():  # first: a folder's name may hold a brace
+        paths = sorted(str(p) for p in spec.iterdir() if p.suffix.lower() == ".tar" and p.is_file())
         if not paths:
+            _refuse_compressed(text, [p.name for p in spec.iterdir() if p.is_file()])
             return None
-    elif spec.suffix == ".tar":
+    elif _RANGE.search(text) or _ALTERNATIVES.search(text):
+        paths = expand_braces(text)
+    elif spec.suffix.lower() == ".tar":
         paths = [text]
     elif spec.is_file():
+        _refuse_compressed(text, [spec.name])
         paths = _read_list_file(spec)
     else:
         raise ValueError(f"data={text!r}: no such folder, shard or list file")
@@ -88,9 +102,23 @@ def shard_paths(spec: Path) -> list[str] | None:
     return paths
 
 
+def _refuse_compressed(data: str, names: list[str]) -> None:
+    """Compressed shards have no offsets to read a sample at: say so, and how to make plain ones."""
+    compressed = [n for n in names if n.lower().endswith(COMPRESSED_SUFFIXES)]
+    if compressed and all(".tar" in n.lower() or n.lower().endswith(".tgz") for n in compressed):
+        raise ValueError(f"data={data!r}: compressed shards ({compressed[0]!r}) are not read: a sample is read "
+                         f"at its offset in a plain .tar; decompress them (gunzip -k, xz -dk, zstd -d) or write "
+                         f"plain ones with `stoker pack IMAGEFOLDER OUT_DIR`")
+
+
 def _read_list_file(spec: Path) -> list[str]:
     """One shard per line (relative to the list file's folder); blank lines and # comments ignored."""
-    lines = [line.strip() for line in spec.read_text().splitlines()]
+    try:
+        text = spec.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"data={str(spec)!r}: neither a folder, a .tar shard nor a list file of shards (it is "
+                         f"not UTF-8 text)") from None
+    lines = [line.strip() for line in text.splitlines()]
     paths = [os.path.join(spec.parent, line) for line in lines if line and not line.startswith("#")]
     if not paths:
         raise ValueError(f"data={str(spec)!r}: the list file names no shards")
@@ -107,9 +135,10 @@ def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache:
     if cached is not None:
         return cached
     started = time.time_ns()
-    inputs = paths + ([classes_file] if os.path.exists(classes_file) else [])
+    # classes.json is stamped also while it does not exist: one written later must be read.
+    inputs = paths + [classes_file]
     packed = index_shards(paths, classes or _classes_beside(classes_file), cache / SHARDS_FOLDER)
-    return PackedIndex(write_entry(cache, key, packed, input_stamps(inputs, started)))
+    return write_entry(cache, key, packed, input_stamps(inputs, started))
 
 
 def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
@@ -134,12 +163,15 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path 
             members.extend(_one_shard_cached(path, cache) if cache else index_one_shard(path), shard_id)
             progress.advance()
     labels = np.asarray(members.labels, dtype=np.int64)
+    bound = len(classes) if classes is not None else MAX_CLASSES_WITHOUT_LIST
+    outside = labels >= bound
+    if outside.any():
+        members.drop(outside, (lambda label: f"label outside the {bound} classes") if classes is not None else
+                     (lambda label: f"label {label} is not below {MAX_CLASSES_WITHOUT_LIST}, the most classes read "
+                                    f"without {CLASSES_FILE} beside the shards (write one to have more)"))
+        labels = labels[~outside]
     if classes is None:
         classes = tuple(str(i) for i in range(int(labels.max(initial=-1)) + 1))
-    outside = labels >= len(classes)
-    if outside.any():
-        members.drop(outside, f"label outside the {len(classes)} classes")
-        labels = labels[~outside]
     if not members.keys:
         raise ValueError(f"data={paths[0]!r}...: no sample (KEY.jpg|png|... with KEY.cls) in {len(paths)} shard(s)")
     return Packed("", members.keys, labels, classes, members.skipped, paths, np.asarray(members.shard_ids),
@@ -176,9 +208,11 @@ class ShardMembers:
             mine.extend(theirs)
         self.shard_ids.extend([shard_id] * len(shard.keys))
 
-    def drop(self, mask: np.ndarray, reason: str) -> None:
+    def drop(self, mask: np.ndarray, reason: Callable[[int], str]) -> None:
+        """Remove the samples under `mask`, each listed with `reason(its label)`."""
         for position in np.flatnonzero(mask):
-            self.skipped.append(Skipped(f"{self.shards[self.shard_ids[position]]}:{self.keys[position]}", reason))
+            self.skipped.append(Skipped(f"{self.shards[self.shard_ids[position]]}:{self.keys[position]}",
+                                        reason(self.labels[position])))
         keep = np.flatnonzero(~mask).tolist()
         columns: tuple[list[Any], ...] = (self.keys, self.labels, self.shard_ids, self.starts, self.sizes)
         for column in columns:
@@ -189,19 +223,40 @@ Member = tuple[str, int, int]  # (name, offset of its data, size)
 
 
 def _one_shard_cached(path: str, cache: Path) -> ShardMembers:
-    """A shard's members from the cache while its size and modification time hold, else read and kept."""
-    started, stat = time.time_ns(), os.stat(path)
-    saved = cache / f"{cache_key(path, stat.st_size, stat.st_mtime_ns)}.json"
-    try:
-        return ShardMembers(**json.loads(saved.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass
+    """A shard's members from the cache while its stamp (size, mtime, ctime, inode) holds and the kept file its
+    checksum, else read and kept."""
+    started, stamp = time.time_ns(), file_stamp(path)
+    saved = cache / f"{cache_key(path, stamp)}.json"
+    kept = _read_kept(saved)
+    if kept is not None:
+        return kept
     members = index_one_shard(path)
-    if stat.st_mtime_ns < started - MTIME_GUARD_NS:  # a shard still being written is read again next time
-        cache.mkdir(parents=True, exist_ok=True)
+    if isinstance(stamp, list) and stamp[1] < started - MTIME_GUARD_NS:  # one still being written: read again
         skipped = [[item.path, item.reason] for item in members.skipped]
-        replace_with(saved, json.dumps({**members.__dict__, "skipped": skipped}).encode())
+        payload = json.dumps({**members.__dict__, "skipped": skipped}).encode()
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            replace_durably(saved, payload + b"\n" + hashlib.sha256(payload).hexdigest().encode())
+        except OSError as error:
+            warn_once(f"unwritable {cache}", "the shard index cache %s cannot be written (%s): shards are read "
+                      "again at every start", cache, error.strerror or error)
     return members
+
+
+def _read_kept(saved: Path) -> ShardMembers | None:
+    """A shard's kept members, None when absent; a file that fails its checksum is removed, with a warning."""
+    try:
+        payload, _, digest = saved.read_bytes().rpartition(b"\n")
+    except OSError:
+        return None
+    try:
+        if hashlib.sha256(payload).hexdigest().encode() != digest:
+            raise ValueError("checksum")
+        return ShardMembers(**json.loads(payload))
+    except (ValueError, TypeError):
+        log.warning("the kept index of a shard, %s, is damaged: reading the shard again", saved)
+        saved.unlink(missing_ok=True)
+        return None
 
 
 def index_one_shard(path: str) -> ShardMembers:
@@ -218,22 +273,45 @@ def index_one_shard(path: str) -> ShardMembers:
         if truncated:
             into.skipped.append(Skipped(path, f"truncated shard: indexed its first {len(members)} members, then "
                                               f"{truncated}"))
-        groups: dict[str, dict[str, Member]] = {}
-        for member in members:
-            key, _, suffix = _split_name(member[0])
-            groups.setdefault(key, {})[suffix.lower()] = member
+        groups, repeated = _group_by_key(members)
         for key, parts in groups.items():
-            sample = _sample(data, parts)
+            sample = _sample(data, parts) if key not in repeated else _repeated(key, repeated[key])
             if isinstance(sample, str):
                 into.skipped.append(Skipped(f"{path}:{key}", sample))
-            else:
-                into.add(key, sample[0], 0, sample[1][1], sample[1][2])
+                continue
+            into.add(key, sample[0], 0, sample[1][1], sample[1][2])
+            for other in _other_images(parts, sample[1]):
+                into.skipped.append(Skipped(f"{path}:{other}", f"a second image of the key {key!r}, not used (the "
+                                                               f"sample is {sample[1][0]!r})"))
     except tarfile.ReadError as error:
         into.skipped.append(Skipped(path, f"not a readable tar file: {error}"))
     finally:
         if isinstance(data, mmap.mmap):
             data.close()
     return into
+
+
+def _group_by_key(members: list[Member]) -> tuple[dict[str, dict[str, Member]], dict[str, list[str]]]:
+    """Members by key, then by suffix (lower case); and, per key, the suffixes that appear more than once (a
+    tar appended to, two writers): which of them is meant cannot be known, so such a key is no sample."""
+    groups: dict[str, dict[str, Member]] = {}
+    repeated: dict[str, list[str]] = {}
+    for member in members:
+        key, _, suffix = _split_name(member[0])
+        parts = groups.setdefault(key, {})
+        if suffix.lower() in parts:
+            repeated.setdefault(key, []).append(member[0])
+        parts[suffix.lower()] = member
+    return groups, repeated
+
+
+def _repeated(key: str, names: list[str]) -> str:
+    return f"the shard holds {', '.join(repr(n) for n in sorted(set(names)))} more than once: which is meant is " \
+           f"unknown, so the key {key!r} is not used"
+
+
+def _other_images(parts: dict[str, Member], used: Member) -> list[str]:
+    return [member[0] for suffix, member in parts.items() if suffix in IMAGE_SUFFIXES and member is not used]
 
 
 def _plain_members(data) -> tuple[list[Member], str] | None:
@@ -251,10 +329,10 @@ def _plain_members(data) -> tuple[list[Member], str] | None:
             return None
         if not _checksum_holds(header):
             return members, "a damaged header (its checksum does not add up)"
-        try:
-            size = int(header[124:136].split(b"\0")[0].strip() or b"0", 8)
-        except ValueError:
-            return members, "a damaged header (its size is not a number)"
+        field = header[124:136].split(b"\0")[0].strip() or b"0"
+        if not _OCTAL.fullmatch(field):  # '-1000' would step back onto the same header, forever
+            return members, f"a damaged header (its size {field[:12]!r} is not an octal number)"
+        size = int(field, 8)
         start = offset + TAR_BLOCK
         if start + size > end:
             return members, "a member cut short"
@@ -317,11 +395,11 @@ def _sample(data, parts: dict[str, Member]) -> tuple[int, Member] | str:
     if label_member is None:
         return "no .cls label member"
     _, start, size = label_member
-    text = bytes(data[start:start + min(size, 64)])
-    try:
-        label = int(text.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        return f".cls holds {text[:20]!r}, not an integer label"
-    if label < 0:
-        return f".cls holds the negative label {label}"
-    return label, image
+    if size > MAX_LABEL_BYTES:
+        return f".cls holds {size} bytes, not an integer label"
+    text = bytes(data[start:start + size]).strip(b" \t\r\n")
+    if not _DECIMAL.fullmatch(text):  # int() would also take '+3', '1_0' and ' ３'
+        return f".cls holds {text[:20]!r}, not an integer label (a plain decimal number)"
+    if len(text.lstrip(b"0")) > MAX_LABEL_DIGITS:
+        return f".cls holds the label {text[:20].decode()}, far beyond any class count"
+    return int(text), image

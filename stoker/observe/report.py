@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker.common.terminal import printable
 from stoker.observe.metrics import read_events
 
 REPORT_PNG = "report.png"
@@ -88,7 +89,7 @@ def ending(summary: dict[str, Any], run_dir: Path, width: int | None = None) -> 
     longer than `width` (a terminal's) wrapped at spaces."""
     lines = [describe([RunRecord(run_dir.name, summary, {})])]
     if summary.get("error"):
-        lines.append(f"error: {summary['error'].splitlines()[0]}")
+        lines.append(f"error: {printable(summary['error'].splitlines()[0])}")
     files = run_files(summary, run_dir)
     name_width = max((len(name) for name, _ in files), default=0)
     lines += [f"files in {run_dir}:", *(f"  {name:<{name_width}}  {what}" for name, what in files)]

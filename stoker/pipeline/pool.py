@@ -18,6 +18,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
+from stoker.common.terminal import printable
 from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
 from stoker.pipeline.ring import SlotRing
 
@@ -181,7 +182,7 @@ class ProducerPool:
             source = self.setup.train if current.work.kind == "train" else self.setup.val
             assert source is not None, "validation work is scheduled only when there is a validation split"
             path = source.paths[sample]
-            where = f"while decoding {path}"
+            where = f"while decoding {printable(path)}"
             reason = self._skip_reason(handle, how, external, current, sample)
             if reason is not None:
                 self.killers[(current.work.kind, sample)] = reason

@@ -361,3 +361,120 @@ def test_png_with_a_side_past_libpngs_limit_goes_to_pillow():
     out = np.zeros((2, 8, 3), np.uint8)
     load_into(data, out, "none", None)
     assert (out == 90).all()
+
+
+# ---- issue 24: decode caps on every path, image data that ends early, zeroed JPEG scans, checksums named --------
+
+def with_image_data(png: bytes, raw_fraction: float) -> bytes:
+    """The PNG with its IDAT chunks replaced by one whole zlib stream (end marker included) of only the first
+    `raw_fraction` of its filtered rows: what a writer cut off, or a tool that lost rows, leaves before IEND."""
+    chunks, position = [], 8
+    while position < len(png):
+        length, kind = struct.unpack_from(">I4s", png, position)
+        chunks.append((kind, position, png[position + 8:position + 8 + length]))
+        position += 12 + length
+    raw = zlib.decompress(b"".join(body for kind, _, body in chunks if kind == b"IDAT"))
+    idat = [c for c in chunks if c[0] == b"IDAT"]
+    first, last = idat[0][1], idat[-1][1] + 12 + len(idat[-1][2])
+    return png[:first] + png_chunk(b"IDAT", zlib.compress(raw[:int(len(raw) * raw_fraction)])) + png[last:]
+
+
+def png_in_mode(mode: str, interlace: bool = False) -> bytes:
+    pixels = photo_like(40, 56, 5)
+    if mode == "I;16":
+        return encode(Image.fromarray(pixels[:, :, 0].astype(np.uint16) * 257), "PNG")
+    if mode == "RGB;16":  # 16 bits a channel: Pillow reads it as RGB, libpng's fast path never sees it
+        return cv2.imencode(".png", pixels.astype(np.uint16) * 257)[1].tobytes()
+    image = Image.fromarray(pixels).convert("RGBA" if mode == "RGBA" else mode)
+    if mode == "RGBA":
+        image.putalpha(Image.fromarray(photo_like(40, 56, 6)[:, :, 0]))
+    return encode(image, "PNG", **({"interlace": 1} if interlace else {}))
+
+
+@pytest.mark.parametrize("mode,interlace", [("RGBA", False), ("LA", False), ("P", False), ("I;16", False),
+                                            ("RGB;16", False), ("RGBA", True), ("L", False), ("RGB", False)])
+def test_png_whose_zlib_stream_ends_early_is_refused_in_every_mode(mode, interlace):
+    """Pillow decodes such a file, the rows the stream lacks black or white (checked here); it must be refused on
+    the Pillow path as libpng refuses it on the fast one. The whole file, in the same mode, still decodes."""
+    whole = png_in_mode(mode, interlace)
+    cut = with_image_data(whole, 0.6)
+    assert Image.open(io.BytesIO(cut)).convert("RGB").size == (56, 40)  # Pillow fills the rest, no error
+    load_into(whole, np.zeros((8, 8, 3), np.uint8), "none", None)
+    with pytest.raises(UnusableImage, match="^(truncated|corrupt PNG)"):
+        load_into(cut, np.zeros((8, 8, 3), np.uint8), "none", None)
+
+
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+@pytest.mark.parametrize("cmyk", [False, True], ids=["rgb", "cmyk"])
+def test_jpeg_with_its_middle_zeroed_and_its_end_marker_intact_is_refused(progressive, cmyk):
+    """libjpeg-turbo decodes the zeros as pixels and only warns; the lenient decode used to train on it."""
+    data = photograph_jpeg(0, progressive)
+    if cmyk:
+        data = encode(Image.open(io.BytesIO(data)).convert("CMYK"), "JPEG", quality=90, progressive=progressive)
+    start = scan_data_start(data)
+    third = (len(data) - 2 - start) // 3
+    zeroed = data[:start + third] + bytes(third) + data[start + 2 * third:]
+    assert zeroed.endswith(b"\xff\xd9") and simplejpeg.decode_jpeg(zeroed, strict=False).shape[:2] == (427, 640)
+    load_into(data, np.zeros((32, 32, 3), np.uint8), "none", None)
+    for augment in ("standard", "none"):  # reduced-size and full-size decodes
+        with pytest.raises(UnusableImage, match="^(corrupt JPEG|truncated)"):
+            load_into(zeroed, np.zeros((32, 32, 3), np.uint8), augment, np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"], ids=["libpng", "pillow"])
+def test_png_whose_only_fault_is_a_text_chunk_checksum_is_called_that(mode):
+    plain = encode(Image.fromarray(RGB).convert(mode), "PNG")
+    text = bytearray(png_chunk(b"tEXt", b"Comment\x00hello"))
+    text[-1] ^= 0xFF
+    data = plain[:33] + bytes(text) + plain[33:]
+    with pytest.raises(UnusableImage, match="corrupt PNG: its tEXt chunk fails its CRC check"):
+        load_into(data, np.zeros((8, 8, 3), np.uint8), "none", None)
+
+
+def flipped_first_idat_length(mode: str) -> bytes:
+    """A valid small PNG with the top byte of its first IDAT length flipped: the 312-byte file of the issue."""
+    data = bytearray(encode(Image.fromarray(RGB).convert(mode), "PNG"))
+    data[data.index(b"IDAT") - 4] ^= 0xFF
+    return bytes(data)
+
+
+def jpeg_claiming(width: int, height: int, mode: str) -> bytes:
+    """A small JPEG whose frame header claims `width` x `height` (a bomb in 1 KB)."""
+    data = bytearray(encode(Image.fromarray(RGB).convert(mode), "JPEG"))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+PEAK_PROBE = """
+import resource, sys
+import numpy as np
+from stoker.data.imaging import UnusableImage, load_into, make_decode_warnings_errors
+make_decode_warnings_errors()
+data = sys.stdin.buffer.read()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    load_into(data, np.zeros((8, 8, 3), np.uint8), "none", None)
+    print("decoded", end=" ")
+except UnusableImage as error:
+    print("refused:", error, end=" ")
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) >> 10)
+"""
+
+
+@pytest.mark.parametrize("name,data", [
+    ("plain PNG (libpng through OpenCV)", flipped_first_idat_length("RGB")),
+    ("grey PNG (libpng through OpenCV)", flipped_first_idat_length("L")),
+    ("RGBA PNG (Pillow)", flipped_first_idat_length("RGBA")),
+    ("RGB JPEG (libjpeg-turbo)", jpeg_claiming(60000, 60000, "RGB")),
+    ("CMYK JPEG (libjpeg-turbo, then Pillow)", jpeg_claiming(60000, 60000, "CMYK")),
+    ("bomb PNG (Pillow)", forged_png_header(8000, 7000, bit_depth=16, colour_type=6)),
+])
+def test_one_decode_stays_within_its_memory_cap_on_every_path(name, data):
+    """A crafted file is refused without the decode's peak memory passing MAX_DECODE_BYTES (1 GiB): measured in a
+    process of its own, from its peak resident size. OpenCV once took 4 GB for the flipped IDAT length."""
+    probe = subprocess.run([sys.executable, "-c", PEAK_PROBE], input=data, capture_output=True, timeout=60)
+    *verdict, grown_mb = probe.stdout.decode().split()
+    assert probe.returncode == 0, probe.stderr.decode()[-2000:]
+    assert verdict[0] == "refused:", f"{name}: {' '.join(verdict)}"
+    assert int(grown_mb) < 1024, f"{name}: the decode's peak grew by {grown_mb} MB"

@@ -6,8 +6,10 @@ import gc
 import hashlib
 import os
 import pickle
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from stoker.common.procs import CONTEXT
 from stoker.data import index as stoker_index
@@ -127,3 +129,96 @@ def test_a_superseded_entry_is_removed_only_once_no_live_process_maps_it(tmp_pat
     load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
     assert mapped.folder.exists() and mapped.read(0) == b"ant 0"
     assert not dropped_folder.exists()
+
+
+# ---- issue 24 item 4: the cache checks what it hands out, and is not needed to run -----------------------------
+
+def cached_entry(tmp_path) -> tuple:
+    make_tree(tmp_path / "data")
+    settle(tmp_path / "data")
+    index = load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
+    return index.folder, scan_image_folder(tmp_path / "data")
+
+
+def flip_one_bit_in_every_label(path) -> None:
+    """The labels' int64 values are the file's last bytes: flip the lowest bit of each (0<->1, 2<->3)."""
+    labels = np.load(path)
+    data = bytearray(path.read_bytes())
+    start = len(data) - labels.nbytes
+    for i in range(len(labels)):
+        data[start + 8 * i] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_cached_labels_is_caught_and_the_entry_rebuilt_with_one_warning(tmp_path, caplog):
+    entry, scan = cached_entry(tmp_path)
+    flip_one_bit_in_every_label(entry / "labels.npy")
+    assert np.load(entry / "labels.npy").tolist() != scan.labels.tolist()
+    with caplog.at_level("WARNING", logger="stoker.data.index"):
+        again = load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
+    assert again.labels.tolist() == scan.labels.tolist() and again.folder != entry
+    assert [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()] != []
+    assert len(caplog.records) == 1
+    assert load_image_folder(tmp_path / "data", cache=tmp_path / "cache").folder == again.folder  # rebuilt once
+
+
+def test_a_cut_or_empty_cached_array_is_rebuilt_not_a_crash(tmp_path):
+    """What a power cut after an unsynced write leaves: every later run crashed until the cache was deleted."""
+    entry, scan = cached_entry(tmp_path)
+    (entry / "names.npy").write_bytes((entry / "names.npy").read_bytes()[:40])
+    (entry / "labels.npy").write_bytes(b"")
+    again = load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
+    assert list(again.paths) == list(scan.paths) and again.labels.tolist() == scan.labels.tolist()
+
+
+def test_a_flipped_bit_in_a_cached_split_is_caught(tmp_path):
+    make_tree(tmp_path / "data", per_class=20)
+    settle(tmp_path / "data")
+    train, val = split_source(load_image_folder(tmp_path / "data", cache=tmp_path / "cache"), 0.2, seed=7)
+    expected = train.labels.tolist()
+    labels_file = train.folder / f"{train.part}.labels.npy"
+    del train, val
+    flip_one_bit_in_every_label(labels_file)
+    train, _ = split_source(load_image_folder(tmp_path / "data", cache=tmp_path / "cache"), 0.2, seed=7)
+    assert train.labels.tolist() == expected
+
+
+def test_the_pointer_is_written_after_the_entry_is_on_the_disk(tmp_path, monkeypatch):
+    """A power cut must leave the old pointer or a whole entry: every file of the entry and its folder are
+    fsynced before the pointer's rename."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(b))) or real_replace(a, b))
+    make_tree(tmp_path / "data")
+    index = load_image_folder(tmp_path / "data", cache=tmp_path / "cache")
+    pointer = next(i for i, (kind, path) in enumerate(events) if kind == "replace" and path.endswith(".json")
+                   and os.path.dirname(path) == str(tmp_path / "cache"))
+    synced = {os.path.basename(path) for kind, path in events[:pointer] if kind == "fsync"}
+    assert {"names.npy", "offsets.npy", "labels.npy", "meta.json", "skipped.json"} <= synced
+    assert any(kind == "fsync" and path == str(tmp_path / "cache") for kind, path in events[pointer:])
+    assert index.labels.tolist() == scan_image_folder(tmp_path / "data").labels.tolist()
+
+
+def _child_labels(index: PackedIndex, answers) -> None:
+    answers.send((list(index.paths), index.labels.tolist(), index.read(2)))
+
+
+@pytest.mark.parametrize("where", ["under a file", "/sys"])
+def test_an_unwritable_cache_runs_from_memory_with_one_warning(tmp_path, caplog, where):
+    (tmp_path / "a-file").write_bytes(b"")
+    cache = tmp_path / "a-file" / "cache" if where == "under a file" else Path("/sys/stoker-index-cache")
+    make_tree(tmp_path / "data", per_class=20)
+    scan = scan_image_folder(tmp_path / "data")
+    with caplog.at_level("WARNING", logger="stoker.data.index"):
+        index = load_image_folder(tmp_path / "data", cache=cache)
+        train, val = split_source(index, 0.2, seed=7)
+    assert index.labels.tolist() == scan.labels.tolist() and list(index.paths) == list(scan.paths)
+    assert len(caplog.records) <= 1 and all("in memory" in r.getMessage() for r in caplog.records)
+    receive, send = CONTEXT.Pipe(duplex=False)
+    child = CONTEXT.Process(target=_child_labels, args=(train, send))  # a producer gets the index whole
+    child.start()
+    paths, labels, data = receive.recv()
+    child.join(timeout=30)
+    assert paths == list(train.paths) and labels == train.labels.tolist() and data == train.read(2)
+    assert len(train) + len(val) == len(scan)

@@ -3,9 +3,12 @@ listed, and `stoker pack` writing the folder's samples in the folder's order, th
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 
 import pytest
@@ -175,3 +178,142 @@ def test_a_changed_shard_is_read_again_alone(tmp_path):
     b_only = load_shards([str(tmp_path / "b.tar")], cache=tmp_path / "cache")
     assert len(b_only) == 1  # a set of its own, built from b.tar's kept members: nothing written again
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()} == files
+
+
+# ---- issue 24: crafted headers, strict labels, repeated keys, stamps that see a replaced shard, messages -------
+
+INDEX_ONE_SHARD = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a runaway index fails here, not the machine
+from stoker.data.shards import index_one_shard
+members = index_one_shard(sys.argv[1])
+print(len(members.keys), "|".join(s.reason for s in members.skipped))
+"""
+
+
+def with_size_field(data: bytes, header_at: int, size: bytes) -> bytes:
+    """The tar with one header's size field replaced and its checksum made to add up again."""
+    header = bytearray(data[header_at:header_at + 512])
+    header[124:136] = size.ljust(11, b"\0")[:11] + b"\0"
+    header[148:156] = b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return data[:header_at] + bytes(header) + data[header_at + 512:]
+
+
+@pytest.mark.parametrize("size", [b"-1750", b"-0000001", b"00000009999", b"+17", b"1_0"])
+def test_a_header_with_a_negative_or_non_octal_size_ends_the_shard_there(tmp_path, size):
+    """size -1000 (octal -1750) with a valid checksum read the same header again forever (1.36 GB in 20 s)."""
+    members = [(f"k{n}.{ext}", b"%d" % n * 600 if ext == "jpg" else b"1") for n in range(3) for ext in ("jpg", "cls")]
+    write_tar(tmp_path / "a.tar", members, tarfile.USTAR_FORMAT)
+    data = (tmp_path / "a.tar").read_bytes()
+    (tmp_path / "a.tar").write_bytes(with_size_field(data, data.index(b"k1.jpg"), size))
+    result = subprocess.run([sys.executable, "-c", INDEX_ONE_SHARD, str(tmp_path / "a.tar")], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, reasons = result.stdout.split(" ", 1)
+    assert count == "1" and "damaged header" in reasons and "not an octal number" in reasons
+
+
+@pytest.mark.parametrize("text,reason", [
+    (b"99999999999999999999999", "far beyond any class count"),
+    (b"1_0", "not an integer label"), (b"+3", "not an integer label"), (b"-2", "not an integer label"),
+    (b"2   garbage", "not an integer label"), (b"2" + b" " * 70 + b"9", "bytes, not an integer label"),
+    (b"\xef\xbc\x93", "not an integer label"),  # a full-width 3: int() reads it
+])
+def test_a_label_is_a_plain_decimal_number(tmp_path, text, reason):
+    write_tar(tmp_path / "a.tar", [("good.jpg", b"g"), ("good.cls", b" 1\n"), ("bad.jpg", b"b"), ("bad.cls", text)])
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert index.labels.tolist() == [1] and index.classes == ("0", "1")
+    assert [(s.path, reason in s.reason) for s in index.skipped] == [(f"{tmp_path / 'a.tar'}:bad", True)]
+
+
+def test_a_label_past_the_default_class_bound_needs_a_classes_file(tmp_path):
+    """100000 without classes.json built a 100,001-class model; with a classes.json that long it is a label."""
+    write_tar(tmp_path / "a.tar", [("a.jpg", b"a"), ("a.cls", b"3"), ("b.jpg", b"b"), ("b.cls", b"100000")])
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert index.labels.tolist() == [3] and len(index.classes) == 4
+    [refused] = index.skipped
+    assert refused.path.endswith(":b") and "10000" in refused.reason and "classes.json" in refused.reason
+    many = tuple(f"c{i}" for i in range(100_001))
+    assert load_shards([str(tmp_path / "a.tar")], classes=many, cache=tmp_path / "cache").labels.tolist() == [3, 100000]
+
+
+def test_a_repeated_member_or_a_second_image_of_a_key_is_listed(tmp_path):
+    write_tar(tmp_path / "a.tar", [("a.jpg", b"a"), ("a.cls", b"0"), ("a.cls", b"1"),
+                                   ("j.png", b"p"), ("j.jpg", b"j"), ("j.cls", b"1"),
+                                   ("ok.jpg", b"o"), ("ok.cls", b"0")])
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    shard = str(tmp_path / "a.tar")
+    assert list(index.paths) == [f"{shard}:j", f"{shard}:ok"] and index.read(0) == b"p"
+    reasons = {s.path: s.reason for s in index.skipped}
+    assert "'a.cls' more than once" in reasons[f"{shard}:a"]
+    assert "second image" in reasons[f"{shard}:j.jpg"] and "'j.png'" in reasons[f"{shard}:j.jpg"]
+
+
+def shard_of(path, labels: list[int], image: bytes = b"x") -> None:
+    write_tar(path, [m for n, label in enumerate(labels) for m in ((f"k{n}.jpg", image), (f"k{n}.cls", b"%d" % label))])
+
+
+@pytest.mark.parametrize("how", ["cp -p (new size, same mtime)", "mv (same size and mtime)"])
+def test_a_shard_replaced_under_the_same_mtime_is_indexed_again(tmp_path, how):
+    shard = tmp_path / "a.tar"
+    shard_of(shard, [0] * 4)
+    os.utime(shard, (1e9, 1e9))
+    assert load_shards([str(shard)], cache=tmp_path / "cache").labels.tolist() == [0] * 4
+    if how.startswith("cp"):
+        shard_of(tmp_path / "new.tar", [1] * 6)
+        shard.write_bytes((tmp_path / "new.tar").read_bytes())  # the same file, rewritten
+    else:
+        shard_of(tmp_path / "new.tar", [1] * 4)
+        assert (tmp_path / "new.tar").stat().st_size == shard.stat().st_size
+        os.replace(tmp_path / "new.tar", shard)
+    os.utime(shard, (1e9, 1e9))
+    expected = [1] * (6 if how.startswith("cp") else 4)
+    assert load_shards([str(shard)], cache=tmp_path / "cache").labels.tolist() == expected
+
+
+def test_a_classes_file_written_after_the_first_index_counts(tmp_path):
+    shard = tmp_path / "a.tar"
+    shard_of(shard, [0, 1])
+    os.utime(shard, (1e9, 1e9))
+    assert load_shards([str(shard)], cache=tmp_path / "cache").classes == ("0", "1")
+    (tmp_path / "classes.json").write_text(json.dumps(["cat", "dog"]))
+    os.utime(tmp_path / "classes.json", (1e9, 1e9))
+    assert load_shards([str(shard)], cache=tmp_path / "cache").classes == ("cat", "dog")
+    (tmp_path / "classes.json").write_text(json.dumps(["dog", "cat"]))
+    os.utime(tmp_path / "classes.json", (1e9, 1e9))
+    assert load_shards([str(shard)], cache=tmp_path / "cache").classes == ("dog", "cat")
+
+
+def test_a_damaged_kept_shard_index_is_read_again(tmp_path, caplog):
+    shard = tmp_path / "a.tar"
+    shard_of(shard, [2, 0, 1])
+    os.utime(shard, (1e9, 1e9))
+    load_shards([str(shard)], cache=tmp_path / "cache")
+    [kept] = (tmp_path / "cache" / "shards").iterdir()
+    kept.write_bytes(kept.read_bytes().replace(b"[2, 0, 1]", b"[3, 0, 1]"))
+    with caplog.at_level("WARNING"):
+        index = load_shards([str(shard)], classes=("a", "b", "c", "d"), cache=tmp_path / "cache")
+    assert index.labels.tolist() == [2, 0, 1] and any("damaged" in r.getMessage() for r in caplog.records)
+
+
+def test_what_data_names_is_said_plainly(tmp_path):
+    folder = tmp_path / "photos {2024}"  # an ImageFolder whose name holds a brace
+    (folder / "cat").mkdir(parents=True)
+    assert shard_paths(folder) is None
+    upper = tmp_path / "upper"
+    upper.mkdir()
+    shard_of(upper / "A.TAR", [0])
+    assert shard_paths(upper) == [str(upper / "A.TAR")] and shard_paths(upper / "A.TAR") == [str(upper / "A.TAR")]
+    shard_of(tmp_path / "x.tar", [0])
+    (tmp_path / "x.tar.gz").write_bytes(gzip.compress((tmp_path / "x.tar").read_bytes()))
+    with pytest.raises(ValueError, match=r"compressed shards .* are not read.*stoker pack"):
+        shard_paths(tmp_path / "x.tar.gz")
+    gz_folder = tmp_path / "gz"
+    gz_folder.mkdir()
+    (gz_folder / "s-0.tar.gz").write_bytes((tmp_path / "x.tar.gz").read_bytes())
+    with pytest.raises(ValueError, match="compressed shards"):
+        shard_paths(gz_folder)
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00junk")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        shard_paths(tmp_path / "binary")
