@@ -163,7 +163,8 @@ def test_malicious_or_truncated_checkpoints_are_refused_and_the_newest_loadable_
     payload = pickle.dumps(_Exploit())
     (newest / "rank_0.pt").write_bytes(payload)
     meta = json.loads((newest / "meta.json").read_text())
-    meta["files"]["rank_0.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksum
+    meta["files"]["rank_0.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksums
+    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
     (newest / "meta.json").write_text(json.dumps(meta))
     (truncated / "model.pt").write_bytes((truncated / "model.pt").read_bytes()[:100])
     result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet")
