@@ -3,9 +3,9 @@
 A checkpoint is a folder `checkpoints/step_NNNNNNNN/`: `model.pt` (the averaged model, written by rank 0),
 `rank_R.pt` (each consumer's optimizer and RNG state: local SGD leaves them per replica) and `meta.json` (position,
 settings, classes and a SHA-256 of every file, and a SHA-256 of its own content: everything a resume reads is
-covered by a checksum, so an edited position cannot silently skip steps). Consumers write their files into a temporary folder; the controller commits it with
-an fsync and a rename once every rank has reported, so a crash at any moment leaves either the old or the new
-checkpoint, never half of one.
+covered by a checksum, so an edited position cannot silently skip steps). Consumers write their files into a
+temporary folder; the controller commits it with an fsync and a rename once every rank has reported, so a crash at
+any moment leaves either the old or the new checkpoint, never half of one.
 """
 
 from __future__ import annotations
