@@ -39,7 +39,7 @@ from stoker.pipeline.pool import ProducerPool, check_hang_timeout
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.pipeline.scheduler import Issue, Scheduler
-from stoker.run import cluster, rundir
+from stoker.run import cluster, resume, rundir
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.training.averager import OuterSpec
@@ -101,8 +101,10 @@ class Controller:
         if self.cluster.leader:
             try:
                 folder, meta = rundir.newest_checkpoint(self.config.resume)
+                resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
+                                       self._sample_counts(), self.plan.steps_per_epoch)
                 found = (str(folder), meta["position"], meta["num_consumers"], None)
-            except rundir.RunDirError as error:
+            except ValueError as error:  # RunDirError, ResumeError
                 found = (None, None, None, str(error))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
         if error is not None:
@@ -111,6 +113,9 @@ class Controller:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
         return Position(**position), Path(folder)
+
+    def _sample_counts(self) -> dict[str, int]:
+        return {"train": len(self.data.train), "val": len(self.data.val or ())}
 
     def _ring_bytes_check(self) -> None:
         spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
@@ -455,7 +460,8 @@ class Controller:
         steps = self.plan.steps_per_epoch
         position = Position(message.global_step // steps, message.global_step % steps, message.global_step)
         meta = {"position": position.__dict__, "files": files, "num_consumers": self.cluster.world,
-                "config": self.config.as_json(), "classes": list(self.data.train.classes)}
+                "config": self.config.as_json(), "classes": list(self.data.train.classes),
+                "samples": self._sample_counts()}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
         temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
         extra = {}

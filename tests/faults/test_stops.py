@@ -16,11 +16,73 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def finished_run(textures, tmp_path_factory):
+def own_data(textures, tmp_path_factory):
+    """A copy of the textures that a test may rename a class folder of (and must rename it back)."""
+    folder = tmp_path_factory.mktemp("own-data")
+    return shutil.copytree(textures[0], folder / "train"), shutil.copytree(textures[1], folder / "val")
+
+
+@pytest.fixture(scope="module")
+def finished_run(own_data, tmp_path_factory):
     """One completed 1-epoch run with a checkpoint at the end of its epoch."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    run_cli(*train_args(textures, run_dir, "--epochs", "1"))
+    run_cli(*train_args(own_data, run_dir, "--epochs", "1"))
     return run_dir
+
+
+def run_files(run_dir):
+    return {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
+
+
+def test_resuming_a_completed_run_is_refused_and_rewrites_nothing(finished_run):
+    """Before: every process started, nothing trained, and summary.json said val_accuracy null, verdict
+    "starting"."""
+    before = run_files(finished_run)
+    result = run_cli("train", "--resume", str(finished_run), "--quiet", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "run already completed (1/1 epochs); give --epochs 2 or more to train on" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert run_files(finished_run) == before
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"seed": 7}, "seed: checkpoint 0, now 7"),
+    ({"batch_size": 4}, "batch_size: checkpoint 8, now 4"),
+    ({"image_size": 48}, "image_size: checkpoint 32, now 48"),
+    ({"augment": "none"}, "augment: checkpoint 'standard', now 'none'"),
+    ({"lr": 0.1}, "lr: checkpoint 0.05, now 0.1"),
+    ({"model": "resnet14"}, "model: checkpoint 'resnet8', now 'resnet14'"),
+])
+def test_resume_with_a_setting_that_changes_the_plan_is_refused_naming_it(finished_run, tmp_path, change, named):
+    """In the API, as on the command line (exit code 2): an error before any process starts, nothing written."""
+    import stoker
+
+    run_dir = shutil.copytree(finished_run, tmp_path / "run")
+    before = run_files(run_dir)
+    with pytest.raises(ValueError, match="a resume continues the same run") as refused:
+        stoker.train(resume=run_dir, epochs=2, show_progress=False, **change)
+    assert named in str(refused.value)
+    assert run_files(run_dir) == before
+
+
+def test_resume_on_other_data_or_a_renamed_class_folder_is_refused(own_data, finished_run, tmp_path):
+    """Renaming a class folder between interrupt and resume shifted labels 3-9 silently; other data with the same
+    classes and sizes is another run too."""
+    import stoker
+
+    train, _ = own_data
+    elsewhere = shutil.copytree(train, tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=f"data: checkpoint {str(train)!r}, now {str(elsewhere)!r}"):
+        stoker.train(resume=finished_run, data=elsewhere, epochs=2, show_progress=False)
+    classes = sorted(p.name for p in train.iterdir())
+    renamed = train / ("zz_" + classes[3])
+    (train / classes[3]).rename(renamed)
+    try:
+        with pytest.raises(ValueError, match=f"classes: label 3 was {classes[3]!r} at the checkpoint, now "
+                                             f"{classes[4]!r}"):
+            stoker.train(resume=finished_run, epochs=2, show_progress=False)
+    finally:
+        renamed.rename(train / classes[3])
 
 
 def test_a_new_run_refuses_a_folder_that_holds_a_run(textures, finished_run, tmp_path):
