@@ -78,12 +78,18 @@ class Controller:
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
-        if config.resume is None:
-            rundir.check_new_run_dir(self.run_dir)
-        cluster.join_controllers(self.cluster, config.collective_timeout_s)
-        cluster.check_same_settings(self.cluster, self._shared_settings())
-        self.start_at, self.resume_from = self._resume_point()
-        self._reset_state()
+        # Held until run() ends: taken before the folder is looked at, so two starts cannot both find it free.
+        self.run_lock = rundir.RunDirLock(self.run_dir, self.cluster.node)
+        try:
+            if config.resume is None:
+                rundir.check_new_run_dir(self.run_dir)
+            cluster.join_controllers(self.cluster, config.collective_timeout_s)
+            cluster.check_same_settings(self.cluster, self._shared_settings())
+            self.start_at, self.resume_from = self._resume_point()
+            self._reset_state()
+        except BaseException:
+            self.run_lock.close()
+            raise
 
     def _shared_settings(self) -> dict[str, Any]:
         """What every machine must agree on (paths and producer counts are each machine's own business)."""
@@ -164,8 +170,11 @@ class Controller:
     # ---- the run -----------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        with self.lifecycle.handling_signals():
-            return self._run()
+        try:
+            with self.lifecycle.handling_signals():
+                return self._run()
+        finally:
+            self.run_lock.close()
 
     def _run(self) -> dict[str, Any]:
         name_process("stoker controller")

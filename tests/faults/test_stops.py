@@ -5,6 +5,7 @@ fixture checks the last two after every test)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -109,6 +110,48 @@ def test_resume_with_no_valid_checkpoint_is_a_clear_error(finished_run, tmp_path
     assert result.returncode == 2
     assert "no valid checkpoint" in result.stderr and "nothing to resume from" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_second_resume_of_a_folder_in_use_is_refused_and_the_first_run_is_unharmed(finished_run, tmp_path):
+    """Two real resumes of one folder at once: before the lock, both trained and the first to close deleted the
+    other's checkpoint in progress. The first holds the folder's lock (its pid is in the lock file once it does),
+    its steps slowed so that it still trains when the second starts; then it is interrupted to end the test."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stoker.common import checkpoint
+    from tests.conftest import HELPERS
+
+    run_dir = shutil.copytree(finished_run, tmp_path / "run")
+    lock = run_dir / ".lock"
+    lock.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "STOKER_STEP_TIME_MS": "600"}
+    first = subprocess.Popen([sys.executable, "-m", "stoker", "train", "--resume", str(run_dir), "--epochs", "2",
+                              "--devices", "cpu:1", "--slots-per-consumer", "2", "--quiet", "--report", "false"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text().strip()) and first.poll() is None:
+            assert time.monotonic() < deadline, "the first resume never locked its folder"
+            time.sleep(0.05)
+        second = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet",
+                         check=False)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"{run_dir} is in use by another stoker run (pid {first.pid} holds {lock})" in second.stderr
+        first.send_signal(signal.SIGINT)
+        _, stderr = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 130, stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["start_step"] == 15
+    newest, _ = checkpoint.newest_valid(run_dir)
+    assert str(newest) == summary["checkpoint"]
 
 
 def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_path):
