@@ -39,13 +39,14 @@ from stoker.pipeline.pool import ProducerPool, check_hang_timeout
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.pipeline.scheduler import Issue, Scheduler
+from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
 from stoker.run import cluster, resume, rundir
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.training.averager import OuterSpec
 from stoker.training.consumer import ConsumerSetup, consumer_main
 from stoker.training.models import check_model
-from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
+from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Controller:
         self.store = None
         self.local_store: LocalStore | None = None
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
+        name_semaphores_for_sweeping()  # before the first one: a kill -9 of the group leaves them otherwise
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
         self.witness = FailureWitness(self.consumers, self.mailbox, self.config.collective_timeout_s)
@@ -252,6 +254,8 @@ class Controller:
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
         sweep_dead_segments()
+        sweep_dead_semaphores()
+        sweep_dead_stores()
         self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
                                    self.data.val is not None, self.config.checkpoint_every, self.run_dir,
