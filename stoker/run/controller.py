@@ -58,6 +58,7 @@ class Controller:
     """`Controller(config)` validates everything and starts nothing; `run()` trains and returns the summary."""
 
     def __init__(self, config: TrainConfig, show_progress: bool = True) -> None:
+        faults.maybe_inject("controller", "starting up")
         self.config = config
         self.show_progress = show_progress
         self.devices = resolve_devices(config.devices)
@@ -342,7 +343,7 @@ class Controller:
         if agreement is None:
             self.stopping = self.lifecycle.interrupted
             if self.stopping and not self.finishing:
-                self.scheduler.cut()
+                self.scheduler.cut(skip_validation=True)  # a signal waits for no whole validation pass
             return
         if self.lifecycle.interrupted:
             agreement.request()
@@ -377,6 +378,8 @@ class Controller:
             if getattr(message, "slot", None) is not None:
                 self.delivered[rank] += 1
             self.ready_queues[rank].put(message)
+            if faults.armed() and getattr(message, "kind", None) == "val":
+                faults.maybe_inject("controller", f"val batch {message.step} of epoch {message.epoch} handed over")
         waiting = self.agreement is not None and self.agreement.waiting
         if not self.finishing and not waiting and self.scheduler.exhausted():
             self._finish()
