@@ -31,7 +31,7 @@ from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
-from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
+from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach, read_accounting
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
@@ -103,6 +103,7 @@ class Controller:
 
     def _resume_point(self) -> tuple[Position, Path | None]:
         """The first machine finds the newest valid checkpoint; every machine continues from it."""
+        self.resume_accounting: bytes | None = None  # read here, on the machine whose disk holds it
         if self.config.resume is None:
             return Position(0, 0, 0), None
         found = None
@@ -111,8 +112,9 @@ class Controller:
                 folder, meta = rundir.newest_checkpoint(self.config.resume)
                 resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
                                        self._sample_counts(), self.plan.steps_per_epoch)
+                self.resume_accounting = read_accounting(folder, meta)
                 found = (str(folder), meta["position"], meta["num_consumers"], None)
-            except ValueError as error:  # RunDirError, ResumeError
+            except (ValueError, checkpoint.CheckpointError) as error:  # RunDirError, ResumeError
                 found = (None, None, None, str(error))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
         if error is not None:
@@ -146,8 +148,8 @@ class Controller:
         for item in self.data.refused:
             self.stats.skipped.setdefault(item.path, item.reason)
         self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
-        if self.resume_from is not None:
-            self.ledger.resume(self.resume_from, self.run_dir, self.stats)
+        if self.resume_from is not None:  # the folder other machines receive is never opened there
+            self.ledger.resume(self.resume_accounting, self.run_dir, self.stats)
         self.tasks: dict[int, Issue] = {}
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}
