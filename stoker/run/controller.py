@@ -183,6 +183,7 @@ class Controller:
 
     def _run(self) -> dict[str, Any]:
         name_process("stoker controller")
+        self.run_lock.record_holder()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())  # every machine: `--resume` reads it
         metrics_file = "metrics.jsonl" if self.cluster.leader else f"metrics-node{self.cluster.node}.jsonl"

@@ -58,13 +58,18 @@ class RunDirLock:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "not yet known"
             os.close(descriptor)
             raise RunDirError(f"{run_dir} is in use by another stoker run (pid {holder} holds {self.path}); wait "
                               "for it to end, or give another --out folder") from None
-        os.ftruncate(descriptor, 0)
-        os.pwrite(descriptor, f"{os.getpid()}\n".encode(), 0)  # for the message above, nothing else reads it
         self._descriptor: int | None = descriptor
+
+    def record_holder(self) -> None:
+        """Write this process's pid into the lock file, for the message a second start gets. Only once the run
+        starts: a start refused before that (a completed run, a changed setting) rewrites nothing."""
+        if self._descriptor is not None:
+            os.ftruncate(self._descriptor, 0)
+            os.pwrite(self._descriptor, f"{os.getpid()}\n".encode(), 0)
 
     def close(self) -> None:
         """Idempotent; the file stays (removing it would let a third run lock a new file while a second holds the
