@@ -127,15 +127,18 @@ def report_command(args: argparse.Namespace) -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
+    from stoker.run.lifecycle import startup_signals
     try:
-        config = config_from_args(args)
-        from stoker.run.controller import Controller
-        controller = Controller(config, show_progress=not getattr(args, "quiet", False))
+        with startup_signals():
+            config = config_from_args(args)
+            from stoker.run.controller import Controller
+            controller = Controller(config, show_progress=not getattr(args, "quiet", False))
     except ValueError as error:  # ConfigError and every other user error found before a process starts
         print(f"stoker: error: {error}", file=sys.stderr)
         return USAGE_ERROR
-    except KeyboardInterrupt:  # Ctrl-C while indexing the data: nothing started yet, nothing to clean up
-        print("stoker: interrupted before training started", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM while indexing: nothing started, nothing to clean
+        print(f"stoker: {getattr(interrupt, 'signal_name', 'Ctrl-C')} before training started: stopped, nothing "
+              "was started", file=sys.stderr)
         return 130
     summary = controller.run()
     from stoker.observe.report import ending

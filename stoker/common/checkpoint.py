@@ -1,10 +1,11 @@
 """Atomic, checksummed checkpoints that load with `torch.load(weights_only=True)`.
 
 A checkpoint is a folder `checkpoints/step_NNNNNNNN/`: `model.pt` (the averaged model, written by rank 0),
-`rank_R.pt` (each consumer's optimizer and RNG state: local SGD leaves them per replica) and `meta.json` (position
-and a SHA-256 of every file). Consumers write their files into a temporary folder; the controller commits it with
-an fsync and a rename once every rank has reported, so a crash at any moment leaves either the old or the new
-checkpoint, never half of one.
+`rank_R.pt` (each consumer's optimizer and RNG state: local SGD leaves them per replica) and `meta.json` (position,
+settings, classes and a SHA-256 of every file, and a SHA-256 of its own content: everything a resume reads is
+covered by a checksum, so an edited position cannot silently skip steps). Consumers write their files into a
+temporary folder; the controller commits it with an fsync and a rename once every rank has reported, so a crash at
+any moment leaves either the old or the new checkpoint, never half of one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
 META_FILE = "meta.json"
+META_CHECKSUM = "meta_sha256"  # of meta.json's other keys, canonically serialized
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 
@@ -104,8 +106,15 @@ def fsync_dir(path: Path) -> None:
         os.close(descriptor)
 
 
+def meta_checksum(meta: dict[str, Any]) -> str:
+    """SHA-256 of meta.json's content without its own checksum, independent of key order and layout."""
+    content = {key: value for key, value in meta.items() if key != META_CHECKSUM}
+    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def commit(temporary: Path, final: Path, meta: dict[str, Any], keep: int) -> None:
-    """Write meta.json with every file's checksum, then make the folder visible in one rename."""
+    """Write meta.json with every file's checksum and its own, then make the folder visible in one rename."""
+    meta = {**meta, META_CHECKSUM: meta_checksum(meta)}
     write_atomic(temporary / META_FILE, json.dumps(meta, indent=1).encode())
     if final.exists():
         shutil.rmtree(final)
@@ -165,11 +174,9 @@ def load_verified(path: Path) -> Any:
 
 
 def verify(folder: Path) -> dict[str, Any]:
-    """meta.json of a checkpoint whose files all exist and match their checksums."""
-    try:
-        meta = json.loads((folder / META_FILE).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{folder}: no readable {META_FILE} ({error})") from None
+    """meta.json of a checkpoint whose meta.json matches its own checksum, holds what a resume reads, and whose
+    files all exist and match their checksums. Anything else is a `CheckpointError` (the previous one is used)."""
+    meta = _read_meta(folder)
     for name, expected in meta["files"].items():
         try:
             actual = hashlib.sha256((folder / name).read_bytes()).hexdigest()
@@ -178,6 +185,43 @@ def verify(folder: Path) -> dict[str, Any]:
         if actual != expected:
             raise CheckpointError(f"{folder / name}: checksum mismatch (truncated or modified)")
     return meta
+
+
+def _read_meta(folder: Path) -> dict[str, Any]:
+    path = folder / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a JSON object ({type(meta).__name__})")
+    if META_CHECKSUM not in meta:
+        raise CheckpointError(f"{path}: no {META_CHECKSUM} (modified, or written by a stoker that did not "
+                              "checksum it)")
+    if meta[META_CHECKSUM] != meta_checksum(meta):
+        raise CheckpointError(f"{path}: checksum mismatch (modified)")
+    try:
+        folder_step = step_of(folder)
+    except ValueError:
+        raise CheckpointError(f"{folder}: not named step_N") from None
+    if problem := _shape_problem(meta, folder_step):
+        raise CheckpointError(f"{path}: {problem}")
+    return meta
+
+
+def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
+    """What a checksummed meta.json may still get wrong (a bug, or a forger who recomputed the checksum)."""
+    files, position = meta.get("files"), meta.get("position")
+    if not isinstance(files, dict) or not all(isinstance(v, str) and "/" not in k for k, v in files.items()):
+        return "'files' is not a mapping of file names to checksums"
+    if not isinstance(position, dict) or set(position) != {"epoch", "step", "global_step"} or not all(
+            type(v) is int and v >= 0 for v in position.values()):
+        return "'position' is not {epoch, step, global_step} as non-negative integers"
+    if position["global_step"] != folder_step:
+        return f"'position' says step {position['global_step']}, the folder's name {folder_step}"
+    if type(meta.get("num_consumers")) is not int or meta["num_consumers"] < 1:
+        return "'num_consumers' is not a positive integer"
+    return None
 
 
 def verify_loadable(folder: Path) -> dict[str, Any]:

@@ -31,8 +31,21 @@ class ConfigError(ValueError):
 _DEVICES_PATTERN = re.compile(r"^(auto|cpu:[1-9][0-9]*|cuda|cuda:[0-9]+(,[0-9]+)*)$")
 
 
+# The settings `--resume` may change: they decide how the run is executed, watched or stopped, not which batches
+# it trains on, in what order or with what arithmetic. Every other setting (a field added below included, unless
+# it is listed here) changes the plan, and a resume that gives it another value than the checkpoint recorded
+# stops with exit code 2 naming it (stoker/run/resume.py). `epochs` may grow: a cosine schedule is then stretched
+# over the new total, so the learning rate jumps back up at the resumed step (README, "Resume").
+MAY_CHANGE_ON_RESUME = frozenset({
+    "epochs", "out", "resume", "devices", "producers", "min_producers", "initial_producers", "max_producers",
+    "slots_per_consumer", "checkpoint_every", "check_replicas_every", "collective_timeout_s", "producer_timeout_s",
+    "max_bad_fraction", "log_every_s", "report", "tensorboard",
+})
+
+
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=False))
 class TrainConfig:
+    # A new field changes the plan (a resume must keep its value) unless MAY_CHANGE_ON_RESUME above names it.
     data: Path | None = None
     val: Path | None = None
     val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
@@ -129,6 +142,7 @@ class TrainConfig:
 
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
+assert MAY_CHANGE_ON_RESUME <= set(FIELD_NAMES), "MAY_CHANGE_ON_RESUME names a setting that does not exist"
 
 
 RUN_CONFIG_FILE = "config.json"

@@ -22,7 +22,7 @@ import time
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
 ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc",
-           "sigkill-mid-message", "term-self", "interrupt-group", "term-group", "repeat-batch")
+           "sigkill-mid-message", "term-self", "interrupt-group", "term-group", "kill-group", "repeat-batch")
 
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
@@ -90,6 +90,8 @@ def _act(action: str, where: str, channel) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
     elif action in ("interrupt-group", "term-group"):  # as Ctrl-C, or `kill -TERM -PGID` (scancel, docker stop)
         os.killpg(os.getpgrp(), signal.SIGINT if action == "interrupt-group" else signal.SIGTERM)
+    elif action == "kill-group":  # kill -9 of the whole process group: the resource tracker dies too
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     elif action == "kill-parent":
         os.kill(os.getppid(), signal.SIGKILL)
     elif action == "delete":

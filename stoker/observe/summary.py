@@ -10,6 +10,7 @@ process ran and its throughput are listed per part in `segments`.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.common.checkpoint import write_atomic
+from stoker.common.checkpoint import CheckpointError, write_atomic
 from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows
 from stoker.pipeline.messages import StepReport
 
@@ -77,15 +78,15 @@ class Ledger:
                             skipped_ids=np.array(sorted(split.skipped_ids) if split else [], np.int64))
         return buffer.getvalue()
 
-    def resume(self, checkpoint: Path, run_dir: Path, stats: RunStats) -> None:
+    def resume(self, accounting: bytes | None, run_dir: Path, stats: RunStats) -> None:
         """Start from a checkpoint's accounting (the split epoch's counts go into `stats`) and the segments of the
-        parts before. A checkpoint written before accounting was kept has none: this part then counts alone."""
+        parts before. `accounting`: the bytes of the checkpoint's accounting file, read by the machine whose disk
+        holds it (`read_accounting`), never from a path another machine sent. None (a checkpoint written before
+        accounting was kept, or one of several machines): this part then counts alone."""
         self.segments = _previous_segments(run_dir)
-        path = checkpoint / ACCOUNTING_FILE
-        if not path.exists():
-            log.warning("%s has no %s: the summary accounts for the resumed part only", checkpoint, ACCOUNTING_FILE)
+        if accounting is None:
             return
-        with np.load(path) as saved:
+        with np.load(io.BytesIO(accounting)) as saved:
             header = json.loads(str(saved["header"]))
             self.rows = header["rows"]
             self.train_loss = {int(e): v for e, v in header["train_loss"].items()}
@@ -115,6 +116,19 @@ class Ledger:
                               else self.train_loss.get(max(self.train_loss, default=-1)),
                 "segments": [*self.segments, segment],
                 "wall_s": round(sum(s["wall_s"] for s in self.segments) + part["wall_s"], 3)}
+
+
+def read_accounting(checkpoint: Path, meta: dict[str, Any]) -> bytes | None:
+    """The accounting file of a verified checkpoint, if its meta.json lists it, checked against that checksum
+    again (it is read after the checkpoint was chosen); None when it has none."""
+    expected = meta["files"].get(ACCOUNTING_FILE)
+    if expected is None:
+        log.warning("%s has no %s: the summary accounts for the resumed part only", checkpoint, ACCOUNTING_FILE)
+        return None
+    payload = (checkpoint / ACCOUNTING_FILE).read_bytes()
+    if hashlib.sha256(payload).hexdigest() != expected:
+        raise CheckpointError(f"{checkpoint / ACCOUNTING_FILE}: checksum mismatch (modified while resuming)")
+    return payload
 
 
 def exactly_once_breach(summary: dict[str, Any]) -> str | None:

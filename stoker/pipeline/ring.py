@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -90,7 +91,7 @@ class SlotRing:
             check_shm_space(spec.nbytes)
             segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
             ring = cls(spec, segment, owner=True)
-            ring._lock = _hold_lock(name)
+            ring._lock = hold_lock(os.path.join(SHM_DIR, name))
             if ring._lock is not None or not os.path.isdir(SHM_DIR):
                 break
             ring.close()
@@ -160,10 +161,10 @@ def _suggest(needed: int) -> str:
     return f"{max(1, -(-needed * 2 // 2**30))}g"
 
 
-def _hold_lock(name: str) -> int | None:
-    """Lock the segment's file for as long as the descriptor stays open (not inherited: O_CLOEXEC). None when
-    there is no such file (no /dev/shm on this platform, or a sweep removed it before we locked it)."""
-    path = os.path.join(SHM_DIR, name)
+def hold_lock(path: str) -> int | None:
+    """Lock a file (or folder) for as long as the descriptor stays open (not inherited: O_CLOEXEC). None when
+    there is no such file (no /dev/shm on this platform, or a sweep removed it before we locked it). The rule of
+    every sweep of what dead runs leave (segments, semaphores, store folders): whoever holds the lock is alive."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -186,15 +187,16 @@ def sweep_dead_segments() -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if _NAME_PATTERN.match(name) and _remove_if_unheld(os.path.join(SHM_DIR, name)):
+        if _NAME_PATTERN.match(name) and remove_if_unheld(os.path.join(SHM_DIR, name)):
             removed.append(name)
     if removed:
         log.info("removed %d shared-memory segment(s) of dead runs: %s", len(removed), ", ".join(removed))
     return removed
 
 
-def _remove_if_unheld(path: str) -> bool:
-    """Unlink the segment if its lock is free (its controller is gone), deciding while holding that lock."""
+def remove_if_unheld(path: str, remove: Callable[[str], None] = os.unlink) -> bool:
+    """Remove the file (or with `remove`, the folder) if its lock is free (its holder is gone), deciding while
+    holding that lock."""
     try:
         descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -204,14 +206,14 @@ def _remove_if_unheld(path: str) -> bool:
     except BlockingIOError:
         return False  # a live controller holds it, in this PID namespace or another
     except OSError as error:
-        log.warning("could not check stale shared memory %s: %s", path, error)
+        log.warning("could not check %s, left by a dead run?: %s", path, error)
         return False
     else:
         try:
-            os.unlink(path)
+            remove(path)
             return True
         except OSError as error:
-            log.warning("could not remove stale shared memory %s: %s", path, error)
+            log.warning("could not remove %s of a dead run: %s", path, error)
             return False
     finally:
         os.close(descriptor)

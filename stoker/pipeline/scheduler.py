@@ -57,6 +57,8 @@ class Scheduler:
         self._ready: list[dict[int, Any]] = [{} for _ in range(self.num_ranks)]
         self._next_delivery = [0] * self.num_ranks
         self._limit_row: int | None = None
+        self._skip_validation_row: int | None = None  # an interrupt's: the validation not yet handed out is dropped
+        self._validation_ends_taken: set[int] = set()  # rows whose ValEnd some rank has (its all_reduce is due)
         self.position = start
         self.saves_issued: set[int] = set()  # global steps a Save was handed out for
 
@@ -83,10 +85,17 @@ class Scheduler:
                        resume_at=after)
             row += 1
 
-    def cut(self, row: int | None = None) -> int:
+    def cut(self, row: int | None = None, skip_validation: bool = False) -> int:
         """Stop every rank at the end of `row`, by default the furthest row any rank has started (used to
-        interrupt cleanly); returns the row. Machines that agree on a later row raise their cut to it."""
+        interrupt cleanly); returns the row. Machines that agree on a later row raise their cut to it.
+
+        `skip_validation` (one machine): when the cut row is a validation pass, the batches of it not handed out
+        yet are dropped, with its ValEnd, so that a signal does not wait for a whole pass; its checkpoint stays. Only
+        while no rank has its ValEnd: one that does is in (or bound for) the pass's all_reduce, which every rank
+        must then reach."""
         self._limit_row = max(self._last_row_issued) if row is None else row
+        if skip_validation and self._limit_row not in self._validation_ends_taken:
+            self._skip_validation_row = self._limit_row
         return self._limit_row
 
     def issue_one(self) -> Issue | None:
@@ -106,15 +115,24 @@ class Scheduler:
     def _peek(self, rank: int) -> Item | None:
         if self._peeked[rank] is None:
             self._peeked[rank] = next(self._streams[rank], None)
+        while (item := self._peeked[rank]) is not None and self._skipped(item):
+            self._peeked[rank] = next(self._streams[rank], None)
         item = self._peeked[rank]
         if item is not None and self._limit_row is not None and item.row > self._limit_row:
             return None
         return item
 
+    def _skipped(self, item: Item) -> bool:
+        if item.row != self._skip_validation_row:
+            return False
+        return isinstance(item.message, ValEnd) or (item.work is not None and item.work.kind == "val")
+
     def _take(self, rank: int) -> int:
         item = self._peeked[rank]
         assert item is not None, "taken after a peek that found an item"
         self._peeked[rank] = None
+        if isinstance(item.message, ValEnd):
+            self._validation_ends_taken.add(item.row)
         self._last_row_issued[rank] = item.row
         self._items[rank][self._next_seq[rank]] = item
         self._next_seq[rank] += 1

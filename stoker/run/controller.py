@@ -31,7 +31,7 @@ from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
-from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
+from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach, read_accounting
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
@@ -39,13 +39,14 @@ from stoker.pipeline.pool import ProducerPool, check_hang_timeout
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, Task, TaskDone
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.pipeline.scheduler import Issue, Scheduler
-from stoker.run import cluster, rundir
+from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
+from stoker.run import cluster, resume, rundir
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.training.averager import OuterSpec
 from stoker.training.consumer import ConsumerSetup, consumer_main
 from stoker.training.models import check_model
-from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
+from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -60,6 +61,7 @@ class Controller:
     """`Controller(config)` validates everything and starts nothing; `run()` trains and returns the summary."""
 
     def __init__(self, config: TrainConfig, show_progress: bool = True) -> None:
+        faults.maybe_inject("controller", "starting up")
         self.config = config
         self.show_progress = show_progress
         self.devices = resolve_devices(config.devices)
@@ -81,12 +83,18 @@ class Controller:
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
-        if config.resume is None:
-            rundir.check_new_run_dir(self.run_dir)
-        cluster.join_controllers(self.cluster, config.collective_timeout_s)
-        cluster.check_same_settings(self.cluster, self._shared_settings())
-        self.start_at, self.resume_from = self._resume_point()
-        self._reset_state()
+        # Held until run() ends: taken before the folder is looked at, so two starts cannot both find it free.
+        self.run_lock = rundir.RunDirLock(self.run_dir, self.cluster.node)
+        try:
+            if config.resume is None:
+                rundir.check_new_run_dir(self.run_dir)
+            cluster.join_controllers(self.cluster, config.collective_timeout_s)
+            cluster.check_same_settings(self.cluster, self._shared_settings())
+            self.start_at, self.resume_from = self._resume_point()
+            self._reset_state()
+        except BaseException:
+            self.run_lock.close()
+            raise
 
     def _shared_settings(self) -> dict[str, Any]:
         """What every machine must agree on (paths and producer counts are each machine's own business)."""
@@ -98,14 +106,18 @@ class Controller:
 
     def _resume_point(self) -> tuple[Position, Path | None]:
         """The first machine finds the newest valid checkpoint; every machine continues from it."""
+        self.resume_accounting: bytes | None = None  # read here, on the machine whose disk holds it
         if self.config.resume is None:
             return Position(0, 0, 0), None
         found: tuple[str | None, Any, Any, str | None] | None = None
         if self.cluster.leader:
             try:
                 folder, meta = rundir.newest_checkpoint(self.config.resume)
+                resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
+                                       self._sample_counts(), self.plan.steps_per_epoch)
+                self.resume_accounting = read_accounting(folder, meta)
                 found = (str(folder), meta["position"], meta["num_consumers"], None)
-            except rundir.RunDirError as failure:
+            except (ValueError, checkpoint.CheckpointError) as failure:  # RunDirError, ResumeError
                 found = (None, None, None, str(failure))
         folder, position, consumers, error = cluster.from_leader(self.cluster, found)
         if error is not None:
@@ -114,6 +126,9 @@ class Controller:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
         return Position(**position), Path(folder)
+
+    def _sample_counts(self) -> dict[str, int]:
+        return {"train": len(self.data.train), "val": len(self.data.val or ())}
 
     def _ring_bytes_check(self) -> None:
         spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
@@ -127,6 +142,7 @@ class Controller:
         self.store: dist.Store | None = None
         self.local_store: LocalStore | None = None
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
+        name_semaphores_for_sweeping()  # before the first one: a kill -9 of the group leaves them otherwise
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
         self.witness = FailureWitness(self.consumers, self.mailbox, self.config.collective_timeout_s)
@@ -135,8 +151,8 @@ class Controller:
         for item in self.data.refused:
             self.stats.skipped.setdefault(item.path, item.reason)
         self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
-        if self.resume_from is not None:
-            self.ledger.resume(self.resume_from, self.run_dir, self.stats)
+        if self.resume_from is not None:  # the folder other machines receive is never opened there
+            self.ledger.resume(self.resume_accounting, self.run_dir, self.stats)
         self.tasks: dict[int, Issue] = {}
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}
@@ -162,11 +178,15 @@ class Controller:
     # ---- the run -----------------------------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
-        with self.lifecycle.handling_signals():
-            return self._run()
+        try:
+            with self.lifecycle.handling_signals():
+                return self._run()
+        finally:
+            self.run_lock.close()
 
     def _run(self) -> dict[str, Any]:
         name_process("stoker controller")
+        self.run_lock.record_holder()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())  # every machine: `--resume` reads it
         metrics_file = "metrics.jsonl" if self.cluster.leader else f"metrics-node{self.cluster.node}.jsonl"
@@ -241,6 +261,8 @@ class Controller:
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
         sweep_dead_segments()
+        sweep_dead_semaphores()
+        sweep_dead_stores()
         self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
         self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
                                    self.data.val is not None, self.config.checkpoint_every, self.run_dir,
@@ -329,7 +351,7 @@ class Controller:
         if agreement is None:
             self.stopping = self.lifecycle.interrupted
             if self.stopping and not self.finishing:
-                self.scheduler.cut()
+                self.scheduler.cut(skip_validation=True)  # a signal waits for no whole validation pass
             return
         if self.lifecycle.interrupted:
             agreement.request()
@@ -366,6 +388,8 @@ class Controller:
             if getattr(message, "slot", None) is not None:
                 self.delivered[rank] += 1
             self.ready_queues[rank].put(message)
+            if faults.armed() and getattr(message, "kind", None) == "val":
+                faults.maybe_inject("controller", f"val batch {message.step} of epoch {message.epoch} handed over")
         waiting = self.agreement is not None and self.agreement.waiting
         if not self.finishing and not waiting and self.scheduler.exhausted():
             self._finish()
@@ -463,7 +487,8 @@ class Controller:
         steps = self.plan.steps_per_epoch
         position = Position(message.global_step // steps, message.global_step % steps, message.global_step)
         meta = {"position": position.__dict__, "files": files, "num_consumers": self.cluster.world,
-                "config": self.config.as_json(), "classes": list(self.data.train.classes)}
+                "config": self.config.as_json(), "classes": list(self.data.train.classes),
+                "samples": self._sample_counts()}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
         temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
         extra = {}

@@ -33,6 +33,29 @@ class Interrupted(Exception):
     """A second signal while training: stop now."""
 
 
+class StartupInterrupted(KeyboardInterrupt):
+    """SIGTERM (or Ctrl-C) before the run started: nothing was started, so nothing needs stopping."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+@contextmanager
+def startup_signals() -> Iterator[None]:
+    """Around what comes before the run (settings, indexing the data, checks): SIGTERM ends it as Ctrl-C does,
+    with a message, instead of killing the command silently (exit 143)."""
+    previous = _install(_on_startup_signal)
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+def _on_startup_signal(signum: int, _frame: Any) -> None:
+    raise StartupInterrupted("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
+
+
 class ReportInterrupted(BaseException):
     """A signal while the report is drawn. A BaseException, as KeyboardInterrupt is: it is not the report's
     failure, and drawing code that catches `Exception` must let it through."""
@@ -86,7 +109,8 @@ class Lifecycle:
             return
         if self.interrupted:
             raise Interrupted  # a second signal: stop now, the last committed checkpoint stands
-        log.warning("%s: stopping after the current step (%s again to stop now)", name, name)
+        log.warning("%s: stopping after the steps already prepared, with a checkpoint (%s again to stop now)",
+                    name, name)
         self.interrupted = True
 
 

@@ -6,6 +6,8 @@ Checked in the controller before any process starts, so a user error is an exit 
 from __future__ import annotations
 
 import datetime
+import fcntl
+import os
 from pathlib import Path
 
 from stoker.common import checkpoint
@@ -40,3 +42,38 @@ def newest_checkpoint(run_dir: Path) -> tuple[Path, dict]:
 
 def default_run_dir() -> Path:
     return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+class RunDirLock:
+    """An exclusive `flock` on the run folder for as long as a run (or a resume) uses it: a second run or resume of
+    the same folder is refused instead of training beside the first (whose close would delete the other's
+    checkpoint in progress). The kernel releases the lock when its holder dies, however it dies, so a killed run
+    never leaves a folder locked. Each machine of a run locks a file of its own (several machines may share one
+    folder on a network filesystem)."""
+
+    def __init__(self, run_dir: Path, node: int = 0) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / (".lock" if node == 0 else f".lock-node{node}")
+        descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "not yet known"
+            os.close(descriptor)
+            raise RunDirError(f"{run_dir} is in use by another stoker run (pid {holder} holds {self.path}); wait "
+                              "for it to end, or give another --out folder") from None
+        self._descriptor: int | None = descriptor
+
+    def record_holder(self) -> None:
+        """Write this process's pid into the lock file, for the message a second start gets. Only once the run
+        starts: a start refused before that (a completed run, a changed setting) rewrites nothing."""
+        if self._descriptor is not None:
+            os.ftruncate(self._descriptor, 0)
+            os.pwrite(self._descriptor, f"{os.getpid()}\n".encode(), 0)
+
+    def close(self) -> None:
+        """Idempotent; the file stays (removing it would let a third run lock a new file while a second holds the
+        old one)."""
+        descriptor, self._descriptor = self._descriptor, None
+        if descriptor is not None:
+            os.close(descriptor)

@@ -9,7 +9,9 @@ meet at the first machine's TCPStore, which the other machines must reach (READM
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -18,6 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from stoker.pipeline.ring import hold_lock, remove_if_unheld
+
+log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 _IFF_LOOPBACK = 0x8  # net/if.h
@@ -47,17 +53,55 @@ class StoreAddress:
         return dist.TCPStore(self.host, self.port, world_size, is_master=False, timeout=timeout)
 
 
+STORE_PREFIX = "stoker-store-"
+# stoker-store-PID-XXXXXXXX (mkdtemp's 8 characters never hold a '-'): folders named before they were locked,
+# stoker-store-XXXXXXXX, are never swept, as a run of an older stoker may still use one.
+_STORE_PATTERN = re.compile(rf"^{STORE_PREFIX}\d+-[a-z0-9_]{{8}}$")
+
+
 class LocalStore:
-    """The private folder that holds one machine's FileStore; `close()` removes it (idempotent)."""
+    """The private folder that holds one machine's FileStore; `close()` removes it (idempotent). Its controller
+    holds a `flock` on the folder while it lives, so a start after a killed run removes it (`sweep_dead_stores`),
+    by the ring's rule."""
 
     def __init__(self) -> None:
-        self.folder: Path | None = Path(tempfile.mkdtemp(prefix="stoker-store-"))  # mode 0700: this user only
+        for _ in range(3):  # a start's sweep may take the folder between its creation and our lock: rare
+            folder = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")  # mode 0700: this user only
+            lock = hold_lock(folder)
+            if lock is not None:
+                break
+        else:
+            raise OSError(f"could not create and lock a store folder in {tempfile.gettempdir()}")
+        self._lock = lock
+        self.folder: Path | None = Path(folder)
         self.address = StoreAddress(file=str(self.folder / "store"))
 
     def close(self) -> None:
         folder, self.folder = self.folder, None
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
+            os.close(self._lock)
+
+
+def sweep_dead_stores() -> list[str]:
+    """Remove this user's store folders that no live controller holds (a killed one never removed its own)."""
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if _STORE_PATTERN.match(n)]
+    except OSError:
+        return []
+    removed = [n for n in names if _owned(os.path.join(root, n))
+               and remove_if_unheld(os.path.join(root, n), remove=shutil.rmtree)]
+    if removed:
+        log.info("removed %d store folder(s) of dead runs from %s: %s", len(removed), root, ", ".join(removed))
+    return removed
+
+
+def _owned(path: str) -> bool:
+    try:
+        return os.lstat(path).st_uid == os.getuid() and os.path.isdir(path) and not os.path.islink(path)
+    except OSError:
+        return False
 
 
 def host_tcp_store(host: str, clients: int, timeout_s: float) -> tuple[dist.TCPStore, StoreAddress]:

@@ -116,6 +116,30 @@ def test_controller_killed_children_exit_and_next_start_sweeps_its_segment(textu
     assert not os.path.exists(stale)
 
 
+def test_kill_9_of_the_whole_group_leaves_semaphores_and_a_store_that_the_next_start_removes(textures, tmp_path):
+    """SIGKILL to every process of the run at once, the resource tracker included (which otherwise unlinks what a
+    killed controller leaves): before, 11 `sem.mp-*` per run stayed in /dev/shm and the store folder in /tmp
+    forever."""
+    import re
+    import tempfile
+
+    def stores():  # named with their controller's pid: older stokers' (never swept, maybe in use) are not
+        return {name for name in os.listdir(tempfile.gettempdir()) if re.match(r"stoker-store-\d+-", name)}
+
+    shm_before, stores_before = set(os.listdir(SHM_DIR)), stores()
+    result = run_cli(*train_args(textures, tmp_path / "killed", "--devices", "cpu:1", "--epochs", "2"),
+                     env=fault("consumer:kill-group:rank=0,step=1;"), check=False, new_session=True)
+    assert result.returncode == -9
+    assert wait_for_no_trace(timeout_s=15)[0] == []
+    left = set(os.listdir(SHM_DIR)) - shm_before
+    assert any(name.startswith("sem.") for name in left), left  # what the kill left: the case is real
+    killed_store = stores() - stores_before
+    assert killed_store
+    run_cli(*train_args(textures, tmp_path / "next", "--devices", "cpu:1", "--epochs", "1"))
+    assert set(os.listdir(SHM_DIR)) - shm_before == set()
+    assert not killed_store & stores()
+
+
 @pytest.mark.parametrize("averaging", [(), ("--overlap-averaging", "true", "--sync-every", "2")],
                          ids=["every-step", "overlapped"])
 def test_interrupt_checkpoints_and_resume_is_bitwise_exact_across_an_epoch_boundary(textures, tmp_path, averaging):
@@ -163,7 +187,8 @@ def test_malicious_or_truncated_checkpoints_are_refused_and_the_newest_loadable_
     payload = pickle.dumps(_Exploit())
     (newest / "rank_0.pt").write_bytes(payload)
     meta = json.loads((newest / "meta.json").read_text())
-    meta["files"]["rank_0.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksum
+    meta["files"]["rank_0.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksums
+    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
     (newest / "meta.json").write_text(json.dumps(meta))
     (truncated / "model.pt").write_bytes((truncated / "model.pt").read_bytes()[:100])
     result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet")

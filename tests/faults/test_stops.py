@@ -5,6 +5,7 @@ fixture checks the last two after every test)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -16,11 +17,73 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def finished_run(textures, tmp_path_factory):
+def own_data(textures, tmp_path_factory):
+    """A copy of the textures that a test may rename a class folder of (and must rename it back)."""
+    folder = tmp_path_factory.mktemp("own-data")
+    return shutil.copytree(textures[0], folder / "train"), shutil.copytree(textures[1], folder / "val")
+
+
+@pytest.fixture(scope="module")
+def finished_run(own_data, tmp_path_factory):
     """One completed 1-epoch run with a checkpoint at the end of its epoch."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    run_cli(*train_args(textures, run_dir, "--epochs", "1"))
+    run_cli(*train_args(own_data, run_dir, "--epochs", "1"))
     return run_dir
+
+
+def run_files(run_dir):
+    return {path: path.read_bytes() for path in sorted(run_dir.rglob("*")) if path.is_file()}
+
+
+def test_resuming_a_completed_run_is_refused_and_rewrites_nothing(finished_run):
+    """Before: every process started, nothing trained, and summary.json said val_accuracy null, verdict
+    "starting"."""
+    before = run_files(finished_run)
+    result = run_cli("train", "--resume", str(finished_run), "--quiet", check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "run already completed (1/1 epochs); give --epochs 2 or more to train on" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert run_files(finished_run) == before
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"seed": 7}, "seed: checkpoint 0, now 7"),
+    ({"batch_size": 4}, "batch_size: checkpoint 8, now 4"),
+    ({"image_size": 48}, "image_size: checkpoint 32, now 48"),
+    ({"augment": "none"}, "augment: checkpoint 'standard', now 'none'"),
+    ({"lr": 0.1}, "lr: checkpoint 0.05, now 0.1"),
+    ({"model": "resnet14"}, "model: checkpoint 'resnet8', now 'resnet14'"),
+])
+def test_resume_with_a_setting_that_changes_the_plan_is_refused_naming_it(finished_run, tmp_path, change, named):
+    """In the API, as on the command line (exit code 2): an error before any process starts, nothing written."""
+    import stoker
+
+    run_dir = shutil.copytree(finished_run, tmp_path / "run")
+    before = run_files(run_dir)
+    with pytest.raises(ValueError, match="a resume continues the same run") as refused:
+        stoker.train(resume=run_dir, epochs=2, show_progress=False, **change)
+    assert named in str(refused.value)
+    assert run_files(run_dir) == before
+
+
+def test_resume_on_other_data_or_a_renamed_class_folder_is_refused(own_data, finished_run, tmp_path):
+    """Renaming a class folder between interrupt and resume shifted labels 3-9 silently; other data with the same
+    classes and sizes is another run too."""
+    import stoker
+
+    train, _ = own_data
+    elsewhere = shutil.copytree(train, tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=f"data: checkpoint {str(train)!r}, now {str(elsewhere)!r}"):
+        stoker.train(resume=finished_run, data=elsewhere, epochs=2, show_progress=False)
+    classes = sorted(p.name for p in train.iterdir())
+    renamed = train / ("zz_" + classes[3])
+    (train / classes[3]).rename(renamed)
+    try:
+        with pytest.raises(ValueError, match=f"classes: label 3 was {classes[3]!r} at the checkpoint, now "
+                                             f"{classes[4]!r}"):
+            stoker.train(resume=finished_run, epochs=2, show_progress=False)
+    finally:
+        renamed.rename(train / classes[3])
 
 
 def test_a_new_run_refuses_a_folder_that_holds_a_run(textures, finished_run, tmp_path):
@@ -47,6 +110,48 @@ def test_resume_with_no_valid_checkpoint_is_a_clear_error(finished_run, tmp_path
     assert result.returncode == 2
     assert "no valid checkpoint" in result.stderr and "nothing to resume from" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_second_resume_of_a_folder_in_use_is_refused_and_the_first_run_is_unharmed(finished_run, tmp_path):
+    """Two real resumes of one folder at once: before the lock, both trained and the first to close deleted the
+    other's checkpoint in progress. The first holds the folder's lock (its pid is in the lock file once it does),
+    its steps slowed so that it still trains when the second starts; then it is interrupted to end the test."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stoker.common import checkpoint
+    from tests.conftest import HELPERS
+
+    run_dir = shutil.copytree(finished_run, tmp_path / "run")
+    lock = run_dir / ".lock"
+    lock.unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "STOKER_STEP_TIME_MS": "600"}
+    first = subprocess.Popen([sys.executable, "-m", "stoker", "train", "--resume", str(run_dir), "--epochs", "2",
+                              "--devices", "cpu:1", "--slots-per-consumer", "2", "--quiet", "--report", "false"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (lock.exists() and lock.read_text().strip()) and first.poll() is None:
+            assert time.monotonic() < deadline, "the first resume never locked its folder"
+            time.sleep(0.05)
+        second = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet",
+                         check=False)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"{run_dir} is in use by another stoker run (pid {first.pid} holds {lock})" in second.stderr
+        first.send_signal(signal.SIGINT)
+        _, stderr = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 130, stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "interrupted" and summary["start_step"] == 15
+    newest, _ = checkpoint.newest_valid(run_dir)
+    assert str(newest) == summary["checkpoint"]
 
 
 def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_path):
@@ -100,7 +205,8 @@ def test_sigterm_to_the_whole_process_group_ends_interrupted_with_a_checkpoint(t
     result = run_in_own_group(*train_args(textures, run_dir, "--devices", "cpu:2", "--producers", "2",
                                           "--epochs", "1"), env=fault("consumer:term-group:rank=1,step=3;"))
     summary = assert_interrupted_with_a_checkpoint(result, run_dir)
-    assert "SIGTERM: stopping after the current step (SIGTERM again to stop now)" in result.stderr
+    assert ("SIGTERM: stopping after the steps already prepared, with a checkpoint (SIGTERM again to stop now)"
+            in result.stderr)
     assert int(summary["checkpoint"].rsplit("_", 1)[1]) >= 3  # where the stop fell: the furthest step started
 
 
@@ -111,6 +217,31 @@ def test_ctrl_c_while_consumers_are_still_starting_ends_interrupted(textures, tm
                               env=fault("controller:interrupt-group:consumers started"))
     summary = assert_interrupted_with_a_checkpoint(result, run_dir)
     assert summary["steps"] == 0
+
+
+def test_a_signal_during_validation_does_not_wait_for_the_whole_pass(textures, tmp_path):
+    """Before, the cut row was the validation pass and every batch of it was built and evaluated (9.3 s in the
+    review). The signal comes as the first validation batch is handed over, with one consumer and two slots: the
+    pass's end is not handed out yet, so the batches not yet prepared are dropped with it; the epoch's checkpoint
+    is still written, and no accuracy is reported for a pass that did not happen."""
+    from tests.faults.test_faults import events
+
+    run_dir = tmp_path / "run"
+    result = run_cli(*train_args(textures, run_dir, "--devices", "cpu:1", "--epochs", "2", "--slots-per-consumer",
+                                 "2"), env=fault("controller:term-self:val batch 0 of epoch 0 handed over"),
+                     check=False)
+    summary = assert_interrupted_with_a_checkpoint(result, run_dir)
+    assert summary["checkpoint"].endswith("step_00000015") and summary["steps"] == 15  # epoch 1 complete
+    assert events(run_dir, "val") == [] and summary["val_accuracy"] is None
+
+
+def test_sigterm_while_starting_up_says_so_and_starts_nothing(textures, tmp_path):
+    """Before, SIGTERM while the settings were read and the data indexed ended the command with 143, silently."""
+    run_dir = tmp_path / "run"
+    result = run_cli(*train_args(textures, run_dir), env=fault("controller:term-self:starting up"), check=False)
+    assert result.returncode == 130
+    assert "stoker: SIGTERM before training started: stopped, nothing was started" in result.stderr
+    assert "Traceback" not in result.stderr and not run_dir.exists()
 
 
 def test_a_second_signal_during_shutdown_still_writes_the_summary_and_leaves_nothing(textures, tmp_path):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import assert_same_weights, read_summary, run_cli, wait_for_no_trace
+from tests.conftest import HELPERS, assert_same_weights, read_summary, run_cli, wait_for_no_trace
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -78,7 +78,8 @@ def test_interrupting_one_machine_stops_all_at_one_checkpoint_and_resume_is_exac
     results = launch_machines(textures, tmp_path, env={"STOKER_FAULT": "consumer:interrupt-parent:rank=1,step=5;"})
     (_, first_log), (_, second_log) = results
     assert "another machine was interrupted" in first_log, first_log[-3000:]
-    assert "Ctrl-C: stopping after the current step (Ctrl-C again to stop now)" in second_log, second_log[-3000:]
+    said = "Ctrl-C: stopping after the steps already prepared, with a checkpoint (Ctrl-C again to stop now)"
+    assert said in second_log, second_log[-3000:]
     summary = read_summary(tmp_path)
     assert summary["status"] == "interrupted", summary.get("error")
     assert summary["replicas_identical"] is True  # every machine's replicas ended on the same average
@@ -101,8 +102,16 @@ def test_a_killed_machine_stops_the_other_cleanly_and_the_run_resumes(textures, 
     assert summary["status"] == "failed" and "another machine" in summary["error"]
     assert summary["checkpoint"].endswith("step_00000008")  # epoch 1's end, written by the first machine
     assert wait_for_no_trace(timeout_s=15) == ([], [])
-    resumed = launch_machines(textures, tmp_path, "--resume", str(tmp_path))
+    # An accounting file its meta.json does not list: neither machine may read it. Machine 1 opened the path of
+    # the accounting the first machine sent (README: "paths in what peers send are never opened"): it opens
+    # nothing under checkpoints/ now, which the audit hook of tests/helpers/audit_opens records.
+    (tmp_path / "checkpoints" / "step_00000008" / "accounting.npz").write_bytes(b"not an npz")
+    opened = tmp_path / "opened-by-machine-1.txt"
+    hook = f"{HELPERS / 'audit_opens'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    resumed = launch_machines(textures, tmp_path, "--resume", str(tmp_path),
+                              env={"PYTHONPATH": hook, "STOKER_TEST_OPEN_LOG": str(opened)})
     assert [code for code, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    assert not opened.exists(), opened.read_text()
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and summary["start_step"] == 8
     assert summary["samples_consumed"] == [120] and summary["missing_samples"] == 0

@@ -103,7 +103,8 @@ def test_ctrl_c_says_what_it_does_then_the_usual_ending(interrupted):
     rows = panel_rows(lines)
     assert all(len(found) == 1 for found in rows.values()), f"{rows}\n{terminal.text}"
     said = [i for i, line in enumerate(lines)
-            if line.endswith("Ctrl-C: stopping after the current step (Ctrl-C again to stop now)")]
+            if line.endswith("Ctrl-C: stopping after the steps already prepared, with a checkpoint (Ctrl-C again "
+                             "to stop now)")]
     assert len(said) == 1 and said[0] < rows["epoch bar"][0], terminal.text
     summary = read_summary(out)
     assert summary["status"] == "interrupted"

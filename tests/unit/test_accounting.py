@@ -7,7 +7,7 @@ import numpy as np
 
 from stoker.common.checkpoint import Position
 from stoker.observe.metrics import RunStats
-from stoker.observe.summary import Ledger
+from stoker.observe.summary import Ledger, read_accounting
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.scheduler import Scheduler
@@ -55,10 +55,10 @@ def test_a_checkpoint_holds_the_accounting_at_its_step_and_a_resume_counts_every
             stats.expect(epoch, np.array(ids[step]))
             stats.record_step(message := report(epoch, step, ids[step]), now=0.0)
             ledger.record_step(message)
-    ledger.write_snapshot(stats, global_step=6, folder=tmp_path)
+    name, digest = ledger.write_snapshot(stats, global_step=6, folder=tmp_path)
 
     resumed_stats, resumed = RunStats(1, 8, 4), Ledger(steps_per_epoch=4)
-    resumed.resume(tmp_path, tmp_path, resumed_stats)
+    resumed.resume(read_accounting(tmp_path, {"files": {name: digest}}), tmp_path, resumed_stats)
     for step in (2, 3):
         resumed_stats.expect(1, np.array(ids[step]))
         resumed_stats.record_step(message := report(1, step, ids[step]), now=0.0)

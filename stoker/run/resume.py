@@ -1,0 +1,85 @@
+"""Whether `--resume` continues the same run: the checkpoint's recorded settings, classes and data sizes against
+this start's, before any process starts.
+
+A resume trains the batches the plan would have given the run it continues: a setting that changes the plan (the
+data, the seed, the batch size, the model, the optimizer, the arithmetic, ...) or a class list that changed (a
+renamed class folder shifts every later label) would silently train another run from its weights. Which settings
+may change is declared once, beside the fields (`config.MAY_CHANGE_ON_RESUME`); every other one is compared, so a
+setting added later is compared too unless it is declared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from stoker.common.config import BUILTIN_IMAGE_SIZE, DEFAULT_IMAGE_SIZE, MAY_CHANGE_ON_RESUME, TrainConfig
+
+
+class ResumeError(ValueError):
+    """The checkpoint cannot be continued with these settings; the message names what differs and what to do."""
+
+
+def check_resumable(folder: Path, meta: dict[str, Any], config: TrainConfig, classes: list[str],
+                    samples: dict[str, int], steps_per_epoch: int) -> None:
+    """Raise `ResumeError` when the run is already complete, or when this start differs from the checkpoint in a
+    setting that changes the plan, the class list or the number of samples."""
+    where = f"resume={str(config.resume)!r} ({folder.name})"
+    differences = [*setting_differences(meta.get("config"), config), *_class_differences(meta.get("classes"), classes),
+                   *_sample_differences(meta.get("samples"), samples)]
+    if differences:
+        raise ResumeError(f"{where}: {'; '.join(differences)}; a resume continues the same run, so these must be "
+                          "as the checkpoint recorded (only epochs, producers, devices with the same count, "
+                          "checkpoints, logging, reports and timeouts may change); start a new run with --out to "
+                          "train with them")
+    done_steps = meta["position"]["global_step"]
+    if done_steps >= steps_per_epoch * config.epochs:
+        done = done_steps // steps_per_epoch
+        if done == config.epochs:
+            raise ResumeError(f"{where}: run already completed ({done}/{config.epochs} epochs); give --epochs "
+                              f"{done + 1} or more to train on")
+        raise ResumeError(f"{where}: the checkpoint has {done} epochs done, more than epochs={config.epochs}; "
+                          f"give --epochs {done + 1} or more to train on")
+
+
+def setting_differences(recorded: Any, config: TrainConfig) -> list[str]:
+    """'name: checkpoint X, now Y' for every plan-changing setting that differs. A setting the checkpoint does not
+    record (added to stoker after it was written) counts as its default then."""
+    if not isinstance(recorded, dict):
+        return ["the checkpoint records no settings"]
+    now = config.as_json()
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    recorded = {**recorded, "image_size": _image_size(recorded)}
+    now = {**now, "image_size": config.resolved_image_size}
+    differences = []
+    for name in sorted(set(now) - MAY_CHANGE_ON_RESUME):
+        before = recorded.get(name, defaults[name])
+        if before != now[name]:
+            differences.append(f"{name}: checkpoint {before!r}, now {now[name]!r}")
+    return differences
+
+
+def _image_size(recorded: dict[str, Any]) -> Any:
+    """The resolution the recorded run trained at (an unset image size depends on whether data was given)."""
+    if recorded.get("image_size") is not None:
+        return recorded["image_size"]
+    return BUILTIN_IMAGE_SIZE if recorded.get("data") is None else DEFAULT_IMAGE_SIZE
+
+
+def _class_differences(recorded: Any, classes: list[str]) -> list[str]:
+    if recorded is None or list(recorded) == classes:
+        return []
+    if len(recorded) != len(classes):
+        return [f"classes: checkpoint {len(recorded)}, now {len(classes)}"]
+    index = next(i for i, (a, b) in enumerate(zip(recorded, classes, strict=True)) if a != b)
+    return [f"classes: label {index} was {recorded[index]!r} at the checkpoint, now {classes[index]!r} (a renamed, "
+            "added or removed class folder shifts the labels)"]
+
+
+def _sample_differences(recorded: Any, samples: dict[str, int]) -> list[str]:
+    """Checkpoints written before their sample counts were recorded hold none: nothing to compare."""
+    if not isinstance(recorded, dict):
+        return []
+    return [f"{kind} samples: checkpoint {recorded.get(kind)}, now {count}" for kind, count in samples.items()
+            if recorded.get(kind) != count]
