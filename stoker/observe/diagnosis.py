@@ -63,3 +63,12 @@ def suggest_sync_every(averaging: float, sync_every: int) -> int:
     per_average = averaging / max(1e-9, 1 - averaging)  # averaging time relative to the rest of the step
     needed = per_average * sync_every / (SYNC_GOAL / (1 - SYNC_GOAL))
     return max(sync_every * 2, 2 ** math.ceil(math.log2(max(1.0, needed))))
+
+
+def divergence(loss: float, global_step: int, rank: int, lr: float) -> str | None:
+    """The run's error when a step's training loss is not a finite number (NaN or infinite): training cannot
+    recover from it, and a run that went on would end "completed" with a useless model."""
+    if math.isfinite(loss):
+        return None
+    return (f"the training loss became {loss} at step {global_step} (consumer {rank}): the run diverged; try a lower "
+            f"--lr (this run: {lr:g}); the last checkpoint, written before it, stands")

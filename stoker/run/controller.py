@@ -28,7 +28,7 @@ from stoker.common.procs import (
     stop_processes,
 )
 from stoker.data.sources import load_data
-from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
@@ -393,14 +393,18 @@ class Controller:
             self.ledger.record_step(message)
             window.add(message)
             self.metrics.write("step", **step_fields(message, self.cluster.first_rank))
+            if message.count and (diverged := divergence(message.loss, message.global_step,
+                                                         self.cluster.first_rank + message.rank, self.config.lr)):
+                raise StokerRunError(diverged)
             if message.digest is not None:
                 self._compare_replicas(message)
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
                                count=message.count)
-            log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
-                     message.loss)
+            if self.show_progress:  # --quiet: no progress lines (the numbers are in metrics.jsonl and the ending)
+                log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
+                         message.loss)
         elif isinstance(message, Saved):
             self._saved(message)
         elif isinstance(message, Finished):
