@@ -15,7 +15,7 @@ from typing import Any
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
 from stoker.common.config import RUN_CONFIG_FILE, TrainConfig
-from stoker.common.devices import available_cores, resolve_devices, threads_per_consumer
+from stoker.common.devices import available_cores, oversubscription, resolve_devices, threads_per_consumer
 from stoker.common.files import write_json
 from stoker.common.procs import (
     CONTEXT,
@@ -61,6 +61,8 @@ class Controller:
         self.show_progress = show_progress
         self.devices = resolve_devices(config.devices)
         self.num_consumers = len(self.devices)  # on this machine
+        if warning := oversubscription(self.devices, available_cores()):
+            log.warning("%s", warning)
         self.cluster = cluster.from_environment(self.num_consumers)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
