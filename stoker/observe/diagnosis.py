@@ -24,6 +24,7 @@ class TimeSplit:
     producer_utilization: float
     sync_every: int
     overlapped: bool = False
+    producer_ceiling: int | None = None  # --max-producers (or auto's default); None: the budget is the ceiling
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ def diagnose(split: TimeSplit) -> Verdict:
 
 
 def _producer_advice(split: TimeSplit) -> str:
+    if split.producers >= split.producer_budget and (split.producer_ceiling or 0) > split.producer_budget:
+        # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
+        return (f"producers held at {split.producer_budget} (busy {split.producer_utilization:.0%}; the ceiling is "
+                f"{split.producer_ceiling}) because one more did not raise the rate: the cores are the limit, not "
+                "the producer count; lower --image-size, or give the run more cores")
     if split.producers >= split.producer_budget:
         return (f"producers at budget ({split.producers}/{split.producer_budget}, busy "
                 f"{split.producer_utilization:.0%}): give them more cores (--max-producers) or lower --image-size")

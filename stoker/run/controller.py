@@ -546,9 +546,15 @@ class Controller:
             return Verdict("starting", "no training step finished")
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
-            averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
+            averaging=mean(self.stats.averaging_fractions()), producers=self._producers_now(),
             producer_budget=self._producer_limit(), producer_utilization=self._producer_utilization(),
-            sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
+            sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging,
+            producer_ceiling=self.budget))
+
+    def _producers_now(self) -> int:
+        """The count the live line shows, measured against the limit of now (the most ever alive, against a limit
+        lowered since, read as "4/3 at budget")."""
+        return self.timeline[-1]["producers"] if self.timeline else 0
 
     def _producer_utilization(self) -> float:
         busy, seconds = self.producer_busy
