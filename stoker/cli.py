@@ -83,6 +83,7 @@ assert all(len(flag) == 3 and flag[2] in GROUPS for flag in TRAIN_FLAGS.values()
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stoker", description="Train image classifiers on several devices at "
                                      "once, with producer processes that keep every device busy.")
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser("train", help="train a model", argument_default=argparse.SUPPRESS)
     train.add_argument("--config", metavar="FILE", help="TOML file with any of the settings below (paths in it are "
@@ -104,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_pack_parser(commands)
     add_bench_parser(commands)
     return parser
+
+
+def version_line() -> str:
+    """stoker's version with torch's and Python's, read from the installed metadata (importing torch takes 2 s)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"stoker {installed('stoker')} (torch {installed('torch')}, Python {sys.version.split()[0]})"
 
 
 def setting_defaults() -> dict[str, str | None]:

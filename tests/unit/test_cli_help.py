@@ -49,3 +49,16 @@ def test_every_default_shown_is_the_configs(help_text):
 def test_weight_decay_is_not_described_as_sgd_only(help_text):
     flat = " ".join(help_text.split())
     assert "SGD weight decay" not in flat and "AdamW" in flat.rsplit("--weight-decay WD", 1)[1][:120]
+
+
+def test_version_is_the_projects_with_torchs():
+    import importlib.metadata
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit:
+        main(["--version"])
+    assert exit.value.code == 0
+    assert out.getvalue().startswith(f"stoker {project['version']} (torch {importlib.metadata.version('torch')}")
