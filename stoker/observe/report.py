@@ -28,6 +28,7 @@ class RunRecord:
     summary: dict[str, Any]
     events: dict[str, list[dict[str, Any]]]
     segment_starts: list[float] = field(default_factory=list)  # where each part after the first begins, seconds
+    settings: dict[str, Any] = field(default_factory=dict)  # config.json: every setting of the run
 
     @classmethod
     def load(cls, run_dir: Path) -> RunRecord:
@@ -40,7 +41,17 @@ class RunRecord:
         starts = on_one_time_axis(records)
         for record in records:
             events[record["event"]].append(record)
-        return cls(run_dir.name, summary, events, starts)
+        settings = _read_settings(run_dir, events)
+        return cls(run_dir.name, summary, events, starts, settings)
+
+
+def _read_settings(run_dir: Path, events: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The run's settings: its config.json, else the `start` event's (a run folder copied without it)."""
+    try:
+        return json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        starts = events.get("start") or [{}]
+        return starts[-1].get("config") or {}
 
 
 def on_one_time_axis(records: list[dict[str, Any]]) -> list[float]:
@@ -106,7 +117,23 @@ def describe(runs: list[RunRecord]) -> str:
     for run in runs:  # long lines: below the table, not in its columns
         prefix = f"{run.name}: " if len(runs) > 1 else ""
         lines.append(f"{prefix}{(run.summary.get('verdict') or {}).get('text', 'no verdict')}")
+    if len(runs) > 1:
+        lines += differing_settings(runs)
     return "\n".join(lines)
+
+
+PER_RUN_SETTINGS = ("out", "resume")  # differ between any two runs: not what makes them differ
+
+
+def differing_settings(runs: list[RunRecord]) -> list[str]:
+    """The settings that differ between the runs compared, one line each with every run's value."""
+    names = sorted({name for run in runs for name in run.settings} - set(PER_RUN_SETTINGS))
+    differing = [name for name in names if len({json.dumps(run.settings.get(name)) for run in runs}) > 1]
+    if not differing:
+        return ["settings: the same" if all(run.settings for run in runs) else "settings: not recorded"]
+    width = max(len(name) for name in differing)
+    return ["settings that differ:", *(f"  {name:<{width}}  " + "  ".join(
+        f"{json.dumps(run.settings.get(name)):<24}" for run in runs).rstrip() for name in differing)]
 
 
 def ending(summary: dict[str, Any], run_dir: Path, width: int | None = None) -> str:

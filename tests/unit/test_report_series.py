@@ -62,3 +62,26 @@ def test_a_resumed_run_is_drawn_on_one_time_axis_without_double_counting(tmp_pat
     assert sum(math.isnan(rate) for rate in rates) == 1  # the line breaks once, where the second part starts
     pipeline = [p["t"] for p in run.events["pipeline"]]
     assert pipeline == sorted(pipeline)
+
+
+def _finished_run(folder: Path, settings: dict) -> Path:
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in _segment(0.5, 4)) + "\n")
+    (folder / "config.json").write_text(json.dumps({"out": str(folder), **settings}))
+    (folder / "summary.json").write_text(json.dumps({
+        "status": "completed", "throughput_samples_per_s": 256.0, "num_consumers": 2, "compute_fraction": [0.9, 0.9],
+        "input_stall_fraction": [0.0, 0.0], "averaging_fraction": [0.1, 0.1], "producers_initial": 1,
+        "producers_max": 2, "producers_final": 2, "val_accuracy": 0.5, "train_loss": 1.0, "wall_s": 5.0}))
+    return folder
+
+
+def test_comparing_two_runs_lists_the_settings_that_differ(tmp_path):
+    from stoker.observe.report import RunRecord, describe
+
+    common = {"epochs": 3, "model": "resnet8", "seed": 0}
+    a = _finished_run(tmp_path / "a", {**common, "lr": 0.05, "sync_every": 1})
+    b = _finished_run(tmp_path / "b", {**common, "lr": 0.1, "sync_every": 4})
+    text = describe([RunRecord.load(a), RunRecord.load(b)])
+    listed = text.split("settings that differ:\n", 1)[1].splitlines()
+    assert [line.split()[0] for line in listed] == ["lr", "sync_every"]  # not out, which always differs
+    assert listed[0].split()[1:] == ["0.05", "0.1"]
