@@ -288,7 +288,7 @@ class RunStats:
         return self.epochs[epoch]
 
     def rate(self, now: float) -> float:
-        """Samples per second: each consumer's rate over its last whole steps (RATE_WINDOW_S of them, or the last
+        """Samples per second: each consumer's rate over its last whole steps (spanning RATE_WINDOW_S, or the last
         one where a step takes longer), summed over consumers; a consumer without a step for longer than twice
         that span has stalled and adds 0."""
         return sum(_rank_rate(steps, now) for steps in self.recent.values())
