@@ -22,13 +22,19 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, **se
     Raises `stoker.common.config.ConfigError` for a bad setting before any process starts. The run's own failures are
     reported in the summary (`status` "failed" with `error`), like on the command line.
     """
+    import sys
+
+    from stoker.run.main_guard import check_main_guard
+
+    check_main_guard(sys._getframe(1))  # first: a child re-importing the script stops before it imports torch
     from stoker.common.config import make_config
-    from stoker.run.controller import Controller
 
     if config is None:
         config = make_config(settings)
     elif settings:
         config = config.replace(**settings)
+    from stoker.run.controller import Controller  # after the settings: a bad one is reported without torch's import
+
     return Controller(config, show_progress=show_progress).run()
 
 

@@ -197,4 +197,12 @@ def load_toml(path: Path) -> dict[str, Any]:
     table = raw.get("train", raw)
     if not isinstance(table, dict):
         raise ConfigError(f"config={str(path)!r}: [train] must be a table")
-    return {key.replace("-", "_"): value for key, value in table.items()}
+    values = {key.replace("-", "_"): value for key, value in table.items()}
+    # A file's paths mean what they say wherever the command runs from: relative to the file's own folder (and
+    # shown resolved in any error).
+    folder = path.resolve().parent
+    return {key: (str(folder / value) if key in PATH_SETTINGS and isinstance(value, str) else value)
+            for key, value in values.items()}
+
+
+PATH_SETTINGS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if "Path" in str(f.type))

@@ -43,3 +43,14 @@ def threads_per_consumer(devices: list[str]) -> int:
     if devices[0].startswith("cuda"):
         return 1
     return max(1, available_cores() // len(devices))
+
+
+def oversubscription(devices: list[str], cores: int) -> str | None:
+    """A warning when CPU consumers outnumber the cores: each gets less than a core, they and the producers
+    contend, and "device compute" then measures time on a shared core, not a device's."""
+    cpu = sum(device == "cpu" for device in devices)
+    if cpu <= cores:
+        return None
+    return (f"{cpu} CPU consumers on {cores} cores: they share the cores with each other and the producers, so "
+            f"training is slower than with devices=cpu:{cores} or fewer, and 'device compute' includes time spent "
+            "waiting for a core")

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm"})
+# Folder names of a dataset's splits: class folders named so mean --data names the folder above the splits.
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "eval"})
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Listing:
     labels: list[int] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     folders: list[str] = field(default_factory=list)
+    # Per class folder: images directly in it, and the names of its sub-folders (to tell a misplaced root).
+    top_images: dict[int, int] = field(default_factory=dict)
+    top_subfolders: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def paths(self) -> list[str]:
@@ -82,6 +87,8 @@ def list_image_folder(root: Path, classes: tuple[str, ...] | None = None) -> Lis
     class_names = classes or tuple(found)
     if not class_names:
         raise ValueError(f"data={str(root)!r}: no class sub-folders (expected ImageFolder layout root/<class>/<image>)")
+    if classes is None:
+        _check_not_a_parent_of_splits(root, class_names)
     listing.classes = class_names
     visited: set[str] = set()
     for label, name in enumerate(class_names):
@@ -89,7 +96,53 @@ def list_image_folder(root: Path, classes: tuple[str, ...] | None = None) -> Lis
             _walk_files(name, found[name], label, listing, visited, root_real)
     if not listing.names:
         raise ValueError(f"data={str(root)!r}: no image files with extensions {sorted(IMAGE_EXTENSIONS)}")
+    if classes is None:
+        _check_class_folders(root, listing)
+    _refuse_unknown_classes(found, class_names, listing, visited, root_real)
     return listing
+
+
+def _check_not_a_parent_of_splits(root: Path, class_names: tuple[str, ...]) -> None:
+    """Class folders named like splits (train/, val/): training "train vs val" is never what was meant."""
+    if all(name.lower() in SPLIT_NAMES for name in class_names):
+        named = {name.lower(): name for name in class_names}
+        train = next((named[n] for n in ("train", "training") if n in named), class_names[0])
+        val = next((named[n] for n in ("val", "valid", "validation") if n in named), None)
+        meant = f"--data {root / train}" + (f" --val {root / val}" if val else "")
+        raise ValueError(f"data={str(root)!r}: its class folders ({', '.join(class_names)}) are named like a "
+                         f"dataset's splits; you probably meant {meant}")
+
+
+def _check_class_folders(root: Path, listing: Listing) -> None:
+    """Every class folder of the training data holds images (an empty one would be an output no image has, as
+    torchvision's ImageFolder refuses too), and the classes are not datasets of their own (every class folder
+    holding the same sub-folders and no image: the parent of several ImageFolders)."""
+    counts = np.bincount(np.asarray(listing.labels, dtype=np.int64), minlength=len(listing.classes))
+    refused_under = {s.path[len(listing.base):].split(os.sep, 1)[0] for s in listing.skipped}
+    empty = [name for name, count in zip(listing.classes, counts) if count == 0 and name not in refused_under]
+    if empty:
+        folders = ", ".join(str(root / name) for name in empty)
+        raise ValueError(f"data={str(root)!r}: class folder(s) without any image file ({folders}); remove them or "
+                         f"add images (extensions {', '.join(sorted(IMAGE_EXTENSIONS))})")
+    inner = set(listing.top_subfolders.values())
+    if (len(listing.classes) > 1 and not any(listing.top_images.values()) and len(inner) == 1
+            and len(shared := next(iter(inner))) > 1):
+        raise ValueError(f"data={str(root)!r}: every class folder ({', '.join(listing.classes)}) holds the same "
+                         f"sub-folders ({', '.join(shared)}) and no image of its own: these look like datasets, "
+                         f"not classes; you probably meant --data {root / listing.classes[0]}")
+
+
+def _refuse_unknown_classes(found: dict[str, str], class_names: tuple[str, ...], listing: Listing,
+                            visited: set[str], root_real: str) -> None:
+    """Validation folders of classes the training data does not have: each of their files is listed as refused
+    (with the class in the reason), so a misspelt folder does not shrink the validation set unseen."""
+    for name in sorted(set(found) - set(class_names)):
+        extra = Listing(listing.base)
+        _walk_files(name, found[name], -1, extra, visited, root_real)
+        reason = f"class folder {name!r} is not a class of the training data"
+        listing.skipped.extend(Skipped(path, reason) for path in extra.paths)
+        listing.skipped.extend(extra.skipped)
+        listing.folders.extend(extra.folders)
 
 
 def _inside(path_real: str, root_real: str) -> bool:
@@ -115,6 +168,9 @@ def _walk_files(top: str, top_real: str, label: int, listing: Listing, visited: 
             continue
         listing.folders.append(real)
         images, subfolders = _sort_entries(entries, real, root_real, listing.skipped)
+        if relative == top:
+            listing.top_images[label] = len(images)
+            listing.top_subfolders[label] = tuple(sorted(name for name, _ in subfolders))
         prefix = relative + os.sep
         listing.names.extend([prefix + name for name in sorted(images)])
         listing.labels.extend([label] * len(images))

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -53,11 +54,13 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False) -> list[Path]:
+def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
+         classes: tuple[str, ...] | None = None) -> list[Path]:
     """Write the shards and classes.json; returns the shards' paths in order. Raises ValueError, before anything
-    is written, for an OUT_DIR that holds files (unless `overwrite`)."""
+    is written, for an OUT_DIR that holds files (unless `overwrite`). `classes`: label by these (a validation set
+    takes the training set's), else by the folder's own class folders."""
     _check_out_folder(out, overwrite)
-    listing = list_image_folder(source)
+    listing = list_image_folder(source, classes)
     log_refused(tuple(listing.skipped))
     members = [(listing.base + name, sample_key(name), label) for name, label in zip(listing.names, listing.labels)]
     _check_unique_keys(members)
@@ -203,6 +206,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("pack", help="write an ImageFolder as WebDataset-layout tar shards")
     parser.add_argument("source", type=Path, metavar="IMAGEFOLDER")
     parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    parser.add_argument("--val", type=Path, metavar="VAL_IMAGEFOLDER", help="also pack this validation folder, "
+                        "labelled with the training classes, into OUT_DIR/val")
     parser.add_argument("--shard-size", default="1GB", help="largest shard (default 1GB)")
     parser.add_argument("--workers", type=int, default=0, help="processes writing shards (default: every core)")
     parser.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds (default: refuse a "
@@ -216,13 +221,37 @@ def pack_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
         shard_size = parse_size(args.shard_size)
         shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
+        val_shards = _pack_validation(args, shard_size)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
         return 130
-    first, last = shards[0].stem.split("-")[-1], shards[-1].stem.split("-")[-1]
-    pattern = args.out / (f"shard-{{{first}..{last}}}.tar" if len(shards) > 1 else shards[0].name)
-    print(f"wrote {len(shards)} shard(s) and {CLASSES_FILE} to {args.out}; train with --data {pattern}")
+    use = f"--data {shlex.quote(str(shard_pattern(args.out, shards)))}"
+    if val_shards:
+        use += f" --val {shlex.quote(str(shard_pattern(args.out / VAL_FOLDER, val_shards)))}"
+    print(f"wrote {len(shards)} shard(s) and {CLASSES_FILE} to {args.out}"
+          + (f", {len(val_shards)} validation shard(s) to {args.out / VAL_FOLDER}" if val_shards else "")
+          + f"; train with {use}")
     return 0
+
+
+VAL_FOLDER = "val"
+
+
+def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:
+    if args.val is None:
+        return []
+    if not args.val.is_dir():
+        raise ValueError(f"val={str(args.val)!r}: not a folder (expected an ImageFolder root)")
+    classes = tuple(json.loads((args.out / CLASSES_FILE).read_text()))
+    return pack(args.val, args.out / VAL_FOLDER, shard_size, args.workers, args.overwrite, classes)
+
+
+def shard_pattern(folder: Path, shards: list[Path]) -> Path:
+    """The brace pattern naming these shards (`shard-{000000..000007}.tar`), or the one shard's path."""
+    if len(shards) == 1:
+        return folder / shards[0].name
+    first, last = shards[0].stem.split("-")[-1], shards[-1].stem.split("-")[-1]
+    return folder / f"shard-{{{first}..{last}}}.tar"

@@ -65,6 +65,18 @@ def split_source(index: PackedIndex, fraction: float, seed: int) -> tuple[Packed
     return index.subset(f"{name}-train", kept), (index.subset(f"{name}-val", held) if len(held) else None)
 
 
+SHOWN_PER_REASON = 3
+
+
 def log_refused(refused: tuple[Skipped, ...]) -> None:
+    """Each refused entry, but at most SHOWN_PER_REASON for one reason (a misspelt class folder's every file
+    has the same), then how many more; summary.json lists them all."""
+    by_reason: dict[str, list[str]] = {}
     for item in refused:
-        log.warning("refused %s: %s", item.path, item.reason)
+        by_reason.setdefault(item.reason, []).append(item.path)
+    for reason, paths in by_reason.items():
+        for path in paths[:SHOWN_PER_REASON]:
+            log.warning("refused %s: %s", path, reason)
+        if len(paths) > SHOWN_PER_REASON:
+            log.warning("refused %d more files: %s (all in summary.json's skipped_files)",
+                        len(paths) - SHOWN_PER_REASON, reason)

@@ -24,6 +24,7 @@ class TimeSplit:
     producer_utilization: float
     sync_every: int
     overlapped: bool = False
+    producer_ceiling: int | None = None  # --max-producers (or auto's default); None: the budget is the ceiling
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ def diagnose(split: TimeSplit) -> Verdict:
 
 
 def _producer_advice(split: TimeSplit) -> str:
+    if split.producers >= split.producer_budget and (split.producer_ceiling or 0) > split.producer_budget:
+        # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
+        return (f"producers held at {split.producer_budget} (busy {split.producer_utilization:.0%}; the ceiling is "
+                f"{split.producer_ceiling}) because one more did not raise the rate: the cores are the limit, not "
+                "the producer count; lower --image-size, or give the run more cores")
     if split.producers >= split.producer_budget:
         return (f"producers at budget ({split.producers}/{split.producer_budget}, busy "
                 f"{split.producer_utilization:.0%}): give them more cores (--max-producers) or lower --image-size")
@@ -63,3 +69,12 @@ def suggest_sync_every(averaging: float, sync_every: int) -> int:
     per_average = averaging / max(1e-9, 1 - averaging)  # averaging time relative to the rest of the step
     needed = per_average * sync_every / (SYNC_GOAL / (1 - SYNC_GOAL))
     return max(sync_every * 2, 2 ** math.ceil(math.log2(max(1.0, needed))))
+
+
+def divergence(loss: float, global_step: int, rank: int, lr: float) -> str | None:
+    """The run's error when a step's training loss is not a finite number (NaN or infinite): training cannot
+    recover from it, and a run that went on would end "completed" with a useless model."""
+    if math.isfinite(loss):
+        return None
+    return (f"the training loss became {loss} at step {global_step} (consumer {rank}): the run diverged; try a lower "
+            f"--lr (this run: {lr:g}); the last checkpoint, written before it, stands")

@@ -178,6 +178,26 @@ def accounting_rows(epochs: dict[int, EpochAccount]) -> list[dict[str, int]]:
     return rows
 
 
+def _keep_whole_steps(steps: deque[tuple[float, int]], now: float, count: int) -> None:
+    """Append one step's end; drop ends before the newest one that lies RATE_WINDOW_S back (the rate's anchor)."""
+    steps.append((now, count))
+    while len(steps) > 2 and now - steps[1][0] >= RATE_WINDOW_S:
+        steps.popleft()
+
+
+def _rank_rate(steps: deque[tuple[float, int]], now: float) -> float:
+    """The samples of the steps after the anchor over the time since it ended: whole steps only, so a step
+    slower than the window is not read as two reports a message apart. Steps reported together (a GPU consumer
+    sends them in groups) share an end and count as one span."""
+    if not steps:
+        return 0.0
+    anchor, last = steps[0][0], steps[-1][0]
+    span = last - anchor
+    if span <= 0 or now - last > max(RATE_WINDOW_S, 2 * span):
+        return 0.0
+    return sum(n for t, n in steps if t > anchor) / span
+
+
 class RunStats:
     """Consumers report with their rank on this machine; steps and hashes are kept by global rank
     (`first_rank + rank`) so that machines' stats can be merged at the end."""
@@ -192,7 +212,7 @@ class RunStats:
         self.epochs: dict[int, EpochAccount] = {}
         self.skipped: dict[str, str] = {}
         self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # global step -> rank -> digest
-        self.recent: deque[tuple[float, int]] = deque()  # (time, samples) within RATE_WINDOW_S, for the rate
+        self.recent: dict[int, deque[tuple[float, int]]] = defaultdict(deque)  # rank -> (time, samples), the rate
 
     def record_step(self, report: StepReport, now: float) -> None:
         times = self.consumers[report.rank]
@@ -210,9 +230,7 @@ class RunStats:
         account.loss_sum += report.loss * report.count
         if report.step == self.steps_per_epoch - 1:
             self._finished_last_step[report.epoch].add(self.first_rank + report.rank)
-        self.recent.append((now, report.count))
-        while now - self.recent[0][0] > RATE_WINDOW_S:
-            self.recent.popleft()
+        _keep_whole_steps(self.recent[report.rank], now, report.count)
 
     def record_digest(self, report: StepReport) -> bool | None:
         """Keep a replica's hash; once every replica reported for that step, whether they are all equal."""
@@ -271,12 +289,10 @@ class RunStats:
         return self.epochs[epoch]
 
     def rate(self, now: float) -> float:
-        """Samples per second over the last RATE_WINDOW_S (0 when training has stalled that long)."""
-        recent = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW_S]
-        if len(recent) < 2:
-            return 0.0
-        span = max(1e-6, recent[-1][0] - recent[0][0])
-        return sum(n for _, n in recent[1:]) / span
+        """Samples per second: each consumer's rate over its last whole steps (spanning RATE_WINDOW_S, or the last
+        one where a step takes longer), summed over consumers; a consumer without a step for longer than twice
+        that span has stalled and adds 0."""
+        return sum(_rank_rate(steps, now) for steps in self.recent.values())
 
     def replicas_identical(self, final: dict[int, str]) -> bool:
         checks = [*self.digests.values(), final]

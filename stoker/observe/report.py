@@ -8,14 +8,16 @@ panels and prints their numbers side by side.
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stoker.common.terminal import printable
-from stoker.observe.metrics import read_events
 
 REPORT_PNG = "report.png"
 REPORT_TXT = "report.txt"
@@ -27,15 +29,51 @@ class RunRecord:
     name: str
     summary: dict[str, Any]
     events: dict[str, list[dict[str, Any]]]
+    segment_starts: list[float] = field(default_factory=list)  # where each part after the first begins, seconds
+    settings: dict[str, Any] = field(default_factory=dict)  # config.json: every setting of the run
 
     @classmethod
     def load(cls, run_dir: Path) -> RunRecord:
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
-            events = read_events(run_dir / "metrics.jsonl")
+            records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         except OSError as error:
             raise ValueError(f"{run_dir}: not a finished stoker run ({error.strerror}: {error.filename})") from None
-        return cls(run_dir.name, summary, events)
+        events: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        starts = on_one_time_axis(records)
+        for record in records:
+            events[record["event"]].append(record)
+        settings = _read_settings(run_dir, events)
+        return cls(run_dir.name, summary, events, starts, settings)
+
+
+def _read_settings(run_dir: Path, events: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The run's settings: its config.json, else the `start` event's (a run folder copied without it)."""
+    try:
+        return json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        starts = events.get("start") or [{}]
+        return starts[-1].get("config") or {}
+
+
+def on_one_time_axis(records: list[dict[str, Any]]) -> list[float]:
+    """Shift every record of a resumed run's log onto one time axis, in place: each part (its own controller,
+    with `t` from 0) follows the one before, and each record gets the `segment` it belongs to. A part ends with its
+    `summary` record (or, for one killed before writing it, where `t` goes back). Returns where each part after
+    the first begins."""
+    starts: list[float] = []
+    offset, last_t, segment, ended = 0.0, 0.0, 0, False
+    for record in records:
+        if ended or record["t"] < last_t:
+            offset += last_t
+            segment += 1
+            starts.append(offset)
+            last_t = 0.0
+        ended = record["event"] == "summary"
+        last_t = record["t"]
+        record["t"] = record["t"] + offset
+        record["segment"] = segment
+    return starts
 
 
 def write_report(run_dir: Path) -> str:
@@ -81,7 +119,23 @@ def describe(runs: list[RunRecord]) -> str:
     for run in runs:  # long lines: below the table, not in its columns
         prefix = f"{run.name}: " if len(runs) > 1 else ""
         lines.append(f"{prefix}{(run.summary.get('verdict') or {}).get('text', 'no verdict')}")
+    if len(runs) > 1:
+        lines += differing_settings(runs)
     return "\n".join(lines)
+
+
+PER_RUN_SETTINGS = ("out", "resume")  # differ between any two runs: not what makes them differ
+
+
+def differing_settings(runs: list[RunRecord]) -> list[str]:
+    """The settings that differ between the runs compared, one line each with every run's value."""
+    names = sorted({name for run in runs for name in run.settings} - set(PER_RUN_SETTINGS))
+    differing = [name for name in names if len({json.dumps(run.settings.get(name)) for run in runs}) > 1]
+    if not differing:
+        return ["settings: the same" if all(run.settings for run in runs) else "settings: not recorded"]
+    width = max(len(name) for name in differing)
+    return ["settings that differ:", *(f"  {name:<{width}}  " + "  ".join(
+        f"{json.dumps(run.settings.get(name)):<24}" for run in runs).rstrip() for name in differing)]
 
 
 def ending(summary: dict[str, Any], run_dir: Path, width: int | None = None) -> str:
@@ -118,12 +172,54 @@ def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
 # ---- the panels ------------------------------------------------------------------------------------------------
 
 def throughput_series(run: RunRecord) -> tuple[list[float], list[float]]:
-    """Samples per second in bins of THROUGHPUT_BIN_S, from the step reports of every consumer."""
-    bins: dict[int, int] = defaultdict(int)
+    """Samples per second in bins of THROUGHPUT_BIN_S (at their middles), each part of a resumed run on its own
+    (parts apart by a NaN, which breaks the line). A step's samples are spread over its own time, from its
+    consumer's previous step end to its end, so a step slower than a bin draws its true rate in every bin it spans
+    rather than all of its samples in one and nothing in the others; the last bin counts only the time it covers."""
+    by_part: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for step in run.events["step"]:
-        bins[int(step["t"] // THROUGHPUT_BIN_S)] += step["samples"]
-    times = sorted(bins)
-    return [t * THROUGHPUT_BIN_S for t in times], [bins[t] / THROUGHPUT_BIN_S for t in times]
+        by_part[(step.get("segment", 0), step["rank"])].append(step)
+    parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+    for (segment, _), steps in sorted(by_part.items()):
+        parts[segment].append(_samples_done(steps))
+    times: list[float] = []
+    rates: list[float] = []
+    for segment in sorted(parts):
+        if times:
+            times.append(times[-1])
+            rates.append(math.nan)
+        middles, part_rates = _binned_rates(parts[segment])
+        times += middles
+        rates += part_rates
+    return times, rates
+
+
+def _samples_done(steps: list[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """One consumer's samples trained by each time, as the corners of a piecewise-linear curve: its first step
+    starts its compute before its end, each later one starts where the one before ended; steps reported together
+    (one end) count as one."""
+    ends: dict[float, int] = defaultdict(int)
+    for step in steps:
+        ends[step["t"]] += step["samples"]
+    first = min(steps, key=lambda step: step["t"])
+    start = first["t"] - first.get("compute_s", 0.0) - first.get("averaging_s", 0.0)
+    corners = np.array([start, *sorted(ends)], dtype=np.float64)
+    done = np.concatenate([[0], np.cumsum([ends[t] for t in sorted(ends)])]).astype(np.float64)
+    return corners, done
+
+
+def _binned_rates(curves: list[tuple[np.ndarray, np.ndarray]]) -> tuple[list[float], list[float]]:
+    begin = min(corners[0] for corners, _ in curves)
+    end = max(corners[-1] for corners, _ in curves)
+    if end <= begin:
+        return [], []
+    edges = np.append(np.arange(begin, end, THROUGHPUT_BIN_S), end)
+    if len(edges) > 2 and edges[-1] - edges[-2] < THROUGHPUT_BIN_S / 2:  # a sliver: part of the bin before it
+        edges = np.delete(edges, -2)
+    done = sum(np.interp(edges, corners, counts) for corners, counts in curves)
+    widths = np.diff(edges)
+    keep = widths > 1e-9
+    return ((edges[:-1] + widths / 2)[keep].tolist(), (np.diff(done)[keep] / widths[keep]).tolist())
 
 
 def epoch_losses(run: RunRecord) -> dict[int, float]:
@@ -147,13 +243,18 @@ def draw(runs: list[RunRecord], out: Path) -> None:
         label = run.name if len(runs) > 1 else None
         times, rates = throughput_series(run)
         speed.plot(times, rates, color=colour, label=label)
+        for start in run.segment_starts:  # where a resumed part begins
+            for axes in (speed, pipeline):
+                axes.axvline(start, color=colour, linestyle=":", linewidth=1)
         _draw_pipeline(pipeline, producers, run, colour, label)
         _draw_learning(learning, accuracy, run, colour, label)
     producers.set_ylabel("producers")
     accuracy.set_ylabel("val accuracy")
     _draw_split(split, runs)
-    speed.set(title="throughput", xlabel="seconds since start", ylabel="samples/s")
-    pipeline.set(title="ready queue fill (solid) and producers (dashed)", xlabel="seconds since start",
+    resumed = any(run.segment_starts for run in runs)
+    speed.set(title="throughput" + (" (dotted: resumed)" if resumed else ""), xlabel="seconds of training",
+              ylabel="samples/s")
+    pipeline.set(title="ready queue fill (solid) and producers (dashed)", xlabel="seconds of training",
                  ylabel="share of slots filled")
     learning.set(title="train loss (solid) and val accuracy (dashed) per epoch", xlabel="epoch", ylabel="loss")
     for axes in (speed, pipeline, learning):

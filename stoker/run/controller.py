@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
 from stoker.common.config import RUN_CONFIG_FILE, TrainConfig
-from stoker.common.devices import available_cores, resolve_devices, threads_per_consumer
+from stoker.common.devices import available_cores, oversubscription, resolve_devices, threads_per_consumer
 from stoker.common.files import write_json
 from stoker.common.procs import (
     CONTEXT,
@@ -28,7 +28,7 @@ from stoker.common.procs import (
     stop_processes,
 )
 from stoker.data.sources import load_data
-from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach, read_accounting
@@ -66,6 +66,8 @@ class Controller:
         self.show_progress = show_progress
         self.devices = resolve_devices(config.devices)
         self.num_consumers = len(self.devices)  # on this machine
+        if warning := oversubscription(self.devices, available_cores()):
+            log.warning("%s", warning)
         self.cluster = cluster.from_environment(self.num_consumers)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
@@ -424,14 +426,18 @@ class Controller:
             self.ledger.record_step(message)
             window.add(message)
             self.metrics.write("step", **step_fields(message, self.cluster.first_rank))
+            if message.count and (diverged := divergence(message.loss, message.global_step,
+                                                         self.cluster.first_rank + message.rank, self.config.lr)):
+                raise StokerRunError(diverged)
             if message.digest is not None:
                 self._compare_replicas(message)
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
                                count=message.count)
-            log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
-                     message.loss)
+            if self.show_progress:  # --quiet: no progress lines (the numbers are in metrics.jsonl and the ending)
+                log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
+                         message.loss)
         elif isinstance(message, Saved):
             self._saved(message)
         elif isinstance(message, Finished):
@@ -575,9 +581,15 @@ class Controller:
             return Verdict("starting", "no training step finished")
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
-            averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
+            averaging=mean(self.stats.averaging_fractions()), producers=self._producers_now(),
             producer_budget=self._producer_limit(), producer_utilization=self._producer_utilization(),
-            sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
+            sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging,
+            producer_ceiling=self.budget))
+
+    def _producers_now(self) -> int:
+        """The count the live line shows, measured against the limit of now (the most ever alive, against a limit
+        lowered since, read as "4/3 at budget")."""
+        return self.timeline[-1]["producers"] if self.timeline else 0
 
     def _producer_utilization(self) -> float:
         busy, seconds = self.producer_busy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -128,7 +129,20 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     factory = getattr(module, function_name, None)
     if not callable(factory):
         raise ValueError(f"model={name!r}: module {module_name!r} has no function {function_name!r}")
+    _check_takes_num_classes(name, factory)
     return factory
+
+
+def _check_takes_num_classes(name: str, factory: Callable[..., nn.Module]) -> None:
+    """stoker calls `function(num_classes=K)`: a function that cannot take it is a user error, told in one line
+    (not a TypeError from inside the call)."""
+    try:
+        inspect.signature(factory).bind(num_classes=1)
+    except TypeError:
+        raise ValueError(f"model={name!r}: stoker calls it as {name.split(':', 1)[1]}(num_classes=K); its "
+                         f"signature {inspect.signature(factory)} does not take num_classes") from None
+    except ValueError:  # no signature to read (a builtin): the call itself will tell
+        pass
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:

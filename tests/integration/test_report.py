@@ -41,9 +41,11 @@ def test_slow_input_source_is_called_input_bound(slow_input_run):
 
 
 def test_slow_device_step_is_called_compute_bound(textures, tmp_path):
-    train(textures, tmp_path, "--quiet", "--producers", "2", env={"STOKER_STEP_TIME_MS": "80"})
+    result = train(textures, tmp_path, "--quiet", "--producers", "2", env={"STOKER_STEP_TIME_MS": "80"})
     verdict = read_summary(tmp_path)["verdict"]
     assert verdict["kind"] == "compute-bound", verdict
+    # --quiet: no progress lines, and no per-epoch validation lines either (they were printed anyway)
+    assert "val accuracy" not in result.stderr and "samples/s" not in result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")

@@ -68,3 +68,15 @@ def test_batch_larger_than_dataset_is_refused(textures):
     train, val = textures
     result = run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "500", check=False)
     assert result.returncode == 2 and "larger than the training set" in result.stderr
+
+
+def test_toml_paths_are_relative_to_the_toml_files_folder(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    (project / "images" / "cat").mkdir(parents=True)
+    (project / "run.toml").write_text('data = "images"\nout = "runs/first"\nmodel = "resnet8"\n')
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    config = make_config(load_toml(project / "run.toml"))
+    assert config.data == project / "images" and config.out == project / "runs" / "first"
+    (project / "bad.toml").write_text('data = "imgs"\n')
+    with pytest.raises(ConfigError, match=str(project / "imgs")):  # the error shows the path it looked at
+        make_config(load_toml(project / "bad.toml"))

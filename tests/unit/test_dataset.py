@@ -70,3 +70,46 @@ def test_every_refused_entry_is_listed_with_its_reason(tmp_path):
     unreadable = [path for path, reason in reasons.items() if reason.startswith("unreadable folder")]
     assert len(unreadable) == 1 and too_deep.startswith(os.path.dirname(unreadable[0]))
     assert index.classes == ("cat", "dog") and len(index) == 8
+
+
+def _images(folder, count=2):
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (folder / f"{i}.jpg").write_bytes(b"x")
+
+
+def test_an_empty_class_folder_is_an_error_naming_it(tmp_path):
+    make_tree(tmp_path)
+    (tmp_path / "empty_one").mkdir()  # torchvision's ImageFolder refuses it too; it would be an 11th output
+    with pytest.raises(ValueError, match="class folder.*without any image file.*empty_one"):
+        scan_image_folder(tmp_path)
+
+
+def test_a_validation_class_the_training_data_lacks_is_listed_file_by_file(tmp_path, caplog):
+    from stoker.data.sources import log_refused
+
+    make_tree(tmp_path)
+    _images(tmp_path / "dgo", 5)  # a typo of dog
+    index = scan_image_folder(tmp_path, classes=("cat", "dog"))
+    refused = [s for s in index.skipped if "'dgo' is not a class of the training data" in s.reason]
+    assert sorted(os.path.basename(s.path) for s in refused) == [f"{i}.jpg" for i in range(5)]
+    assert len(index) == 8
+    with caplog.at_level("WARNING"):
+        log_refused(index.skipped)
+    warned = [r.getMessage() for r in caplog.records if "dgo" in r.getMessage()]
+    assert len(warned) == 4 and "2 more files" in warned[-1]  # three files shown, then how many more
+
+
+def test_the_parent_of_train_and_val_is_refused_saying_what_was_meant(tmp_path):
+    for split in ("train", "val"):
+        make_tree(tmp_path / split)
+    with pytest.raises(ValueError, match=f"--data {tmp_path / 'train'} --val {tmp_path / 'val'}"):
+        scan_image_folder(tmp_path)
+
+
+def test_class_folders_that_hold_the_same_class_folders_are_refused(tmp_path):
+    for part in ("photos_2019", "photos_2020"):
+        for label in ("cat", "dog"):
+            _images(tmp_path / part / label)
+    with pytest.raises(ValueError, match="look like datasets"):
+        scan_image_folder(tmp_path)
