@@ -2,8 +2,10 @@
 
 It copies a slot to its device (uint8: four times fewer bytes than float32, see `feed`), hands the slot back at
 once, normalizes on the device, runs forward, backward and the optimizer step, and joins the averaging collective.
-On a GPU nothing in a step waits for the device: the loss stays on it and the step's timings are events, and both
-are read, with one synchronization, every few steps or when the consumer would wait for input anyway.
+On a GPU nothing in a step waits for the device, except that the host stays at most two steps ahead of it (a
+blocking event: the host sleeps): the loss is copied to the host behind the step and the step's timings are events,
+and both are read every few steps for the steps the device has done, or all at once when the consumer would wait
+for input anyway.
 """
 
 from __future__ import annotations
@@ -190,28 +192,38 @@ class Replica:
         every = self.setup.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        loss = loss.detach() if loss is not None else None
+        # Copied to the host before the step's end event: read once that event has completed, with no sync.
+        loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
         self.unreported.append(_DoneStep(batch, ids, loss, self.clock.end(averaged), digest))
         if len(self.unreported) >= self.report_every:
-            self.report_steps()
+            # The first step is reported at once (the controller times the run from it); later ones only once
+            # the device has done them: waiting here would leave the device idle while the host catches up.
+            self.report_steps(wait=self.report_every == 1)
 
-    def report_steps(self) -> None:
-        """Report the steps done since the last report: their losses and timings are read with one
-        synchronization (none at all on the CPU, where each step is reported as it ends)."""
-        if not self.unreported:
+    def report_steps(self, wait: bool = True) -> None:
+        """Report the steps done since the last report, in order: with `wait` all of them, after one (sleeping)
+        synchronization, which the consumer does only when it would wait anyway; without, those the device has
+        done. On the CPU each step is reported as it ends."""
+        count = len(self.unreported) if wait else self._steps_done()
+        if not count:
             return
-        done, self.unreported = self.unreported, []
+        done, self.unreported = self.unreported[:count], self.unreported[count:]
         self.report_every = self.steady_report_every
-        losses = [step.loss for step in done if step.loss is not None]
-        values = iter(torch.stack(losses).float().tolist() if losses else [])
         memory = accel.memory_stats(self.device)
         for step in done:
             times = self.clock.seconds(step.marks)
             batch = step.batch
             self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step,
-                                        len(step.ids), next(values) if step.loss is not None else 0.0,
+                                        len(step.ids), step.loss.item() if step.loss is not None else 0.0,
                                         times.wait_s, times.compute_s, times.averaging_s, step.ids, step.digest,
-                                        memory))
+                                        memory, host_s=times.host_s))
+
+    def _steps_done(self) -> int:
+        """How many of the unreported steps, from the oldest, the device has done."""
+        count = 0
+        while count < len(self.unreported) and self.clock.ready(self.unreported[count].marks):
+            count += 1
+        return count
 
     def _release(self, slot: int) -> None:
         self.outbox.send(SlotFree(slot))
@@ -316,7 +328,7 @@ class _DoneStep:
 
     batch: Batch
     ids: np.ndarray
-    loss: torch.Tensor | None  # on the device; None: this rank had no samples
+    loss: torch.Tensor | None  # on the host once `marks.end` has completed; None: this rank had no samples
     marks: StepMarks
     digest: str | None
 
