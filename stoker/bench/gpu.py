@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,8 +46,17 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stoker.bench.gpu_runs import measure  # torch: here, so that `stoker bench --help` does not wait for it
-    from stoker.bench.pipeline import generate
+    from stoker.bench.pipeline import generate, photographs_available
+    from stoker.common.devices import check_torch_sees_the_gpus
 
+    try:  # what would fail late or mislead, before any image is written
+        if args.device != "cpu":
+            check_torch_sees_the_gpus()  # not ResNet-50 on the CPU for hours
+        if args.data is None:
+            photographs_available()
+    except ValueError as error:
+        print(f"stoker: error: {error}", file=sys.stderr)
+        return 2
     if args.device == "auto":
         import torch
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from stoker.common import checkpoint, faults
+from stoker.common.devices import available_cores
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
 from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.messages import (
@@ -40,7 +41,7 @@ from stoker.pipeline.messages import (
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.pipeline.streams import ops_for
-from stoker.training import accel, exchange
+from stoker.training import accel, exchange, warmup
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.models import build_model
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
@@ -90,19 +91,37 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
     name_process(f"stoker consumer {setup.rank}")
     exit_with_parent()
     ring = SlotRing.attach(setup.ring)
-    doing = "starting"
+    doing, finished = "starting", False
     try:
         replica = Replica(setup, ring, outbox, stop)
         doing = "training"
         replica.serve(ready, stop)
+        finished = True
     except Stopped:
         pass
     except BaseException as error:
         outbox.send(ConsumerFailed(setup.local_rank, ChildError.capture(f"consumer {setup.rank}", doing, error)))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_group(finished)
         ring.close()
+
+
+def close_group(finished: bool) -> None:
+    """After a clean finish, destroy the group (nothing is in flight). On a stop or an error, abort it: since
+    torch's PR #141510, `destroy_process_group` flushes pending NCCL work, and with a peer gone or an averaging
+    in flight (DelayedAverage, BackwardAverage) it blocks until the controller kills the consumer."""
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.destroy_process_group()
+    else:
+        abort_group()
+
+
+def abort_group() -> None:
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._abort_process_group()
 
 
 class Replica:
@@ -119,6 +138,7 @@ class Replica:
         self.watch = ParentWatch()
         accel.configure_backends(setup.deterministic)
         self.store = _join_group(setup)
+        self.host_group = exchange.host_group()
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
         # fp16's gradient scaler steps the whole model after unscaling: no group can step during backward.
         in_backward = setup.average_in_backward and setup.precision != "fp16"
@@ -126,7 +146,7 @@ class Replica:
                                  setup.outer, setup.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
-        self.forward = accel.compiled(self.model) if setup.compile else self.model
+        self.forward = accel.compiled(self.model, _compile_threads(setup)) if setup.compile else self.model
         self.precision = accel.MixedPrecision(setup.precision, self.device)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
@@ -137,6 +157,10 @@ class Replica:
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_DoneStep] = []
+        if setup.compile:  # before the first collective: a peer's compile must not time it out
+            warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
+                           int(ring.images.shape[2]), setup.num_classes, setup.channels_last)
+            warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
@@ -263,7 +287,7 @@ class Replica:
         work = self._rank_zero_work(f"checkpoint at step {message.global_step}")
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
         files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
-                              self.setup.world_size, self._wire_device())
+                              self.setup.world_size, group=self.host_group)
         self.outbox.send(Saved(self.setup.local_rank, message.global_step, files))
 
     def _rank_state(self) -> dict:
@@ -287,7 +311,7 @@ class Replica:
         if model_state is not None:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
-        state = exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size, self._wire_device())
+        state = exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size, group=self.host_group)
         if "model" in state:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -308,10 +332,6 @@ class Replica:
     def _check_alive(self) -> None:
         if self.stop.is_set() or self.watch.parent_gone():
             raise Stopped
-
-    def _wire_device(self) -> torch.device:
-        """Where point-to-point transfers start from: NCCL moves device memory only."""
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def finish(self, message: Finish) -> None:
         self.averager.settle()
@@ -354,6 +374,13 @@ def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.
                                  **accel.fused_option(torch.optim.AdamW, device))
     return torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=setup.momentum,
                            weight_decay=setup.weight_decay, **accel.fused_option(torch.optim.SGD, device))
+
+
+def _compile_threads(setup: ConsumerSetup) -> int:
+    """This consumer's share of the cores: its torch threads on the CPU; on GPUs the cores over the GPUs."""
+    if not setup.device.startswith("cuda"):
+        return setup.num_threads
+    return max(1, available_cores() // max(1, torch.cuda.device_count()))
 
 
 def _join_group(setup: ConsumerSetup) -> dist.Store:
