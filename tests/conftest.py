@@ -44,9 +44,22 @@ def pytest_collection_modifyitems(config, items) -> None:
     needing_cuda = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not needing_cuda or cuda_visible():
         return
+    broken = torch_cannot_see_the_gpus()
+    if broken:  # skipping would pass a suite that never ran its GPU tests on a GPU machine
+        raise pytest.UsageError(f"the GPU tests cannot run: {broken}")
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in needing_cuda:
         item.add_marker(skip)
+
+
+def torch_cannot_see_the_gpus() -> str | None:
+    """The message of `check_torch_sees_the_gpus`, asked in a child process with the session's devices visible
+    (None: nvidia-smi lists no GPU, or torch sees them, or CUDA_VISIBLE_DEVICES hid them before the session)."""
+    probe = ("from stoker.common.devices import check_torch_sees_the_gpus as check\n"
+             "try:\n    check()\nexcept ValueError as error:\n    print(error)")
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT,
+                            env=_with_visible_devices(os.environ)).stdout.strip()
+    return answer or None
 
 
 def cuda_visible() -> bool:

@@ -1,154 +1,266 @@
-"""The three measurements of `stoker bench gpu` (see `stoker.bench.gpu`): ceiling, stoker, DataLoader."""
+"""The measurements of `stoker bench gpu` (see `stoker.bench.gpu`): ceiling, stoker, and DataLoader with two
+decoders, each timed with the same device events (`StepClock`), each in a process of its own (GPU memory is given
+back between runs: a 24-40 GB card does not keep the ceiling's cached blocks while stoker trains), in interleaved
+repeats whose medians are reported."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import statistics
 import tempfile
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stoker.bench.pipeline import TorchvisionStyleDataset
 from stoker.common.devices import available_cores
-from stoker.data.dataset import scan_image_folder
-from stoker.pipeline.feed import MEAN, STD
-from stoker.training import accel
-from stoker.training.models import build_model
 
 WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
+KINDS = ("ceiling", "stoker", "dataloader_pillow", "dataloader_stoker_decoder")
+PREFETCH = 2  # DataLoader's default prefetch_factor
 
 
 def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    rows = []
-    for model in args.models.split(","):
-        row = {"model": model, "ceiling": time_ceiling(model, args), "stoker": time_stoker(folder, model, args),
-               "dataloader": time_dataloader(folder, model, args)}
-        row["stoker_vs_ceiling"] = round(row["stoker"]["samples_per_s"] / row["ceiling"]["samples_per_s"], 3)
-        row["stoker_vs_dataloader"] = round(row["stoker"]["samples_per_s"] / row["dataloader"]["samples_per_s"], 3)
-        rows.append(row)
+    rows = [_measure_model(folder, model, args) for model in args.models.split(",")]
     return {"device": _device_name(args.device), "image_size": args.image_size, "batch_size": args.batch_size,
             "precision": args.precision, "channels_last": args.channels_last == "true", "workers": args.workers,
-            "rows": rows}
+            "repeats": args.repeats, "rows": rows}
 
 
-class _Trainer:
-    """What each measurement trains: the model on the device, in the precision and memory format asked for,
-    SGD (fused on GPUs), input normalized on the device."""
+def _measure_model(folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Each repeat runs every kind once, starting one kind later than the repeat before, each in a fresh process."""
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+    for repeat in range(args.repeats):
+        for position in range(len(KINDS)):
+            kind = KINDS[(position + repeat) % len(KINDS)]
+            runs[kind].append(_in_own_process(kind, folder, model, args))
+    row: dict[str, Any] = {"model": model}
+    for kind, results in runs.items():
+        row[kind] = {key: statistics.median(r[key] for r in results) for key in ("samples_per_s", "input_stall")}
+        row[kind]["repeats"] = [r["samples_per_s"] for r in results]
+    stoker_rate = row["stoker"]["samples_per_s"]
+    row["stoker_vs_ceiling"] = round(stoker_rate / row["ceiling"]["samples_per_s"], 3)
+    row["stoker_vs_dataloader"] = round(stoker_rate / row["dataloader_pillow"]["samples_per_s"], 3)
+    row["stoker_vs_dataloader_same_decoder"] = round(stoker_rate / row["dataloader_stoker_decoder"]["samples_per_s"],
+                                                     3)
+    row["dataloader"] = row["dataloader_pillow"]  # the column earlier reports had
+    return row
+
+
+def _in_own_process(kind: str, folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(run_one, kind, folder, model, vars(args)).result()
+
+
+def run_one(kind: str, folder: Path, model: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One measurement, in the process it was sent to."""
+    args = argparse.Namespace(**settings)
+    if kind == "ceiling":
+        return time_ceiling(model, args)
+    if kind == "stoker":
+        return time_stoker(folder, model, args)
+    return time_dataloader(folder, model, args, decoder="pillow" if kind == "dataloader_pillow" else "stoker")
+
+
+class _Step:
+    """stoker's consumer step: the model with its state in the averager's flat buckets (NCHW weights), the input
+    normalized on the device by the consumer's own `DeviceLoader` code in the memory format asked for, the
+    consumer's precision and its fused SGD; timed with the consumer's `StepClock` events."""
 
     def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
+        from stoker.pipeline.feed import DeviceLoader
+        from stoker.pipeline.streams import ops_for
+        from stoker.training import accel
+        from stoker.training.averager import Averager
+        from stoker.training.models import build_model
+        from stoker.training.timing import StepClock
+
         self.device = torch.device(args.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         accel.configure_backends(deterministic=False)
-        self.memory_format = torch.channels_last if args.channels_last == "true" else torch.contiguous_format
-        self.model = build_model(model, num_classes).to(self.device).to(memory_format=self.memory_format)  # type: ignore[call-overload]  # stub omits memory_format
+        self.model = build_model(model, num_classes).to(self.device)
+        Averager(self.model, 1, 1, args.batch_size)  # re-points the state into flat buckets, as the consumer's
         self.precision = accel.MixedPrecision(args.precision, self.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9,
                                          **accel.fused_option(torch.optim.SGD, self.device))
-        self.mean = torch.tensor(MEAN, device=self.device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(STD, device=self.device).view(1, 3, 1, 1) * 255
+        self.ops = ops_for(self.device)
+        loader = DeviceLoader.__new__(DeviceLoader)  # only its normalization: the ring is not needed for that
+        loader.ops = self.ops
+        loader.memory_format = torch.channels_last if args.channels_last == "true" else torch.contiguous_format
+        loader.mean = loader._constant((0.485, 0.456, 0.406), 255)
+        loader.inv_std = 1 / loader._constant((0.229, 0.224, 0.225), 255)
+        self.normalize = loader._normalize
+        self.clock = StepClock(self.ops)
+        self.marks: list[Any] = []
 
-    def step(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One step on uint8 NCHW pixels already on the device; the loss stays there."""
-        images = ((pixels.float() - self.mean) / self.std).contiguous(memory_format=self.memory_format)
+    def step(self, pixels: torch.Tensor, labels: torch.Tensor, host_wait_s: float,
+             to_device: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """One step on uint8 NHWC `pixels` (on the device, or brought there by `to_device`)."""
+        self.clock.begin(host_wait_s)
+        if to_device is not None:
+            pixels, labels = to_device()
+        self.clock.fed()
+        images = self.normalize(pixels)
         self.optimizer.zero_grad(set_to_none=True)
         with self.precision.autocast():
             loss = F.cross_entropy(self.model(images), labels)
         self.precision.backward_and_step(loss, self.optimizer)
-        return loss.detach()
+        self.clock.computed()
+        self.marks.append(self.clock.end(averaged=False))
 
-    def finish(self, loss: torch.Tensor) -> None:
-        """Wait for the device to finish everything enqueued (reading the loss does)."""
-        loss.item()
+    def figures(self, batch_size: int) -> dict[str, float]:
+        """Samples/s and input stall over the steps after WARMUP_STEPS, from the device timeline (idle gap before
+        each step, and its compute), as stoker's are read from its step events."""
+        times = [self.clock.seconds(marks) for marks in self.marks[WARMUP_STEPS:]]
+        wall = sum(t.wait_s + t.host_s + t.compute_s + t.averaging_s for t in times)
+        return {"samples_per_s": round(len(times) * batch_size / wall, 1),
+                "input_stall": round(sum(t.wait_s for t in times) / wall, 4)}
 
 
 def time_ceiling(model: str, args: argparse.Namespace) -> dict[str, float]:
-    trainer = _Trainer(model, args, num_classes=1)
+    """The device's most: stoker's own step on one batch resident on the device (no input at all)."""
+    trainer = _Step(model, args, num_classes=10)
     generator = torch.Generator().manual_seed(0)
     size = args.image_size
-    pixels = torch.randint(0, 256, (args.batch_size, 3, size, size), dtype=torch.uint8, generator=generator)
-    pixels, labels = pixels.to(trainer.device), torch.zeros(args.batch_size, dtype=torch.int64, device=trainer.device)
-    for _ in range(WARMUP_STEPS):
-        loss = trainer.step(pixels, labels)
-    trainer.finish(loss)
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        loss = trainer.step(pixels, labels)
-    trainer.finish(loss)
-    wall = time.perf_counter() - started
-    return {"samples_per_s": round(args.steps * args.batch_size / wall, 1), "input_stall": 0.0}
+    pixels = torch.randint(0, 256, (args.batch_size, size, size, 3), dtype=torch.uint8, generator=generator)
+    pixels = pixels.to(trainer.device)
+    labels = torch.arange(args.batch_size, device=trainer.device) % 10
+    for _ in range(WARMUP_STEPS + args.steps):
+        trainer.step(pixels, labels, host_wait_s=0.0)
+    return trainer.figures(args.batch_size)
 
 
 def time_stoker(folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """`stoker train`, timed over its first epoch only: no checkpoint inside the window (a Save ends each epoch,
+    and while it runs the ring refills, so the steps after it would cost no wait)."""
     import stoker
 
     devices = "cuda:0" if args.device == "cuda" else "cpu:1"
     with tempfile.TemporaryDirectory(prefix="stoker-bench-gpu-run-") as out:
         summary = stoker.train(data=folder, val_fraction=0.0, model=model, devices=devices, producers="auto",
                                max_producers=args.workers, initial_producers=args.workers,
-                               batch_size=args.batch_size, image_size=args.image_size, epochs=args.epochs,
+                               batch_size=args.batch_size, image_size=args.image_size, epochs=1,
                                precision=args.precision, channels_last=args.channels_last == "true",
                                out=Path(out) / "run", report=False, show_progress=False)
         if summary["status"] != "completed":
             raise RuntimeError(f"stoker train {summary['status']}: {summary.get('error')}")
         figures = steady_figures(Path(out) / "run" / "metrics.jsonl")
-    return {**figures, "producers_final": summary["producers_final"], "gpu_memory": summary.get("gpu_memory")}
+    return {**figures, "producers_final": summary["producers_final"]}
 
 
 def steady_figures(metrics: Path) -> dict[str, float]:
-    """Samples/s and input stall after the first WARMUP_STEPS steps, as the ceiling and the DataLoader are timed,
-    from the consumer's own step timings: on a GPU they are the device's timeline (compute, averaging, and the idle
-    gap before each step), so their sum is the device's wall time for those steps."""
-    steps = [record for record in map(json.loads, metrics.read_text().splitlines()) if record["event"] == "step"]
+    """Samples/s and input stall of epoch 0's steps after the first WARMUP_STEPS, from the consumer's own step
+    timings: on a GPU they are the device's timeline (compute, averaging, and the idle gap before each step, input
+    wait and host time), so their sum is the device's wall time for those steps."""
+    steps = [record for record in map(json.loads, metrics.read_text().splitlines())
+             if record["event"] == "step" and record["epoch"] == 0]
     timed = sorted(steps, key=lambda record: record["global_step"])[WARMUP_STEPS:]
-    wall = sum(r["wait_s"] + r["compute_s"] + r["averaging_s"] for r in timed)
+    wall = sum(r["wait_s"] + r.get("host_s", 0.0) + r["compute_s"] + r["averaging_s"] for r in timed)
     if not timed or wall <= 0:
-        raise RuntimeError(f"stoker ran {len(steps)} steps: too few to time after {WARMUP_STEPS} warm-up steps "
-                           "(raise --images or --epochs)")
+        raise RuntimeError(f"stoker ran {len(steps)} steps in its first epoch: too few to time after "
+                           f"{WARMUP_STEPS} warm-up steps (raise --images)")
     return {"samples_per_s": round(sum(r["samples"] for r in timed) / wall, 1),
             "input_stall": round(sum(r["wait_s"] for r in timed) / wall, 4)}
 
 
-def time_dataloader(folder: Path, model: str, args: argparse.Namespace) -> dict[str, float]:
-    from torch.utils.data import DataLoader, Dataset
+def time_dataloader(folder: Path, model: str, args: argparse.Namespace, decoder: str) -> dict[str, float]:
+    """torch's DataLoader at its steady state: a sampler spanning the whole measurement (no epoch refill inside
+    it), workers = stoker's producers, pinned memory, non-blocking copies; decoding with Pillow (torchvision's
+    recipe) or with stoker's own decoder, so the ratio separates pipeline design from decoder speed."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from stoker.data.dataset import scan_image_folder
 
     index = scan_image_folder(folder)
-    trainer = _Trainer(model, args, num_classes=len(index.classes))
-    dataset = TorchvisionStyleDataset(index.paths, index.labels, args.image_size, to_float=False)
-    # DataLoader reads any object with __getitem__ and __len__; the stub asks for a Dataset
-    loader: DataLoader[Any] = DataLoader(cast("Dataset[Any]", dataset), batch_size=args.batch_size, shuffle=True,
-                                         num_workers=args.workers, pin_memory=args.device == "cuda",
-                                         persistent_workers=True, drop_last=True)
-    batches = _forever(loader)
+    trainer = _Step(model, args, num_classes=len(index.classes))
+    dataset = _dataset(index, args.image_size, decoder)
+    total = WARMUP_STEPS + args.steps
+    sampler = RandomSampler(dataset, num_samples=(total + PREFETCH * args.workers) * args.batch_size,
+                            generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
+                        pin_memory=trainer.device.type == "cuda", persistent_workers=True, drop_last=True,
+                        prefetch_factor=PREFETCH, worker_init_fn=_seed_worker)
+    iterator = iter(loader)
     try:
-        for _ in range(WARMUP_STEPS):
-            loss = trainer.step(*_to_device(next(batches), trainer.device))
-        trainer.finish(loss)
-        waited, started = 0.0, time.perf_counter()
-        for _ in range(args.steps):
-            asked = time.perf_counter()
-            batch = next(batches)
-            waited += time.perf_counter() - asked
-            loss = trainer.step(*_to_device(batch, trainer.device))
-        trainer.finish(loss)
-        wall = time.perf_counter() - started
+        for _ in range(total):
+            waited, (pixels, labels) = _timed_next(iterator)
+            trainer.step(pixels, labels, host_wait_s=waited, to_device=_copier(pixels, labels, trainer.device))
+        return trainer.figures(args.batch_size)
     finally:
-        batches.close()
-        del loader  # persistent workers end with their loader
-    return {"samples_per_s": round(args.steps * args.batch_size / wall, 1), "input_stall": round(waited / wall, 4)}
+        iterator._shutdown_workers()  # type: ignore[attr-defined]  # now: the next run is timed
 
 
-def _forever(loader) -> Generator:
-    while True:
-        yield from loader
+def _timed_next(iterator: Iterator) -> tuple[float, Any]:
+
+    asked = time.perf_counter()
+    batch = next(iterator)
+    return time.perf_counter() - asked, batch
 
 
-def _to_device(batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    pixels, labels = batch
-    return pixels.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+def _dataset(index, image_size: int, decoder: str):
+    from stoker.bench.pipeline import TorchvisionStyleDataset
+
+    if decoder == "pillow":
+        return _NHWC(TorchvisionStyleDataset(index.paths, index.labels, image_size, to_float=False))
+    return _StokerDecoded(index.paths, index.labels, image_size)
+
+
+class _NHWC:
+    """Pillow's CHW uint8 as NHWC, the layout stoker's slots hold, so the device-side work is the same."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        pixels, label = self.dataset[index]
+        return pixels.permute(1, 2, 0).contiguous(), label
+
+
+class _StokerDecoded:
+    """Decode, RandomResizedCrop and flip as stoker's producers do (`load_into`: reduced-size libjpeg-turbo, OpenCV
+    resize)."""
+
+    def __init__(self, paths, labels, image_size: int) -> None:
+        self.paths, self.labels, self.image_size = list(paths), np.asarray(labels), image_size
+        self.rng = np.random.default_rng()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        from stoker.data.imaging import load_into
+
+        image = np.empty((self.image_size, self.image_size, 3), np.uint8)
+        load_into(Path(self.paths[index]).read_bytes(), image, "standard", self.rng)
+        return torch.from_numpy(image), int(self.labels[index])
+
+
+def _seed_worker(worker_id: int) -> None:
+    """Each worker its own random crops: forked workers would all share the parent's generator state."""
+    info = torch.utils.data.get_worker_info()
+    if info is None:
+        return
+    target = getattr(info.dataset, "dataset", info.dataset)
+    if hasattr(target, "rng"):
+        target.rng = np.random.default_rng([info.seed % (1 << 32), worker_id])
+
+
+def _copier(pixels: torch.Tensor, labels: torch.Tensor, device: torch.device
+            ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """The batch's host-to-device copy, enqueued inside the step (after the clock's begin, as stoker's is)."""
+    return lambda: (pixels.to(device, non_blocking=True), labels.to(device, non_blocking=True))
 
 
 def _device_name(device: str) -> str:

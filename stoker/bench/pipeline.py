@@ -95,8 +95,18 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- benchmark images ------------------------------------------------------------------------------------------
 
+def photographs_available() -> None:
+    """A clear error, as every other missing optional part gives, instead of `ModuleNotFoundError: sklearn`."""
+    try:
+        import sklearn.datasets  # noqa: F401
+    except ImportError:
+        raise ValueError("the benchmark images are made from scikit-learn's sample photographs: "
+                         "pip install 'stoker[bench]'") from None
+
+
 def photographs() -> list[np.ndarray]:
     """Real photographs that ship inside installed packages (scikit-learn; matplotlib's when present)."""
+    photographs_available()
     from sklearn.datasets import load_sample_images
 
     photos = list(load_sample_images().images)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import subprocess
 
 
 def resolve_devices(spec: str) -> list[str]:
     """One device string per consumer; asking for a GPU that is not there is a user error, raised here."""
     import torch  # here: the other helpers count cores for commands that never touch a device (`--help`)
 
-    if spec == "auto":
-        return resolve_devices("cuda") if torch.cuda.is_available() else ["cpu"] * default_cpu_consumers()
     if spec.startswith("cpu:"):
         return ["cpu"] * int(spec.split(":")[1])
+    check_torch_sees_the_gpus()
+    if spec == "auto":
+        return resolve_devices("cuda") if torch.cuda.is_available() else ["cpu"] * default_cpu_consumers()
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available == 0:
         raise ValueError(f"devices={spec!r}: no CUDA device is visible (use 'auto' or 'cpu:N')")
@@ -23,6 +27,49 @@ def resolve_devices(spec: str) -> list[str]:
     if missing or len(set(indices)) != len(indices):
         raise ValueError(f"devices={spec!r}: expected distinct indices below {available} (visible GPUs)")
     return [f"cuda:{i}" for i in indices]
+
+
+class TorchCannotSeeGpus(ValueError):
+    """The machine has GPUs (nvidia-smi lists them) and this torch sees none: training would silently run on the
+    CPU, GPU tests would skip and pass, and `bench gpu` would run ResNet-50 on the CPU for hours."""
+
+
+def check_torch_sees_the_gpus() -> None:
+    """Raise `TorchCannotSeeGpus` when nvidia-smi lists GPUs that torch cannot use, unless CUDA_VISIBLE_DEVICES
+    hides them on purpose."""
+    import torch
+
+    if _gpus_hidden_on_purpose() or torch.cuda.device_count() > 0:
+        return
+    listed, driver_cuda = gpus_listed_by_nvidia_smi()
+    if not listed:
+        return
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU-only wheel)"
+    wheel = f"cu{driver_cuda.replace('.', '')}" if driver_cuda else "cuXYZ"
+    raise TorchCannotSeeGpus(
+        f"nvidia-smi lists {listed} GPU{'s' if listed > 1 else ''} (driver supports CUDA {driver_cuda or '?'}), "
+        f"but torch {torch.__version__}, built for {build}, sees none: install a torch wheel built for a CUDA "
+        f"version this driver supports, e.g. pip install torch --index-url https://download.pytorch.org/whl/{wheel} "
+        "(or update the driver); to train on the CPU on purpose use --devices cpu:N or CUDA_VISIBLE_DEVICES=''")
+
+
+def gpus_listed_by_nvidia_smi() -> tuple[int, str | None]:
+    """(GPUs `nvidia-smi -L` lists, the CUDA version its driver supports); (0, None) without nvidia-smi."""
+    executable = shutil.which("nvidia-smi")
+    if executable is None:
+        return 0, None
+    try:
+        listing = subprocess.run([executable, "-L"], capture_output=True, text=True, timeout=20).stdout
+        header = subprocess.run([executable], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0, None
+    version = re.search(r"CUDA Version:\s*([0-9]+\.[0-9]+)", header)
+    return sum(line.startswith("GPU ") for line in listing.splitlines()), version.group(1) if version else None
+
+
+def _gpus_hidden_on_purpose() -> bool:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles")
 
 
 def available_cores() -> int:

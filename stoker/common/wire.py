@@ -54,21 +54,22 @@ def unpack(buffer: torch.Tensor) -> Any:
         raise WireError(f"not a stoker message ({type(error).__name__}: {error})") from None
 
 
-def send(value: Any, dst: int, device: torch.device) -> None:
-    """Point-to-point; `device` is the one the backend moves data from (the GPU for NCCL)."""
+def send(value: Any, dst: int, device: torch.device, group: dist.ProcessGroup | None = None) -> None:
+    """Point-to-point (`dst` a global rank); `device` is the one the backend of `group` moves data from (the GPU
+    for NCCL, the host for gloo)."""
     buffer = pack(value).to(device)
-    dist.send(torch.tensor([buffer.numel()], dtype=_LENGTH, device=device), dst)
-    dist.send(buffer, dst)
+    dist.send(torch.tensor([buffer.numel()], dtype=_LENGTH, device=device), dst, group=group)
+    dist.send(buffer, dst, group=group)
 
 
-def recv(src: int, device: torch.device) -> Any:
+def recv(src: int, device: torch.device, group: dist.ProcessGroup | None = None) -> Any:
     size = torch.empty(1, dtype=_LENGTH, device=device)
-    dist.recv(size, src)
+    dist.recv(size, src, group=group)
     claimed = int(size.item())
     if not 0 <= claimed <= MAX_MESSAGE_BYTES:
         raise WireError(f"rank {src} announced a message of {claimed} bytes (at most {MAX_MESSAGE_BYTES} accepted)")
     buffer = torch.empty(claimed, dtype=torch.uint8, device=device)
-    dist.recv(buffer, src)
+    dist.recv(buffer, src, group=group)
     return unpack(buffer)
 
 

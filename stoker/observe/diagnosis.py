@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 INPUT_BOUND = 0.10  # consumers waiting for batches more than this share of their time
+HOST_BOUND = 0.10  # GPUs idle for the host (Python, copies), not for input, more than this share of the time
 SYNC_BOUND = 0.15  # averaging more than this share of the step
 SYNC_GOAL = 0.05  # the averaging share a suggested --sync-every aims for
 BUSY_PRODUCERS = 0.80  # producers busy more than this share of their time are the limit
@@ -25,11 +26,12 @@ class TimeSplit:
     sync_every: int
     overlapped: bool = False
     producer_ceiling: int | None = None  # --max-producers (or auto's default); None: the budget is the ceiling
+    host: float = 0.0  # on GPUs: the device idle while the consumer was not waiting for a batch
 
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: Literal["input-bound", "sync-bound", "compute-bound", "starting"]
+    kind: Literal["input-bound", "host-bound", "sync-bound", "compute-bound", "starting"]
     text: str
 
     def as_json(self) -> dict[str, Any]:
@@ -37,6 +39,10 @@ class Verdict:
 
 
 def diagnose(split: TimeSplit) -> Verdict:
+    if split.host >= HOST_BOUND and split.host > split.input_wait and split.host >= split.averaging:
+        return Verdict("host-bound", f"host-bound: the device waits for Python {split.host:.0%} of the time "
+                                     f"(input waits {split.input_wait:.0%}); try --compile, a larger batch, "
+                                     "or CUDA graphs")
     if split.input_wait >= INPUT_BOUND and split.input_wait >= split.averaging:
         return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
                                       f"{_producer_advice(split)}")

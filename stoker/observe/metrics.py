@@ -27,6 +27,7 @@ class WindowTotals:
     wait_s: float = 0.0
     compute_s: float = 0.0
     averaging_s: float = 0.0
+    host_s: float = 0.0
     steps: int = 0
     samples: int = 0
     queue_fill: float = 0.0
@@ -36,6 +37,7 @@ class WindowTotals:
         self.wait_s += report.wait_s
         self.compute_s += report.compute_s
         self.averaging_s += report.averaging_s
+        self.host_s += report.host_s
         self.steps += 1
         self.samples += report.count
 
@@ -45,7 +47,8 @@ def step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
     return {"rank": first_rank + report.rank, "epoch": report.epoch, "step": report.step,
             "global_step": report.global_step,
             "samples": report.count, "loss": round(report.loss, 6), "wait_s": round(report.wait_s, 6),
-            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6), **report.memory}
+            "compute_s": round(report.compute_s, 6), "averaging_s": round(report.averaging_s, 6),
+            "host_s": round(report.host_s, 6), **report.memory}
 
 
 class MetricsLog:
@@ -122,15 +125,28 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def time_shares(compute_s: float, wait_s: float, averaging_s: float, wall_s: float) -> tuple[float, float, float]:
+def time_shares(compute_s: float, wait_s: float, averaging_s: float, wall_s: float,
+                host_s: float = 0.0) -> tuple[float, float, float]:
     """Device compute, input wait and averaging as shares of a consumer's wall time: the one definition behind
     the live view, the log lines, summary.json, the report and the verdict. The parts are timed on the consumer and
     the wall time on the controller, which hears of each step a message later; where the parts add up to more than
-    the wall time they are shares of their sum instead, so no share passes 1 and together they never do."""
-    whole = max(wall_s, compute_s + wait_s + averaging_s)
+    the wall time they are shares of their sum instead, so no share passes 1 and together they never do. On a GPU
+    the device's idle time for the host (`host_s`) is a part too: its share is `host_share`."""
+    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
     if whole <= 0:
         return 0.0, 0.0, 0.0
     return compute_s / whole, wait_s / whole, averaging_s / whole
+
+
+def host_share(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
+    """The share of a consumer's wall time its device idled for the host (Python, copies), not for input: the
+    fourth part beside `time_shares`' three, of the same whole."""
+    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
+    return host_s / whole if whole > 0 else 0.0
+
+
+def _whole(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
+    return max(wall_s, compute_s + wait_s + averaging_s + host_s)
 
 
 @dataclass
@@ -141,6 +157,7 @@ class ConsumerTimes:
     steps: int = 0
     samples: int = 0
     first_step_at: float | None = None
+    host_s: float = 0.0
     last_step_at: float | None = None
 
     def wall_s(self) -> float:
@@ -220,6 +237,7 @@ class RunStats:
             times.first_step_at = now - report.compute_s - report.averaging_s
         else:
             times.wait_s += report.wait_s
+            times.host_s += report.host_s
         times.last_step_at = now
         times.compute_s += report.compute_s
         times.averaging_s += report.averaging_s
@@ -311,7 +329,13 @@ class RunStats:
         """Per consumer: (compute, input wait, averaging) as `time_shares` of its wall time, from its first step's
         start to its last step's end (waiting for the very first batch is start-up, not counted)."""
         return [cast(tuple[float, float, float],  # three shares in, three rounded out
-                     tuple(round(share, 4) for share in time_shares(c.compute_s, c.wait_s, c.averaging_s, c.wall_s())))
+                     tuple(round(share, 4)
+                           for share in time_shares(c.compute_s, c.wait_s, c.averaging_s, c.wall_s(), c.host_s)))
+                for c in self.consumers]
+
+    def host_fractions(self) -> list[float]:
+        """Per consumer: the `host_share` of its wall time (0 on the CPU, where the host is the device)."""
+        return [round(host_share(c.compute_s, c.wait_s, c.averaging_s, c.wall_s(), c.host_s), 4)
                 for c in self.consumers]
 
     def compute_fractions(self) -> list[float]:

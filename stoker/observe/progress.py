@@ -38,15 +38,17 @@ class Snapshot:
     producer_budget: int
     producer_utilization: float
     verdict: str
+    host: tuple[float, ...] = ()  # per consumer: the device idle for the host (GPUs; 0 on the CPU)
 
     def line(self) -> str:
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
         accuracy = f"{self.val_accuracy:.1%}" if self.val_accuracy is not None else "-"
         compute, wait, averaging = (sum(c[i] for c in self.consumers) / max(1, len(self.consumers))
                                     for i in range(3))
+        host = f" host {sum(self.host) / len(self.host):.0%}" if any(self.host) else ""
         return (f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total_steps} "
                 f"{self.samples_per_s:,.0f} samples/s loss {loss} val acc {accuracy} | compute {compute:.0%} "
-                f"input wait {wait:.0%} averaging {averaging:.0%} | queue {self.queue_fill:.0%} producers "
+                f"input wait {wait:.0%}{host} averaging {averaging:.0%} | queue {self.queue_fill:.0%} producers "
                 f"{self.producers}/{self.producer_budget} busy {self.producer_utilization:.0%} | {self.verdict}")
 
 
@@ -95,10 +97,11 @@ class ProgressView:
 
 def panel(snapshot: Snapshot) -> Group:
     table = Table(box=None, padding=(0, 2), show_edge=False)
-    for column in ("consumer", "device compute", "input wait", "averaging"):
+    for column in ("consumer", "device compute", "input wait", "host", "averaging"):
         table.add_column(column, justify="right")
-    for rank, (compute, wait, averaging) in enumerate(snapshot.consumers):
-        table.add_row(str(rank), f"{compute:.0%}", f"{wait:.0%}", f"{averaging:.0%}")
+    host = snapshot.host or (0.0,) * len(snapshot.consumers)
+    for rank, ((compute, wait, averaging), idle_for_host) in enumerate(zip(snapshot.consumers, host)):
+        table.add_row(str(rank), f"{compute:.0%}", f"{wait:.0%}", f"{idle_for_host:.0%}", f"{averaging:.0%}")
     loss = f"{snapshot.loss:.3f}" if snapshot.loss is not None else "-"
     accuracy = f"{snapshot.val_accuracy:.1%}" if snapshot.val_accuracy is not None else "-"
     summary = (f"{snapshot.samples_per_s:,.0f} samples/s   loss {loss}   val acc {accuracy}   ready queue "

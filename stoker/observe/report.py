@@ -99,6 +99,7 @@ ROWS = (
     ("consumers", lambda s: str(s["num_consumers"])),
     ("device compute", lambda s: _mean_share(s.get("compute_fraction"))),
     ("input wait", lambda s: _mean_share(s["input_stall_fraction"])),
+    ("host (GPU idle for Python)", lambda s: _mean_share(s.get("host_fraction"))),
     ("averaging", lambda s: _mean_share(s["averaging_fraction"])),
     ("producers (start/max/end)", lambda s: f"{s['producers_initial']}/{s['producers_max']}/{s['producers_final']}"),
     ("val accuracy", lambda s: f"{s['val_accuracy']:.2%}" if s.get("val_accuracy") is not None else "-"),
@@ -277,11 +278,13 @@ def _draw_split(axes, runs: list[RunRecord]) -> None:
             labels.append(f"{prefix}consumer {rank}")
             compute = (summary.get("compute_fraction") or [0.0] * summary["num_consumers"])[rank]
             wait, averaging = summary["input_stall_fraction"][rank], summary["averaging_fraction"][rank]
-            for part, value in (("device compute", compute), ("input wait", wait), ("averaging", averaging),
-                                ("other", max(0.0, 1 - compute - wait - averaging))):
+            host = (summary.get("host_fraction") or [0.0] * summary["num_consumers"])[rank]
+            for part, value in (("device compute", compute), ("input wait", wait), ("host", host),
+                                ("averaging", averaging), ("other", max(0.0, 1 - compute - wait - host - averaging))):
                 shares[part].append(value)
     left = [0.0] * len(labels)
-    for part, colour in (("device compute", "C2"), ("input wait", "C3"), ("averaging", "C1"), ("other", "0.7")):
+    for part, colour in (("device compute", "C2"), ("input wait", "C3"), ("host", "C4"), ("averaging", "C1"),
+                         ("other", "0.7")):
         axes.barh(labels, shares[part], left=left, color=colour, label=part)
         left = [a + b for a, b in zip(left, shares[part])]
     axes.set(title="where each consumer's time went", xlabel="share of wall time", xlim=(0, 1))

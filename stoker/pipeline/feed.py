@@ -78,10 +78,11 @@ class DeviceLoader:
 
     def _next_staging(self) -> Staging:
         """The next buffer in turn, once the copy that last read it has completed (the host is about to
-        overwrite it)."""
+        overwrite it). Usually it has: the consumer held the host back until the step that read it ended
+        (`StepClock.begin`), so this wait, a blocking event's (it sleeps), is rarely reached."""
         stage = self.staging[self.turn]
         self.turn = (self.turn + 1) % len(self.staging)
-        if stage.in_use:
+        if stage.in_use and not self.ops.done(stage.copied):
             self.ops.synchronize(stage.copied)
         return stage
 

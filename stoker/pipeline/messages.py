@@ -58,6 +58,7 @@ class StepReport:
     sample_ids: np.ndarray
     digest: str | None
     memory: dict[str, int] = field(default_factory=dict)  # GPU memory peaks so far (nothing on the CPU)
+    host_s: float = 0.0  # on a GPU: the device idled for the host (Python, copies), not for input (timing.py)
 
 
 @dataclass(frozen=True)

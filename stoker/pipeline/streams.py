@@ -4,6 +4,10 @@ On a GPU the host only enqueues work: a copy or a kernel has happened when an ev
 has completed, not when the call returns. `CudaOps` is that, over torch.cuda. `CpuOps` is the same interface for a
 device where every call has finished when it returns (events are host timestamps). Tests drive the feed with a
 fake that records the calls, so the ordering that CUDA needs is checked on a machine without one.
+
+Every host wait on the device sleeps: CUDA events are made with `blocking=True`. Without it, with the default
+`cudaDeviceScheduleAuto` and fewer GPU contexts than cores, `cudaEventSynchronize` spins a whole core for as long
+as the device is busy, and a consumer whose GPU is the limit would burn the core its producers were counted on.
 """
 
 from __future__ import annotations
@@ -54,6 +58,10 @@ class DeviceOps(Protocol):
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         """Enqueue a host-to-device copy on the current stream."""
 
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        """A host copy of `value`, enqueued on the current stream: readable without a synchronization once an event
+        recorded after it has completed (a `.item()` or `.tolist()` would wait for everything enqueued)."""
+
 
 class CpuOps:
     """Every call has finished when it returns: an event is the host clock when it was recorded."""
@@ -99,6 +107,13 @@ class CpuOps:
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         destination.copy_(source)
 
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        return value.detach()
+
+
+# enable_timing: step phases are read from events; blocking: a host wait on one sleeps instead of spinning.
+EVENT_FLAGS = {"enable_timing": True, "blocking": True}
+
 
 class CudaOps:
     """torch.cuda's streams and events on one GPU."""
@@ -119,7 +134,7 @@ class CudaOps:
         return torch.cuda.stream(stream)
 
     def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)
+        return torch.cuda.Event(**EVENT_FLAGS)
 
     def record(self, event: torch.cuda.Event, stream: torch.cuda.Stream) -> None:
         event.record(stream)
@@ -144,6 +159,11 @@ class CudaOps:
 
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
         destination.copy_(source, non_blocking=True)
+
+    def to_host(self, value: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value.detach(), non_blocking=True)
+        return host
 
 
 def ops_for(device: torch.device) -> DeviceOps:

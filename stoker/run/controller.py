@@ -29,7 +29,7 @@ from stoker.common.procs import (
 )
 from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
-from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
+from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach, read_accounting
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
@@ -549,20 +549,23 @@ class Controller:
         self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
         queue_fill = window.queue_fill / max(1, window.queue_samples)
         self.last_queue_fill = queue_fill
-        compute, wait, averaging = time_shares(window.compute_s, window.wait_s, window.averaging_s, consumer_time)
+        parts = (window.compute_s, window.wait_s, window.averaging_s, consumer_time)
+        compute, wait, averaging = time_shares(*parts, host_s=window.host_s)
         self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=len(self.pool.active),
                                producer_budget=self._producer_limit(), producer_utilization=utilization,
-                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging)
+                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging,
+                               host=host_share(*parts, window.host_s))
         self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
                            queue_fill=round(queue_fill, 4), producers=self.split.producers,
                            producer_utilization=round(utilization, 4), compute=round(self.split.compute, 4),
-                           input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4))
+                           input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4),
+                           host=round(self.split.host, 4))
         if self.autoscaler is None or window.steps == 0 or self.finishing:
             return
         decision = self.autoscaler.decide(Window(
             stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
             producers=self.split.producers, samples=window.samples, steps=window.steps,
-            train_s=(window.wait_s + window.compute_s + window.averaging_s) / self.num_consumers))
+            train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / self.num_consumers))
         self.metrics.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
         if decision.change > 0 and self.pool.grow() is None:
             self.autoscaler.fork_refused()
@@ -584,7 +587,7 @@ class Controller:
             averaging=mean(self.stats.averaging_fractions()), producers=self._producers_now(),
             producer_budget=self._producer_limit(), producer_utilization=self._producer_utilization(),
             sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging,
-            producer_ceiling=self.budget))
+            producer_ceiling=self.budget, host=mean(self.stats.host_fractions())))
 
     def _producers_now(self) -> int:
         """The count the live line shows, measured against the limit of now (the most ever alive, against a limit
@@ -622,7 +625,8 @@ class Controller:
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()),
             queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self._producer_limit(),
-            producer_utilization=self._producer_utilization(), verdict=self.run_verdict().text))
+            producer_utilization=self._producer_utilization(), verdict=self.run_verdict().text,
+            host=tuple(self.stats.host_fractions())))
 
     # ---- the end ------------------------------------------------------------------------------------------------
 
@@ -675,6 +679,7 @@ class Controller:
             "input_stall_fraction": self.stats.stall_fractions(),
             "averaging_fraction": self.stats.averaging_fractions(),
             "compute_fraction": self.stats.compute_fractions(),
+            "host_fraction": self.stats.host_fractions(),
             "verdict": self.run_verdict().as_json(),
             "throughput_samples_per_s": round(self.stats.throughput(), 2),
             "val_accuracy": last_val.accuracy if last_val else None,

@@ -75,15 +75,18 @@ class MixedPrecision:
                                          "_growth_tracker": int(state["growth_tracker"].item())})
 
 
-def compiled(model: nn.Module) -> nn.Module:
+def compiled(model: nn.Module, threads: int | None = None, backend: Any = "inductor") -> nn.Module:
     """torch.compile of `model` (the original keeps the parameters and the state_dict keys). Inductor compiles in
     worker processes; a consumer is a daemonic process, which multiprocessing forbids to have children, so the
-    workers are started as plain subprocesses."""
+    workers are started as plain subprocesses. `threads` caps inductor's compile workers at this consumer's share
+    of the cores (by default each consumer would start one per core: 8 consumers, 8 times the cores)."""
     import torch._inductor.config as inductor
 
     if multiprocessing.current_process().daemon and hasattr(inductor, "worker_start_method"):
         inductor.worker_start_method = "subprocess"
-    return cast(nn.Module, torch.compile(model))  # of a module, an OptimizedModule; the stub says a callable
+    if threads is not None:
+        inductor.compile_threads = max(1, threads)
+    return cast(nn.Module, torch.compile(model, backend=backend))  # an OptimizedModule; the stub says a callable
 
 
 def fused_option(optimizer_class: type[torch.optim.Optimizer], device: torch.device) -> dict[str, Any]:

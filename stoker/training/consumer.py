@@ -2,8 +2,10 @@
 
 It copies a slot to its device (uint8: four times fewer bytes than float32, see `feed`), hands the slot back at
 once, normalizes on the device, runs forward, backward and the optimizer step, and joins the averaging collective.
-On a GPU nothing in a step waits for the device: the loss stays on it and the step's timings are events, and both
-are read, with one synchronization, every few steps or when the consumer would wait for input anyway.
+On a GPU nothing in a step waits for the device, except that the host stays at most two steps ahead of it (a
+blocking event: the host sleeps): the loss is copied to the host behind the step and the step's timings are events,
+and both are read every few steps for the steps the device has done, or all at once when the consumer would wait
+for input anyway.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from stoker.common import checkpoint, faults
+from stoker.common.devices import available_cores
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
 from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.messages import (
@@ -38,7 +41,7 @@ from stoker.pipeline.messages import (
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.pipeline.streams import ops_for
-from stoker.training import accel, exchange
+from stoker.training import accel, exchange, warmup
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.models import build_model
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
@@ -88,19 +91,37 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
     name_process(f"stoker consumer {setup.rank}")
     exit_with_parent()
     ring = SlotRing.attach(setup.ring)
-    doing = "starting"
+    doing, finished = "starting", False
     try:
         replica = Replica(setup, ring, outbox, stop)
         doing = "training"
         replica.serve(ready, stop)
+        finished = True
     except Stopped:
         pass
     except BaseException as error:
         outbox.send(ConsumerFailed(setup.local_rank, ChildError.capture(f"consumer {setup.rank}", doing, error)))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_group(finished)
         ring.close()
+
+
+def close_group(finished: bool) -> None:
+    """After a clean finish, destroy the group (nothing is in flight). On a stop or an error, abort it: since
+    torch's PR #141510, `destroy_process_group` flushes pending NCCL work, and with a peer gone or an averaging
+    in flight (DelayedAverage, BackwardAverage) it blocks until the controller kills the consumer."""
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.destroy_process_group()
+    else:
+        abort_group()
+
+
+def abort_group() -> None:
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._abort_process_group()
 
 
 class Replica:
@@ -117,6 +138,7 @@ class Replica:
         self.watch = ParentWatch()
         accel.configure_backends(setup.deterministic)
         self.store = _join_group(setup)
+        self.host_group = exchange.host_group()
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
         # fp16's gradient scaler steps the whole model after unscaling: no group can step during backward.
         in_backward = setup.average_in_backward and setup.precision != "fp16"
@@ -124,7 +146,7 @@ class Replica:
                                  setup.outer, setup.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
-        self.forward = accel.compiled(self.model) if setup.compile else self.model
+        self.forward = accel.compiled(self.model, _compile_threads(setup)) if setup.compile else self.model
         self.precision = accel.MixedPrecision(setup.precision, self.device)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
@@ -135,6 +157,10 @@ class Replica:
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_DoneStep] = []
+        if setup.compile:  # before the first collective: a peer's compile must not time it out
+            warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
+                           int(ring.images.shape[2]), setup.num_classes, setup.channels_last)
+            warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
@@ -190,28 +216,38 @@ class Replica:
         every = self.setup.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        loss = loss.detach() if loss is not None else None
+        # Copied to the host before the step's end event: read once that event has completed, with no sync.
+        loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
         self.unreported.append(_DoneStep(batch, ids, loss, self.clock.end(averaged), digest))
         if len(self.unreported) >= self.report_every:
-            self.report_steps()
+            # The first step is reported at once (the controller times the run from it); later ones only once
+            # the device has done them: waiting here would leave the device idle while the host catches up.
+            self.report_steps(wait=self.report_every == 1)
 
-    def report_steps(self) -> None:
-        """Report the steps done since the last report: their losses and timings are read with one
-        synchronization (none at all on the CPU, where each step is reported as it ends)."""
-        if not self.unreported:
+    def report_steps(self, wait: bool = True) -> None:
+        """Report the steps done since the last report, in order: with `wait` all of them, after one (sleeping)
+        synchronization, which the consumer does only when it would wait anyway; without, those the device has
+        done. On the CPU each step is reported as it ends."""
+        count = len(self.unreported) if wait else self._steps_done()
+        if not count:
             return
-        done, self.unreported = self.unreported, []
+        done, self.unreported = self.unreported[:count], self.unreported[count:]
         self.report_every = self.steady_report_every
-        losses = [step.loss for step in done if step.loss is not None]
-        values = iter(torch.stack(losses).float().tolist() if losses else [])
         memory = accel.memory_stats(self.device)
         for step in done:
             times = self.clock.seconds(step.marks)
             batch = step.batch
             self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step,
-                                        len(step.ids), next(values) if step.loss is not None else 0.0,
+                                        len(step.ids), step.loss.item() if step.loss is not None else 0.0,
                                         times.wait_s, times.compute_s, times.averaging_s, step.ids, step.digest,
-                                        memory))
+                                        memory, host_s=times.host_s))
+
+    def _steps_done(self) -> int:
+        """How many of the unreported steps, from the oldest, the device has done."""
+        count = 0
+        while count < len(self.unreported) and self.clock.ready(self.unreported[count].marks):
+            count += 1
+        return count
 
     def _release(self, slot: int) -> None:
         self.outbox.send(SlotFree(slot))
@@ -251,7 +287,7 @@ class Replica:
         work = self._rank_zero_work(f"checkpoint at step {message.global_step}")
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
         files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
-                              self.setup.world_size, self._wire_device())
+                              self.setup.world_size, group=self.host_group)
         self.outbox.send(Saved(self.setup.local_rank, message.global_step, files))
 
     def _rank_state(self) -> dict:
@@ -275,7 +311,7 @@ class Replica:
         if model_state is not None:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
-        state = exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size, self._wire_device())
+        state = exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size, group=self.host_group)
         if "model" in state:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -297,10 +333,6 @@ class Replica:
         if self.stop.is_set() or self.watch.parent_gone():
             raise Stopped
 
-    def _wire_device(self) -> torch.device:
-        """Where point-to-point transfers start from: NCCL moves device memory only."""
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
     def finish(self, message: Finish) -> None:
         self.averager.settle()
         digest = self.averager.digest()
@@ -316,7 +348,7 @@ class _DoneStep:
 
     batch: Batch
     ids: np.ndarray
-    loss: torch.Tensor | None  # on the device; None: this rank had no samples
+    loss: torch.Tensor | None  # on the host once `marks.end` has completed; None: this rank had no samples
     marks: StepMarks
     digest: str | None
 
@@ -342,6 +374,13 @@ def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.
                                  **accel.fused_option(torch.optim.AdamW, device))
     return torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=setup.momentum,
                            weight_decay=setup.weight_decay, **accel.fused_option(torch.optim.SGD, device))
+
+
+def _compile_threads(setup: ConsumerSetup) -> int:
+    """This consumer's share of the cores: its torch threads on the CPU; on GPUs the cores over the GPUs."""
+    if not setup.device.startswith("cuda"):
+        return setup.num_threads
+    return max(1, available_cores() // max(1, torch.cuda.device_count()))
 
 
 def _join_group(setup: ConsumerSetup) -> dist.Store:

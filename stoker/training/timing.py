@@ -4,16 +4,28 @@ On the CPU a call has finished its work when it returns, and the host clock time
 enqueues: `perf_counter` around an NCCL all_reduce measures the enqueueing (about 0) and charges the collective to
 whatever synchronizes next. So a step's phases are marked with events on the compute stream, and turned into
 seconds once the device has reached them (the consumer reads them every few steps, never forcing a synchronization
-per step). On a GPU the input wait is the device's idle gap between the end of the previous step and the start of
-this one: the host waiting for a batch while the device still works through queued steps is no stall.
+per step). On a GPU the device's idle gap between the end of the previous step and the start of this one is split
+in two: input wait, the part of the gap in which the consumer was blocked waiting for the batch (at most the time
+it waited), and host time, the rest (Python launching kernels, the slot-to-pinned copy, the host catching up).
+Only input wait says that more producers would help; a host-bound device needs less Python per sample. The host
+waiting for a batch while the device still works through queued steps is neither.
+
+The host runs at most MAX_AHEAD steps ahead of the device: each step begins once the step MAX_AHEAD before it has
+ended there (a blocking event: the host sleeps). So a report finds every step but the last one or two done, and
+reads them without draining the device (`ready`).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 from stoker.pipeline.streams import DeviceOps
+
+# Two steps queued on the device keep it busy through the host's launch jitter; more only delays what the host
+# learns (losses, timings) and holds more batches' memory.
+MAX_AHEAD = 2
 
 
 @dataclass
@@ -30,6 +42,7 @@ class StepTimes:
     wait_s: float
     compute_s: float
     averaging_s: float
+    host_s: float = 0.0  # on a GPU: the device idled for the host, not for input
 
 
 class StepClock:
@@ -37,16 +50,19 @@ class StepClock:
         self.ops = ops
         self.previous_end: Any | None = None
         self.current: StepMarks | None = None
+        self.recent_ends: deque[Any] = deque(maxlen=MAX_AHEAD)
 
     def begin(self, host_wait_s: float) -> None:
         """The host has the step's batch. On the CPU the step starts now (taking the batch out of its slot is
-        the consumer's work); on a GPU it starts at `fed`."""
+        the consumer's work); on a GPU it starts at `fed`, once the device is at most MAX_AHEAD steps behind."""
+        self._hold_back()
         start = None if self.ops.asynchronous else self._mark()
         self.current = StepMarks(self.previous_end, start, host_wait_s)
 
     def fed(self) -> None:
         """The batch's copy is enqueued and the compute stream waits for it: on a GPU the step starts here, so the
-        time the device idles for the host's copy and the transfer counts as input wait, not compute."""
+        time the device idles for the host's copy and the transfer is idle time (host time, or input wait), not
+        compute."""
         assert self.current is not None, "fed between begin() and end()"
         if self.current.start is None:
             self.current.start = self._mark()
@@ -60,24 +76,35 @@ class StepClock:
         marks, self.current = self.current, None
         assert marks is not None, "end() follows begin()"
         marks.end = self.previous_end = self._mark() if averaged else marks.computed
+        self.recent_ends.append(marks.end)
         return marks
+
+    def _hold_back(self) -> None:
+        """Sleep until the step MAX_AHEAD steps back has ended on the device."""
+        if len(self.recent_ends) == MAX_AHEAD and self.ops.asynchronous:
+            oldest = self.recent_ends[0]
+            if not self.ops.done(oldest):
+                self.ops.synchronize(oldest)
 
     def pause(self) -> None:
         """Work that is not a training step comes next (validation, a checkpoint): no idle gap spans it."""
         self.previous_end = None
 
     def ready(self, marks: StepMarks) -> bool:
+        """Whether the device has done the step (never blocks)."""
         return self.ops.done(marks.end)
 
     def seconds(self, marks: StepMarks) -> StepTimes:
-        """The step's phases in seconds; waits until the device has done the step."""
+        """The step's phases in seconds; waits (sleeping) until the device has done the step."""
         ops = self.ops
-        ops.synchronize(marks.end)
+        if not ops.done(marks.end):
+            ops.synchronize(marks.end)
+        compute_s, averaging_s = ops.elapsed_s(marks.start, marks.computed), ops.elapsed_s(marks.computed, marks.end)
         if not ops.asynchronous:
-            wait_s = marks.host_wait_s
-        else:
-            wait_s = ops.elapsed_s(marks.idle_from, marks.start) if marks.idle_from is not None else 0.0
-        return StepTimes(wait_s, ops.elapsed_s(marks.start, marks.computed), ops.elapsed_s(marks.computed, marks.end))
+            return StepTimes(marks.host_wait_s, compute_s, averaging_s)
+        gap_s = max(0.0, ops.elapsed_s(marks.idle_from, marks.start)) if marks.idle_from is not None else 0.0
+        wait_s = min(gap_s, marks.host_wait_s)
+        return StepTimes(wait_s, compute_s, averaging_s, host_s=gap_s - wait_s)
 
     def _mark(self) -> Any:
         event = self.ops.new_event()

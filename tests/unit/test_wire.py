@@ -83,16 +83,21 @@ def _checkpoint_round_trip(rank: int, world: int, folder: str) -> dict:
     alive = lambda: None  # noqa: E731 - never told to stop here
     sent = []
     real_send = dist.send
-    dist.send = lambda tensor, dst, *a, **k: (sent.append((dst, tensor.numel())), real_send(tensor, dst, *a, **k))
+    dist.send = lambda tensor, dst, *a, **k: (sent.append((dst, tensor.device, k.get("group"))),
+                                              real_send(tensor, dst, *a, **k))
+    # On GPUs the states travel on a gloo side group, on the host, not through NCCL: the consumer passes it.
+    side = dist.new_group(backend="gloo")
     save = exchange.RankZeroWork(store, "save", 30.0, alive)
     files = exchange.save(save, Path(folder), {"w": torch.ones(2)} if rank == 0 else {}, _state(rank), rank, world,
-                          CPU)
-    dist.send = real_send
+                          group=side)
     resume = exchange.RankZeroWork(store, "resume", 30.0, alive)
     model = exchange.load_model(resume, Path(folder), rank)
-    mine = exchange.hand_out(resume, Path(folder), rank, world, CPU)
+    mine = exchange.hand_out(resume, Path(folder), rank, world, group=side)
+    dist.send = real_send
     ok = _same(mine, _state(rank)) and (model is None) == (rank != 0) and not unpickled
-    ok = ok and all(dst == 0 for dst, _ in sent)  # a rank's state goes to rank 0, and nowhere else
+    saved = sent if rank != 0 else []
+    ok = ok and all(dst == 0 for dst, _, _ in saved)  # a rank's state goes to rank 0, and nowhere else
+    ok = ok and all(device == CPU and group is side for _, device, group in sent)
     if rank == 0:
         ok = ok and sorted(files) == ["model.pt", *(checkpoint.rank_file(r) for r in range(world))]
     return {"all_ok": _all_ok(ok), "files": files, "unpickled": unpickled}

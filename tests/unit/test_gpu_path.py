@@ -1,0 +1,176 @@
+"""The parts of the CUDA path that break or slow several GPUs, checked where a CPU can reach them: aligned flat
+buckets, averaging groups that overlap backward, a torch that cannot see the machine's GPUs, aborting the group on
+every path but a clean finish, compile done before the first collective, and a missing optional part named."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from stoker.training.averager import flatten_float_state, group_bytes
+from stoker.training.backward_average import _groups
+from stoker.training.models import build_model
+
+
+def test_every_view_of_a_flat_bucket_starts_at_64_bytes():
+    """A 10-class head leaves BatchNorm's buffers 8 bytes off 16-byte alignment when views are packed tight."""
+    model = build_model("resnet8", 10)
+    before = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    buckets, parameters = flatten_float_state(model)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point():
+            assert tensor.data_ptr() % 64 == 0, name
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name  # the values moved with the views
+    counted = sum(p.numel() for p in model.parameters())
+    assert parameters[0].numel() >= counted and buckets[0].numel() >= parameters[0].numel()
+
+
+@pytest.mark.parametrize("name", ["resnet8", "resnet18", "resnet50"])
+def test_a_model_has_several_averaging_groups_on_a_gpu(name):
+    """With DDP's fixed 25 MB every built-in model up to resnet18 is one or two groups, and the first group fires
+    only at the end of backward: nothing overlaps. Cut from the parameter count, each model has several."""
+    model = build_model(name, 1000)
+    buckets, _ = flatten_float_state(model)
+    size = group_bytes(sum(b.numel() * b.element_size() for b in buckets), on_gpu=True)
+    groups = _groups([p for p in model.parameters()], buckets, size)
+    assert len(groups) >= (3 if name == "resnet8" else 6)
+    assert size <= 25 << 20
+
+
+@pytest.fixture
+def nvidia_smi_lists_a_gpu(tmp_path, monkeypatch):
+    """A machine whose driver lists a GPU that this (CPU-only) torch cannot use: a real `nvidia-smi` on PATH."""
+    script = tmp_path / "nvidia-smi"
+    script.write_text("#!/bin/sh\nif [ \"$1\" = -L ]; then echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'; "
+                      "else echo '| NVIDIA-SMI 535.1   Driver Version: 535.1   CUDA Version: 12.2 |'; fi\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_devices_auto_stops_when_torch_cannot_see_the_gpus_nvidia_smi_lists(nvidia_smi_lists_a_gpu, monkeypatch):
+    from stoker.common.devices import TorchCannotSeeGpus, resolve_devices
+
+    with pytest.raises(TorchCannotSeeGpus, match=r"nvidia-smi lists 1 GPU .*install a torch wheel.*whl/cu122"):
+        resolve_devices("auto")
+    assert resolve_devices("cpu:2") == ["cpu", "cpu"]  # asked for the CPU: no question
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # hidden on purpose (as the test suite does)
+    assert resolve_devices("auto")[0] == "cpu"
+
+
+def test_bench_gpu_stops_when_torch_cannot_see_the_gpus(nvidia_smi_lists_a_gpu, capsys):
+    from stoker.cli import main
+
+    assert main(["bench", "gpu", "--images", "4"]) == 2
+    assert "nvidia-smi lists 1 GPU" in capsys.readouterr().err
+
+
+def test_bench_gpu_without_the_bench_extra_says_which_extra_to_install(monkeypatch, capsys):
+    import sys
+
+    from stoker.cli import main
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # not installed
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert main(["bench", "gpu", "--device", "cpu", "--images", "4"]) == 2
+    assert "pip install 'stoker[bench]'" in capsys.readouterr().err
+
+
+def test_a_stopped_or_failed_consumer_aborts_its_group_and_only_a_finished_one_destroys_it(monkeypatch):
+    """destroy_process_group flushes pending NCCL work and can block until the controller kills the consumer."""
+    from torch.distributed import distributed_c10d
+
+    from stoker.training import consumer
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda *a: calls.append("abort"))
+    consumer.close_group(finished=False)
+    consumer.close_group(finished=True)
+    assert calls == ["abort", "destroy"]
+
+
+def _count_compiles() -> tuple[list[int], object]:
+    compiles = [0]
+
+    def backend(graph, example_inputs):
+        compiles[0] += 1
+        return graph.forward
+
+    return compiles, backend
+
+
+def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_it_was():
+    """After the warm-up, the full batch, a short last batch and validation (eval mode, either size) compile
+    nothing more: no rank compiles after the group's first collective."""
+    import torch._dynamo
+
+    from stoker.training import accel, warmup
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model("resnet8", 10)
+    flatten_float_state(model)
+    before = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    compiles, backend = _count_compiles()
+    forward = accel.compiled(model, threads=1, backend=backend)
+    precision = accel.MixedPrecision("fp32", torch.device("cpu"))
+    rng = torch.get_rng_state()
+    warmup.warm_up(model, forward, precision, torch.device("cpu"), 8, 32, 10, channels_last=True)
+    assert compiles[0] > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *model.buffers())))
+    assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
+    after_warm_up = compiles[0]
+    for size in (8, 5, 3):
+        images = torch.randn(size, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+        model.train()
+        F.cross_entropy(forward(images), torch.zeros(size, dtype=torch.int64)).backward()
+        model.eval()
+        with torch.no_grad():
+            forward(images)
+    assert compiles[0] == after_warm_up
+    torch._dynamo.reset()
+
+
+def test_a_consumer_still_compiling_does_not_time_out_the_others(tmp_path):
+    """The consumers meet through the store after compiling: a late one holds the others there, not in a
+    collective with a 60 s timeout."""
+    from stoker.training.warmup import wait_for_peers
+
+    store = dist.FileStore(str(tmp_path / "store"), 2)
+    waited: list[float] = []
+
+    def early() -> None:
+        started = time.monotonic()
+        wait_for_peers(store, "compiled", 2, alive=lambda: None)
+        waited.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=early)
+    thread.start()
+    time.sleep(1.0)  # the other consumer is still compiling
+    assert thread.is_alive()
+    wait_for_peers(dist.FileStore(str(tmp_path / "store"), 2), "compiled", 2, alive=lambda: None)
+    thread.join(timeout=10)
+    assert waited and waited[0] >= 1.0
+
+
+def test_a_consumer_told_to_stop_leaves_the_meeting(tmp_path):
+    from stoker.training.warmup import wait_for_peers
+
+    class Stop(Exception):
+        pass
+
+    def stopped() -> None:
+        raise Stop
+
+    with pytest.raises(Stop):
+        wait_for_peers(dist.FileStore(str(Path(tmp_path) / "store"), 2), "compiled", 2, alive=stopped)
