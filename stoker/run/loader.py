@@ -180,11 +180,7 @@ class Loader:
         if self.closed:
             raise RuntimeError("this stoker.Loader is closed")
         self._start()
-        epoch = self.epoch
-        resume, self._resume = self._resume, None
-        first_step = resume.step if resume is not None and resume.epoch == epoch else 0
-        self._begin_epoch(epoch, first_step)
-        return self._batches(epoch, first_step)
+        return self._batches()
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch is (epoch, step), what it is a function of, and the files skipped so far."""
@@ -308,18 +304,29 @@ class Loader:
         self._last_return: float | None = None
         engine.dispatch()
 
-    def _batches(self, epoch: int, first_step: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch is the one set when the first batch is asked for, not when iter() was called: Lightning
+        takes its iterator first and calls sampler.set_epoch after."""
+        epoch = self.epoch
+        resume, self._resume = self._resume, None
+        first_step = resume.step if resume is not None and resume.epoch == epoch else 0
+        self._begin_epoch(epoch, first_step)
         self._iterating = True
         try:
-            for step in range(first_step, self.plan.steps_per_epoch):
+            steps = self.plan.steps_per_epoch
+            for step in range(first_step, steps):
                 batch = self._next_batch()
                 assert batch.epoch == epoch and batch.step == step, (batch, epoch, step)
                 images, labels = self._take(batch)
                 self._position = Position(epoch, step + 1, 0)
+                if step + 1 == steps:
+                    # Handed out the epoch's last batch: a loop that stops on len() (Lightning) never asks for the
+                    # end, and a checkpoint taken now must resume at the next epoch. The next iter() is that epoch
+                    # unless set_epoch says otherwise.
+                    self._position = Position(epoch + 1, 0, 0)
+                    self.epoch = epoch + 1
                 self._last_return = time.perf_counter()
                 yield images, labels
-            self._position = Position(epoch + 1, 0, 0)
-            self.epoch = epoch + 1  # the next iter() is the next epoch unless set_epoch says otherwise
         finally:
             self._iterating = False
 

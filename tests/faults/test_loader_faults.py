@@ -22,7 +22,7 @@ def test_producer_killed_mid_epoch_every_sample_still_once(textures):
     train, _ = textures
     seen = []
     with stoker.Loader(train, batch_size=8, image_size=32, producers=2, device="cpu") as loader:
-        for step, (images, labels) in enumerate(loader):
+        for step, _ in enumerate(loader):
             seen.extend(loader.batch_ids.tolist())
             if step == 3:
                 victim = next(iter(loader._engine.pool.handles.values())).process
