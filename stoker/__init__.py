@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stoker.common.config import TrainConfig
+    from stoker.run.loader import Loader
 
-__all__ = ["TrainConfig", "train"]
+__all__ = ["Loader", "TrainConfig", "train"]
 
 
 def train(config: TrainConfig | None = None, *, show_progress: bool = True, **settings: Any) -> dict[str, Any]:
@@ -43,4 +44,7 @@ def __getattr__(name: str) -> Any:
     if name == "TrainConfig":
         from stoker.common.config import TrainConfig
         return TrainConfig
+    if name == "Loader":  # stoker's producers feeding a training loop of one's own
+        from stoker.run.loader import Loader
+        return Loader
     raise AttributeError(name)

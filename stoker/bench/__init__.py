@@ -6,13 +6,14 @@ import argparse
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from stoker.bench import autoscale, data, gpu, pipeline, scaling, soak, sync
+    from stoker.bench import autoscale, data, gpu, loader, pipeline, scaling, soak, sync
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     autoscale.add_parser(kinds)
     data.add_parser(kinds)
     gpu.add_parser(kinds)
+    loader.add_parser(kinds)
     pipeline.add_parser(kinds)
     scaling.add_parser(kinds)
     soak.add_parser(kinds)

@@ -38,10 +38,12 @@ class EpochPlan:
     batch_size: int
     num_consumers: int
     seed: int
+    drop_last: bool = False  # as in DataLoader: no short last step (`stoker.Loader(drop_last=True)`)
 
     @property
     def steps_per_epoch(self) -> int:
-        return -(-self.num_train // (self.batch_size * self.num_consumers))
+        per_step = self.batch_size * self.num_consumers
+        return self.num_train // per_step if self.drop_last else -(-self.num_train // per_step)
 
     @property
     def samples_per_epoch(self) -> int:

@@ -22,6 +22,7 @@ from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_paren
 from stoker.data.dataset import Skipped
 from stoker.data.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
 from stoker.data.index import read_file
+from stoker.data.user_dataset import DatasetSource
 from stoker.pipeline.plan import Work, sample_rng
 from stoker.pipeline.ring import RingSpec, SlotRing
 
@@ -146,11 +147,14 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
         # Drawing a generator costs more than decoding a small PNG: only augmentations that draw get one.
         rng = sample_rng(setup.seed, work.kind, work.epoch, sample_id) if augment != "none" else None
         try:
-            load_into(source.read(sample_id), images[count], augment, rng)
+            if isinstance(source, DatasetSource):  # the user's own __getitem__, seeded per sample
+                labels[count] = source.fill(sample_id, images[count], setup.seed, work.epoch)
+            else:
+                load_into(source.read(sample_id), images[count], augment, rng)
+                labels[count] = source.labels[sample_id]
         except UnusableImage as error:
             skipped[sample_id] = Skipped(source.paths[sample_id], str(error))
             continue
-        labels[count] = source.labels[sample_id]
         ids[count] = sample_id
         count += 1
     ring.counts[task.slot] = count

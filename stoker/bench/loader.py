@@ -1,0 +1,218 @@
+"""`stoker bench loader`: stoker.Loader against torch's DataLoader in the same input-bound 2-rank DDP loop.
+
+The loop is a user's torchrun script: 2 ranks on gloo, a model with almost no compute (one strided convolution and
+a linear layer under DDP), 500x375 JPEGs, RandomResizedCrop 224 and flip. Three feeds, each in its best form:
+  loader             stoker.Loader(device="cpu"): producers autoscaled, normalized float batches
+  dataloader_pillow  DataLoader with the torchvision recipe (Pillow decode, crop, resize, flip, ToTensor, Normalize)
+  dataloader_stoker  DataLoader whose workers decode with stoker's own `load_into` (uint8), normalized in the loop
+DataLoader runs with persistent workers, pinned memory where there is a GPU to pin for, and the worker count per
+rank that was fastest in a sweep measured in the same run. Each repeat runs every feed once, one feed later each
+time (interleaved); medians of the repeats are reported, with the ratios to each DataLoader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FEEDS = ("loader", "dataloader_pillow", "dataloader_stoker")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("loader", help="stoker.Loader against DataLoader in an input-bound 2-rank DDP loop")
+    parser.add_argument("--data", type=Path, metavar="DIR", help="a folder of `stoker bench pipeline --generate` "
+                        "(default: generate 500x375 JPEGs into a temporary folder)")
+    parser.add_argument("--images", type=int, default=512, help="JPEGs to generate")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per rank and run")
+    parser.add_argument("--warmup", type=int, default=8, help="steps per rank before timing starts")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", default="1,2,3", help="DataLoader workers per rank to sweep")
+    parser.add_argument("--json", type=Path, metavar="FILE")
+    parser.add_argument("--rank-feed", help=argparse.SUPPRESS)  # internal: one rank of one run
+    parser.add_argument("--rank-workers", type=int, default=0, help=argparse.SUPPRESS)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rank_feed:
+        return rank_main(args)
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-loader-") as scratch:
+        folder = args.data or _generate(Path(scratch), args.images)
+        result = measure(folder, args)
+    print_table(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _generate(scratch: Path, images: int) -> Path:
+    from stoker.bench.pipeline import generate
+
+    generate(scratch, images, 0)
+    return scratch / "500x375"
+
+
+def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    sweep = [int(w) for w in args.workers.split(",")]
+    best = {}
+    for feed in ("dataloader_pillow", "dataloader_stoker"):  # each DataLoader's best worker count, measured here
+        rates = {w: launch(folder, feed, w, args) for w in sweep}
+        best[feed] = max(rates, key=lambda w: rates[w])
+        print(f"{feed}: workers per rank {rates} -> {best[feed]}", file=sys.stderr)
+    runs: dict[str, list[float]] = {feed: [] for feed in FEEDS}
+    for repeat in range(args.repeats):
+        order = FEEDS[repeat % len(FEEDS):] + FEEDS[:repeat % len(FEEDS)]
+        for feed in order:
+            runs[feed].append(launch(folder, feed, best.get(feed, 0), args))
+    medians = {feed: statistics.median(rates) for feed, rates in runs.items()}
+    return {"command": " ".join(sys.argv), "cores": os.cpu_count(), "ranks": args.ranks,
+            "batch_size": args.batch_size, "image_size": args.image_size, "steps": args.steps,
+            "best_workers": best, "samples_per_s": runs, "median_samples_per_s": medians,
+            "loader_vs_dataloader_pillow": medians["loader"] / medians["dataloader_pillow"],
+            "loader_vs_dataloader_stoker": medians["loader"] / medians["dataloader_stoker"]}
+
+
+def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> float:
+    """One run: `ranks` processes as torchrun starts them; samples per second over all ranks (rank 0's clock)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-rank-") as out:
+        processes = []
+        for rank in range(args.ranks):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(args.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+            command = [sys.executable, "-m", "stoker", "bench", "loader", "--data", str(folder), "--rank-feed",
+                       feed, "--rank-workers", str(workers), "--batch-size", str(args.batch_size), "--image-size",
+                       str(args.image_size), "--steps", str(args.steps), "--warmup", str(args.warmup), "--json",
+                       f"{out}/{rank}.json"]
+            processes.append(subprocess.Popen(command, env=env))
+        for process in processes:
+            if process.wait(timeout=600) != 0:
+                raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
+        return json.loads(Path(f"{out}/0.json").read_text())["samples_per_s"]
+
+
+# ---- one rank ------------------------------------------------------------------------------------------------------
+
+class StokerDecodeDataset:
+    """DataLoader workers decoding with stoker's `load_into` (libjpeg-turbo reduced decode, OpenCV resize)."""
+
+    def __init__(self, paths: list[str], labels: np.ndarray, size: int) -> None:
+        self.paths, self.labels, self.size = paths, labels, size
+        self.rng = np.random.default_rng()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        import torch
+
+        from stoker.data.imaging import load_into
+
+        out = np.empty((self.size, self.size, 3), np.uint8)
+        load_into(Path(self.paths[index]).read_bytes(), out, "standard", self.rng)
+        return torch.from_numpy(out), int(self.labels[index])
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 8, stride=8), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches, close = _feed(args)
+    try:
+        timed_from = 0.0
+        for step, (images, labels) in enumerate(batches):
+            if step == args.warmup:
+                dist.barrier()
+                timed_from = time.perf_counter()
+            if step == args.warmup + args.steps:
+                break
+            optimizer.zero_grad()
+            F.cross_entropy(model(images), labels).backward()
+            optimizer.step()
+        seconds = time.perf_counter() - timed_from
+    finally:
+        close()
+    rate = args.steps * args.batch_size * dist.get_world_size() / seconds
+    Path(args.json).write_text(json.dumps({"samples_per_s": rate}))
+    dist.destroy_process_group()
+    return 0
+
+
+def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(an endless iterator of (float images, labels), its close)."""
+    import torch
+
+    if args.rank_feed == "loader":
+        import stoker
+
+        loader = stoker.Loader(args.data, batch_size=args.batch_size, image_size=args.image_size, device="cpu")
+        return _epochs(loader), loader.close
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from stoker.data.dataset import scan_image_folder
+    from stoker.pipeline.feed import MEAN, STD
+
+    index = scan_image_folder(args.data)
+    if args.rank_feed == "dataloader_pillow":
+        from stoker.bench.pipeline import TorchvisionStyleDataset
+
+        dataset: Any = TorchvisionStyleDataset(index.paths, index.labels, args.image_size, to_float=True)
+    else:
+        dataset = StokerDecodeDataset(list(index.paths), index.labels, args.image_size)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, shuffle=True, seed=0, drop_last=True)
+    workers = args.rank_workers
+    feed: DataLoader[Any] = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=workers,
+                                       persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
+                                       drop_last=True, prefetch_factor=2 if workers else None)
+    mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+
+    def normalized() -> Any:
+        for images, labels in _epochs(feed, sampler):
+            if images.dtype == torch.uint8:  # stoker's decoder: uint8 HWC, normalized here as the Loader does
+                images = (images.permute(0, 3, 1, 2).float() - mean) / std
+            yield images, labels
+    return normalized(), lambda: None
+
+
+def _epochs(loader: Any, sampler: Any = None) -> Any:
+    epoch = 0
+    while True:
+        (sampler or loader).set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"input-bound {result['ranks']}-rank DDP loop, batch {result['batch_size']} per rank, "
+          f"RandomResizedCrop {result['image_size']}, medians of {len(result['samples_per_s']['loader'])} repeats")
+    for feed in FEEDS:
+        runs = ", ".join(f"{r:.0f}" for r in result["samples_per_s"][feed])
+        workers = result["best_workers"].get(feed)
+        note = f" (best workers per rank: {workers})" if workers is not None else ""
+        print(f"  {feed:18s} {result['median_samples_per_s'][feed]:8.1f} samples/s  [{runs}]{note}")
+    print(f"  Loader / DataLoader (Pillow recipe):   {result['loader_vs_dataloader_pillow']:.2f}x")
+    print(f"  Loader / DataLoader (stoker's decoder): {result['loader_vs_dataloader_stoker']:.2f}x")

@@ -1,0 +1,121 @@
+"""A user's own map-style dataset as a source of samples: its `__getitem__` runs in stoker's producers.
+
+Each item must be an HWC uint8 image of the loader's size and an integer label. Before each item the producer
+seeds Python's `random`, NumPy's global generator and torch from (seed, epoch, index), so a dataset that augments
+with any of them gives the same bytes whichever producer builds the sample, however many there are.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+
+class ItemNames(Sequence[str]):
+    """`paths[i]` of a dataset: how messages and `skipped_files` name item i."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self._name = name
+        self._size = size
+
+    def __len__(self) -> int:
+        return self._size
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._size))]
+        if not -self._size <= index < self._size:
+            raise IndexError(index)
+        return f"{self._name}[{index % self._size}]"
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(self._size))
+
+
+def item_seed(seed: int, epoch: int, index: int) -> int:
+    """One 63-bit seed per (seed, epoch, index): independent of the batch, the producer and their number."""
+    return int(np.random.SeedSequence([seed, epoch, index, 0xDA7A]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def seed_everything(seed: int) -> None:
+    """The three generators a user's augmentation may draw from."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class DatasetSource:
+    """Wraps a map-style dataset (`len` and `__getitem__`); pickled to every producer (spawn), so the dataset
+    must pickle: a class defined at the top level of a module or of the script."""
+
+    def __init__(self, dataset: Any, image_size: int) -> None:
+        self.dataset = dataset
+        self.image_size = image_size
+        self.paths = ItemNames(type(dataset).__name__, len(dataset))
+        self.labels = np.zeros(0, dtype=np.int64)  # known only once an item is built
+        self._torch_threads_set = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "image_size": self.image_size, "paths": self.paths, "labels": self.labels,
+                "_torch_threads_set": False}
+
+    def read(self, sample_id: int) -> bytes:
+        raise TypeError("a dataset's items are built by `fill`, not read as files")
+
+    def fill(self, sample_id: int, out: np.ndarray, seed: int, epoch: int) -> int:
+        """Build item `sample_id` of `epoch` into `out` (HWC uint8); returns its label."""
+        self._one_torch_thread()
+        seed_everything(item_seed(seed, epoch, sample_id))
+        image, label = _unpack(self.dataset[sample_id], sample_id)
+        pixels = _as_array(image)
+        expected = (self.image_size, self.image_size, 3)
+        if pixels.shape != expected or pixels.dtype != np.uint8:
+            raise ValueError(f"dataset[{sample_id}]: the image is {pixels.dtype} of shape {tuple(pixels.shape)}; "
+                             f"expected uint8 of shape {expected} (HWC, the loader's image_size)")
+        out[...] = pixels
+        return label
+
+    def _one_torch_thread(self) -> None:
+        """A producer is one core's worth of work: torch's own thread pool would only compete with its peers."""
+        if not self._torch_threads_set:
+            import torch
+
+            torch.set_num_threads(1)
+            self._torch_threads_set = True
+
+
+def _unpack(item: Any, index: int) -> tuple[Any, int]:
+    try:
+        image, label = item
+        return image, int(label)
+    except (TypeError, ValueError):
+        raise ValueError(f"dataset[{index}]: expected (image, label) with an integer label, got "
+                         f"{type(item).__name__}") from None
+
+
+def _as_array(image: Any) -> np.ndarray:
+    if isinstance(image, np.ndarray):
+        return image
+    if hasattr(image, "numpy"):  # a torch tensor
+        return image.detach().cpu().numpy()
+    return np.asarray(image)
+
+
+def check_dataset(dataset: Any) -> None:
+    """In the user's process, before anything starts: a map-style dataset with items."""
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ValueError(f"data: a {type(dataset).__name__} is neither a path (ImageFolder, shards) nor a map-style "
+                         "dataset (with __len__ and __getitem__)")
+    if len(dataset) == 0:
+        raise ValueError(f"data: the {type(dataset).__name__} is empty")

@@ -1,0 +1,505 @@
+"""`stoker.Loader`: stoker's producers feeding a training loop of one's own (DDP, Lightning, accelerate).
+
+One Loader per rank, in the user's training process. It drives the same engine as `stoker train` (the ring, the
+producer pool, the scheduler's order of work, the autoscaler): batch k of epoch e on rank r is a pure function of
+(seed, e, k, r), whichever producer builds it and however many there are, so every rank gets its own disjoint part
+of each epoch, the same bytes with 1 or 16 producers, and a resume from `state_dict()` continues exactly. Rank
+and world size are read at the first `iter()`, never in the constructor: Lightning builds its loaders before the
+process group exists. The producers start at the first `iter()` and live until `close()` (or the process) ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from stoker.common.checkpoint import Position
+from stoker.common.config import Augment
+from stoker.common.devices import available_cores
+from stoker.common.procs import CONTEXT, POLL_S, Mailbox, StokerRunError
+from stoker.data.builtin_data import builtin_dataset
+from stoker.data.dataset import Skipped
+from stoker.data.sources import load_source, log_refused
+from stoker.data.user_dataset import DatasetSource, check_dataset
+from stoker.observe.diagnosis import TimeSplit, diagnose
+from stoker.observe.metrics import MetricsLog, RunStats
+from stoker.pipeline.autoscale import Window, static_budget
+from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space, producer_fields
+from stoker.pipeline.feed import DeviceLoader
+from stoker.pipeline.messages import Batch, StepReport
+from stoker.pipeline.plan import EpochPlan
+from stoker.pipeline.scheduler import Scheduler
+from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
+from stoker.pipeline.streams import ops_for
+
+log = logging.getLogger(__name__)
+
+SCALE_WINDOW_S = 1.0  # as the controller's
+AUGMENTS = ("standard", "noflip", "none")
+DEFAULT_IMAGE_SIZE = 224
+BUILTIN_IMAGE_SIZE = 32
+MIN_SLOTS = 4  # the trainer's slots_per_consumer
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process stands in the job, read at the first `iter()`."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device | None  # None: uint8 batches on the host
+
+
+def read_rank() -> tuple[int, int]:
+    """(rank, world size) from torch.distributed when its group exists, else RANK / WORLD_SIZE, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def resolve_device(device: str | None) -> torch.device | None:
+    """The rank's own device: 'cuda' is cuda:LOCAL_RANK (or the current CUDA device), never simply cuda:0."""
+    if device is None:
+        return None
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        local = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    return torch.device(device)
+
+
+class EpochSampler:
+    """`loader.sampler`: what Lightning and DistributedSampler users call `set_epoch` on."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = weakref.proxy(loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
+class _Events:
+    """The engine's events: kept (the latest ones, for `summary()`), written to `metrics_file` when given, and
+    producer changes logged as the trainer's live view shows them."""
+
+    def __init__(self, metrics_file: Path | None) -> None:
+        self.recent: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.log = MetricsLog(metrics_file) if metrics_file is not None else None
+
+    def write(self, event: str, **fields: Any) -> None:
+        self.recent.append({"event": event, **fields})
+        if self.log is not None:
+            self.log.write(event, **fields)
+        if event == "producers" and fields.get("reason") != "start":
+            log.info("producers: %d (%s)", fields["count"], fields["reason"])
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+
+@dataclass
+class _Window:
+    """What the loop did since the last autoscaling decision."""
+
+    started: float
+    wait_s: float = 0.0
+    samples: int = 0
+    steps: int = 0
+    fill: float = 0.0
+
+
+class Loader:
+    """Batches of (images, labels) for one rank: on `device` as normalized float NCHW (channels_last), or with
+    `device=None` as uint8 NCHW on the host (pinned when CUDA is there). `data`: what `stoker train --data` takes
+    (an ImageFolder root, WebDataset-layout shards; None for the built-in set), or a map-style dataset whose items
+    are (HWC uint8 image of `image_size`, integer label)."""
+
+    def __init__(self, data: str | Path | Any | None, batch_size: int, image_size: int | None = None,
+                 augment: Augment = "standard", seed: int = 0, producers: int | Literal["auto"] = "auto",
+                 device: str | None = "auto", drop_last: bool = False, min_producers: int = 1,
+                 max_producers: int | None = None, channels_last: bool = True, producer_timeout_s: float = 20.0,
+                 max_bad_fraction: float = 0.1, metrics_file: str | Path | None = None) -> None:
+        _check_settings(batch_size, image_size, augment, seed, producers, min_producers, max_producers,
+                        producer_timeout_s, max_bad_fraction)
+        self.batch_size = batch_size
+        self.augment: Augment = augment
+        self.seed = seed
+        self.producers = producers
+        self.min_producers = min_producers
+        self.max_producers = max_producers
+        self.device_setting = device
+        self.drop_last = drop_last
+        self.channels_last = channels_last
+        self.producer_timeout_s = producer_timeout_s
+        self.max_bad_fraction = max_bad_fraction
+        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
+        self.source, self.image_size, self.classes, self.refused = _open_data(data, image_size)
+        _check_device(device)
+        self.sampler = EpochSampler(self)
+        self.epoch = 0
+        self._position = Position(0, 0, 0)  # the next batch to hand out
+        self._resume: Position | None = None  # from load_state_dict, used by the next iter() of that epoch
+        self.info: RankInfo | None = None
+        self._engine: Engine | None = None
+        self._finalizer: weakref.finalize | None = None
+        self.batch_ids = np.zeros(0, dtype=np.int64)  # dataset positions of the last batch handed out
+        self.stats = RunStats(1, len(self.source.paths), 0)  # this rank's books: steps, time split, exactly once
+        for item in self.refused:
+            self.stats.skipped.setdefault(item.path, item.reason)
+        self._iterating = False
+        self.closed = False
+
+    # ---- what DataLoader users call ------------------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch < 0:
+            raise ValueError(f"set_epoch({epoch}): expected an epoch >= 0")
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches per epoch on every rank: the same on each, whatever files turn out unusable."""
+        world = self.info.world_size if self.info is not None else read_rank()[1]
+        return self._plan(world).steps_per_epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self.closed:
+            raise RuntimeError("this stoker.Loader is closed")
+        self._start()
+        return self._batches()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch is (epoch, step), what it is a function of, and the files skipped so far."""
+        return {"version": STATE_VERSION, "epoch": self._position.epoch, "step": self._position.step,
+                "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
+                "world_size": self.info.world_size if self.info is not None else read_rank()[1],
+                "num_samples": len(self.source.paths),
+                "skipped": [{"path": p, "reason": r} for p, r in self.stats.skipped.items()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved batch: the next `iter()` of the saved epoch starts there (exact resume)."""
+        self._check_state(state)
+        self.epoch = int(state["epoch"])
+        self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
+        for item in state.get("skipped", []):
+            self.stats.skipped.setdefault(item["path"], item["reason"])
+
+    def summary(self) -> dict[str, Any]:
+        """Input stall share, producers over time, skipped files, exactly-once accounting, the trainer's verdict."""
+        stats = self.stats
+        engine = self._engine
+        stall = stats.stall_fractions()[0]
+        split = TimeSplit(compute=stats.compute_fractions()[0], input_wait=stall, averaging=0.0,
+                          producers=engine.max_alive if engine else 0,
+                          producer_budget=engine.producer_limit() if engine else 0,
+                          producer_utilization=engine.producer_utilization() if engine else 0.0, sync_every=1,
+                          overlapped=False)
+        return {"rank": self.info.rank if self.info else None,
+                "world_size": self.info.world_size if self.info else None,
+                "batches": stats.consumers[0].steps, "samples": stats.consumers[0].samples,
+                "input_stall_fraction": stall, **producer_fields(engine),
+                "skipped_files": [{"path": p, "reason": r} for p, r in stats.skipped.items()],
+                **stats.accounting(), "epoch_accounting": stats.epoch_accounting(),
+                "verdict": diagnose(split).as_json() if stats.consumers[0].steps else
+                {"bottleneck": "starting", "advice": "no batch handed out yet"}}
+
+    def close(self) -> None:
+        """Idempotent: producers stopped and joined, the ring unlinked."""
+        self.closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- starting -----------------------------------------------------------------------------------------------
+
+    def _plan(self, world: int) -> EpochPlan:
+        return EpochPlan(len(self.source.paths), 0, self.batch_size, world, self.seed, self.drop_last)
+
+    def _start(self) -> None:
+        """At the first iter(): rank, world size and device, then the ring and the producers."""
+        if self._engine is not None:
+            return
+        rank, world = read_rank()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        self.info = RankInfo(rank, world, local_world, resolve_device(self.device_setting))
+        self.plan = self._plan(world)
+        if self.plan.steps_per_epoch == 0:
+            raise ValueError(f"batch_size={self.batch_size} x {world} ranks is more than the {len(self.source.paths)}"
+                             " samples, with drop_last=True: no batch at all")
+        cores = max(1, available_cores() // max(1, local_world))  # this rank's share of the machine
+        trains_on = ["cuda" if self._on_gpu() else "cpu"]
+        counts = ProducerCounts.from_settings(self.producers, self.min_producers, None, self.max_producers,
+                                              static_budget(trains_on, cores), cores)
+        self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
+        check_ring_space(self.num_slots, self.batch_size, self.image_size, counts.budget)
+        name_semaphores_for_sweeping()  # before the first one: what a kill -9 of the user's process leaves is swept
+        sweep_dead_semaphores()
+        self.stop = CONTEXT.Event()
+        self.mailbox = Mailbox()
+        self.events = _Events(self.metrics_file)
+        self.stats.steps_per_epoch, self.stats.first_rank = self.plan.steps_per_epoch, rank
+        augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
+        self._engine = Engine(self.source, None, augment, self.seed, self.num_slots, self.batch_size,
+                              self.image_size, counts, self.producer_timeout_s, self.max_bad_fraction, self.mailbox,
+                              self.stop, self.stats, self.events)
+        # With the loader, at garbage collection, or at the interpreter's exit; never after a fork's copy of it.
+        self._finalizer = weakref.finalize(self, _shut_down, self._engine, self.stop, self.mailbox, self.events,
+                                           os.getpid())
+        self.feed = DeviceLoader(self._engine.ring, self.info.device, self.channels_last,
+                                 ops_for(self.info.device)) if self.info.device is not None else None
+        self._pin = torch.cuda.is_available()
+        self._first_batch = True
+
+    def _on_gpu(self) -> bool:
+        device = self.info.device if self.info is not None else None
+        return (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
+
+    def _check_state(self, state: dict[str, Any]) -> None:
+        for key in ("epoch", "step", "seed", "batch_size", "num_samples"):
+            if key not in state:
+                raise ValueError(f"load_state_dict: the state has no {key!r} (expected a Loader.state_dict())")
+        mine = {"seed": self.seed, "batch_size": self.batch_size, "num_samples": len(self.source.paths),
+                "drop_last": self.drop_last}
+        for key, value in mine.items():
+            if key in state and state[key] != value:
+                raise ValueError(f"load_state_dict: the state was saved with {key}={state[key]!r}, this loader has "
+                                 f"{key}={value!r}; batches would differ, resume with the same settings")
+        world = read_rank()[1] if self.info is None else self.info.world_size
+        if "world_size" in state and state["world_size"] != world:
+            raise ValueError(f"load_state_dict: the state was saved with world_size={state['world_size']}, this job "
+                             f"has {world}; resume with the same number of ranks")
+
+    # ---- an epoch -----------------------------------------------------------------------------------------------
+
+    def _begin_epoch(self, epoch: int, first_step: int) -> None:
+        """A scheduler for this epoch from `first_step`; what an abandoned iteration still had built is dropped."""
+        engine = self._require_engine()
+        self._iterating = False
+        self._drain()
+        steps = self.plan.steps_per_epoch
+        start = Position(epoch, first_step, epoch * steps + first_step)
+        assert self.info is not None
+        scheduler = Scheduler(self.plan, epoch + 1, start, self.num_slots, False, 0, Path("."), self.info.rank, 1)
+        engine.follow(scheduler)
+        self._ready: deque[Batch] = deque()
+        self._position = start
+        self._window = _Window(time.monotonic())
+        self._last_return: float | None = None
+        engine.dispatch()
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch is the one set when the first batch is asked for, not when iter() was called: Lightning
+        takes its iterator first and calls sampler.set_epoch after."""
+        epoch = self.epoch
+        resume, self._resume = self._resume, None
+        first_step = resume.step if resume is not None and resume.epoch == epoch else 0
+        self._begin_epoch(epoch, first_step)
+        self._iterating = True
+        try:
+            steps = self.plan.steps_per_epoch
+            for step in range(first_step, steps):
+                batch = self._next_batch()
+                assert batch.epoch == epoch and batch.step == step, (batch, epoch, step)
+                images, labels = self._take(batch)
+                self._position = Position(epoch, step + 1, 0)
+                if step + 1 == steps:
+                    # Handed out the epoch's last batch: a loop that stops on len() (Lightning) never asks for the
+                    # end, and a checkpoint taken now must resume at the next epoch. The next iter() is that epoch
+                    # unless set_epoch says otherwise.
+                    self._position = Position(epoch + 1, 0, 0)
+                    self.epoch = epoch + 1
+                self._last_return = time.perf_counter()
+                yield images, labels
+        finally:
+            self._iterating = False
+
+    def _next_batch(self) -> Batch:
+        """Wait for this rank's next batch, pumping the engine; the wait is what autoscaling reads."""
+        entered = time.perf_counter()
+        self._pump(0.0)
+        while not self._ready:
+            self._pump(POLL_S)
+        batch = self._ready.popleft()
+        self._account_wait(time.perf_counter() - entered, entered)
+        return batch
+
+    def _pump(self, timeout_s: float) -> None:
+        """Producers' reports in, dead producers replaced, new work out, finished batches collected in order."""
+        engine = self._require_engine()
+        for message in self.mailbox.receive(timeout_s):
+            engine.handle(message)
+        engine.check_producers()
+        engine.dispatch()
+        for _, message in engine.deliverable():
+            if isinstance(message, Batch):
+                self._ready.append(message)
+            # The scheduler's end-of-epoch Save is the trainer's business: a loader has nothing to save.
+
+    def _take(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Out of the slot into tensors of their own (a batch stays valid after the next one), slot handed back."""
+        engine = self._require_engine()
+        if self.feed is not None:
+            images, labels, ids = self.feed.take(batch.slot, engine.release)
+        else:
+            images, labels, ids = self._host_copy(batch.slot)
+        engine.dispatch()  # the freed slot is refilled while the user trains
+        self.batch_ids = ids
+        self._record(batch, ids)
+        return images, labels
+
+    def _host_copy(self, slot: int | None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        engine = self._require_engine()
+        ring = engine.ring
+        if slot is None:  # this rank has no sample in a short last step
+            empty = torch.empty((0, 3, self.image_size, self.image_size), dtype=torch.uint8)
+            return empty, torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
+        count = int(ring.counts[slot])
+        images = torch.empty((count, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self._pin)
+        np.copyto(images.numpy(), ring.images[slot, :count])
+        labels = torch.from_numpy(ring.labels[slot, :count].copy())
+        ids = ring.ids[slot, :count].copy()
+        engine.release(slot)
+        return images.permute(0, 3, 1, 2), labels, ids  # NCHW, channels_last in memory
+
+    def _drain(self) -> None:
+        """Let the batches still being built (an iteration left before its end) finish: their slots are reused."""
+        engine = self._require_engine()
+        deadline = time.monotonic() + 3 * self.producer_timeout_s
+        while engine.building:
+            if time.monotonic() > deadline:
+                raise StokerRunError(f"{engine.building} batch(es) were still being built after "
+                                     f"{3 * self.producer_timeout_s:.0f} s")
+            for message in self.mailbox.receive(POLL_S):
+                engine.handle(message)
+            engine.check_producers()
+
+    def _require_engine(self) -> Engine:
+        if self._engine is None or self.closed:
+            raise RuntimeError("this stoker.Loader is closed" if self.closed else "iter() starts the loader")
+        return self._engine
+
+    # ---- measuring ----------------------------------------------------------------------------------------------
+
+    def _account_wait(self, wait_s: float, entered: float) -> None:
+        if self._first_batch:  # waiting for the very first batch is start-up, as in the trainer
+            self._first_batch, wait_s = False, 0.0
+            self._window = _Window(time.monotonic())
+        self._wait_s = wait_s
+        self._compute_s = entered - self._last_return if self._last_return is not None else 0.0
+        self._window.wait_s += wait_s
+        self._window.fill += self._require_engine().queue_fill()
+
+    def _record(self, batch: Batch, ids: np.ndarray) -> None:
+        """The step's books (exactly once, time split), then, every SCALE_WINDOW_S, the autoscaler's turn."""
+        now = time.monotonic()
+        self.stats.record_step(StepReport(0, batch.epoch, batch.step, batch.global_step, len(ids), 0.0,
+                                             self._wait_s, self._compute_s, 0.0, ids, None), now)
+        window = self._window
+        window.samples += len(ids)
+        window.steps += 1
+        elapsed = now - window.started
+        if elapsed >= SCALE_WINDOW_S:
+            self._close_window(window, elapsed)
+            self._window = _Window(now)
+
+    def _close_window(self, window: _Window, elapsed_s: float) -> None:
+        engine = self._require_engine()
+        utilization = engine.take_utilization(elapsed_s)
+        stall = min(1.0, window.wait_s / elapsed_s)
+        fill = window.fill / max(1, window.steps)
+        self.events.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2), queue_fill=round(fill, 4),
+                          producers=engine.num_active, producer_utilization=round(utilization, 4),
+                          input_wait=round(stall, 4))
+        engine.autoscale(Window(stall=stall, queue_fill=fill, utilization=utilization, producers=engine.num_active,
+                                samples=window.samples, steps=window.steps, train_s=elapsed_s))
+
+
+
+def _shut_down(engine: Engine, stop: Any, mailbox: Mailbox, events: _Events, owner_pid: int) -> None:
+    """Stop event, producers joined (or killed), then the ring unlinked; in the process that started them only."""
+    if os.getpid() != owner_pid:
+        return
+    stop.set()
+    engine.close()
+    mailbox.close()
+    events.close()
+
+
+def _open_data(data: str | Path | Any | None, image_size: int | None
+               ) -> tuple[Any, int, tuple[str, ...], tuple[Skipped, ...]]:
+    """The samples, the image size, the class names, and what the index refused."""
+    if data is not None and not isinstance(data, (str, Path)):
+        check_dataset(data)
+        size = image_size or _first_item_size(data)
+        return DatasetSource(data, size), size, (), ()
+    root = Path(data) if data is not None else builtin_dataset()[0]
+    if data is not None and not (root.is_dir() or root.is_file() or "{" in str(root)):
+        raise ValueError(f"data={str(root)!r} is not a folder, a .tar shard, a list file or a brace pattern "
+                         "(expected an ImageFolder root or WebDataset-layout shards)")
+    index = load_source(root)
+    log_refused(index.skipped)
+    size = image_size or (BUILTIN_IMAGE_SIZE if data is None else DEFAULT_IMAGE_SIZE)
+    return index, size, tuple(index.classes), tuple(index.skipped)
+
+
+def _first_item_size(dataset: Any) -> int:
+    """Without image_size: the side of the first item's image (square HWC)."""
+    image = dataset[0][0]
+    shape = tuple(getattr(image, "shape", np.asarray(image).shape))
+    if len(shape) != 3 or shape[0] != shape[1] or shape[2] != 3:
+        raise ValueError(f"dataset[0]: the image has shape {shape}; expected a square HWC image (S, S, 3), or pass "
+                         "image_size")
+    return int(shape[0])
+
+
+def _check_settings(batch_size: int, image_size: int | None, augment: str, seed: int, producers: int | str,
+                    min_producers: int, max_producers: int | None, producer_timeout_s: float,
+                    max_bad_fraction: float) -> None:
+    """Every setting before anything starts, each error naming the setting, the value and what is allowed."""
+    checks = [
+        ("batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1, "an integer >= 1"),
+        ("image_size", image_size, image_size is None or (isinstance(image_size, int) and 8 <= image_size <= 2048),
+         "None or an integer from 8 to 2048"),
+        ("augment", augment, augment in AUGMENTS, " | ".join(AUGMENTS)),
+        ("seed", seed, isinstance(seed, int) and seed >= 0, "an integer >= 0"),
+        ("producers", producers, producers == "auto" or (isinstance(producers, int) and producers >= 1),
+         "'auto' or an integer >= 1"),
+        ("min_producers", min_producers, isinstance(min_producers, int) and min_producers >= 1, "an integer >= 1"),
+        ("max_producers", max_producers, max_producers is None or (isinstance(max_producers, int)
+                                                                   and max_producers >= min_producers),
+         f"None or an integer >= min_producers ({min_producers})"),
+        ("producer_timeout_s", producer_timeout_s, producer_timeout_s > 0, "a number of seconds > 0"),
+        ("max_bad_fraction", max_bad_fraction, 0 <= max_bad_fraction <= 1, "a fraction from 0 to 1"),
+    ]
+    for name, value, ok, allowed in checks:
+        if not ok:
+            raise ValueError(f"{name}={value!r}: expected {allowed}")
+
+
+def _check_device(device: str | None) -> None:
+    if device is None or device in ("auto", "cpu", "cuda"):
+        return
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: expected None, 'auto', 'cpu', 'cuda' or 'cuda:N'") from None

@@ -1,0 +1,62 @@
+"""stoker.Loader's user errors (before any process starts), a user dataset's items built as producers build them,
+and rank and world size read at the first iter(), not in the constructor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import stoker
+from stoker.data.user_dataset import DatasetSource
+
+
+class Squares:
+    def __init__(self, side: int = 8) -> None:
+        self.side = side
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int):
+        return np.random.randint(0, 255, (self.side, self.side, 3), dtype=np.uint8), index % 2
+
+
+@pytest.mark.parametrize("setting,value", [("batch_size", 0), ("augment", "flip"), ("producers", 0),
+                                           ("image_size", 4), ("seed", -1), ("device", "tpu:0")])
+def test_a_bad_setting_is_named_before_anything_starts(textures, setting, value):
+    with pytest.raises(ValueError, match=setting):
+        stoker.Loader(textures[0], **{"batch_size": 8, setting: value})
+
+
+def test_a_missing_folder_is_named(tmp_path):
+    with pytest.raises(ValueError, match="not a folder"):
+        stoker.Loader(tmp_path / "absent", batch_size=8)
+
+
+def test_a_dataset_item_is_seeded_from_seed_epoch_and_index():
+    source = DatasetSource(Squares(), 8)
+    first, again, other = (np.empty((8, 8, 3), np.uint8) for _ in range(3))
+    source.fill(3, first, seed=0, epoch=1)
+    np.random.seed(12345)  # whatever state the producer's generators were left in
+    source.fill(3, again, seed=0, epoch=1)
+    source.fill(3, other, seed=0, epoch=2)
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+def test_a_dataset_item_of_another_shape_names_its_index():
+    source = DatasetSource(Squares(side=9), 8)
+    with pytest.raises(ValueError, match=r"dataset\[4\].*\(8, 8, 3\)"):
+        source.fill(4, np.empty((8, 8, 3), np.uint8), seed=0, epoch=0)
+
+
+def test_rank_and_world_size_are_read_at_the_first_iter(textures, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    loader = stoker.Loader(textures[0], batch_size=8, image_size=16, producers=1, device="cpu")
+    monkeypatch.setenv("RANK", "1")  # as Lightning's launcher does, after building its loaders
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with loader:
+        batches = list(loader)
+    assert loader.info.rank == 1 and loader.info.world_size == 2
+    assert len(batches) == len(loader) == 8  # ceil(120 / (8 x 2)): each rank gets its part of every step
