@@ -15,7 +15,7 @@ from typing import Any
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
 from stoker.common.config import RUN_CONFIG_FILE, TrainConfig
-from stoker.common.devices import available_cores, resolve_devices, threads_per_consumer
+from stoker.common.devices import available_cores, resolve_devices
 from stoker.common.files import write_json
 from stoker.common.procs import (
     CONTEXT,
@@ -32,18 +32,18 @@ from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
-from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, static_budget
+from stoker.pipeline.autoscale import Window, static_budget
+from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import ProducerPool, check_hang_timeout
-from stoker.pipeline.producer import ProducerFailed, ProducerSetup, Task, TaskDone
-from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
-from stoker.pipeline.scheduler import Issue, Scheduler
+from stoker.pipeline.pool import check_hang_timeout
+from stoker.pipeline.scheduler import Scheduler
 from stoker.run import cluster, rundir
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
-from stoker.training.averager import OuterSpec
-from stoker.training.consumer import ConsumerSetup, consumer_main
+from stoker.run.outcome import run_summary
+from stoker.run.setups import consumer_setups
+from stoker.training.consumer import consumer_main
 from stoker.training.models import check_model
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 
@@ -70,11 +70,10 @@ class Controller:
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
                               self.cluster.world, config.seed)
         self.num_slots = config.slots_per_consumer * self.num_consumers
-        self.static_budget = static_budget(self.devices, available_cores())  # what fits the free cores
-        # The most producers this run may have at once: the ring has a status row for each.
-        self.budget = config.producers if config.producers != "auto" else (
-            config.max_producers or default_ceiling(max(self.static_budget, config.min_producers), available_cores()))
-        self._ring_bytes_check()
+        self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
+                                                   config.max_producers, static_budget(self.devices, available_cores()),
+                                                   available_cores())
+        check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget)
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
@@ -112,13 +111,8 @@ class Controller:
                              f"run {self.cluster.world}; resume with the same machines and devices")
         return Position(**position), Path(folder)
 
-    def _ring_bytes_check(self) -> None:
-        spec = RingSpec("check", self.num_slots, self.config.batch_size, self.image_size, self.budget)
-        check_shm_space(spec.nbytes)
-
     def _reset_state(self) -> None:
-        self.ring: SlotRing | None = None
-        self.pool: ProducerPool | None = None
+        self._engine: Engine | None = None  # ring, producers, the order of work, autoscaling
         self.consumers: list = []
         self.ready_queues: list = []
         self.store = None
@@ -134,10 +128,6 @@ class Controller:
         self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
         if self.resume_from is not None:
             self.ledger.resume(self.resume_from, self.run_dir, self.stats)
-        self.tasks: dict[int, Issue] = {}
-        self.task_ids = iter(range(1 << 62))
-        self.slot_owner: dict[int, int] = {}
-        self.delivered = [0] * self.num_consumers  # batches handed over and not yet taken, per consumer
         self.pending_saves: dict[int, dict[int, dict[str, str]]] = {}
         self.last_checkpoint: Path | None = None
         self.commits = checkpoint.BackgroundCommits()
@@ -145,10 +135,6 @@ class Controller:
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
-        self.producers_initial = 0
-        self.timeline: list[dict[str, Any]] = []
-        self.autoscaler: Autoscaler | None = None
-        self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
         self.split: TimeSplit | None = None  # the latest window's, for the autoscaler and `pipeline` events
         self.last_queue_fill = 0.0
         self.lifecycle = Lifecycle()  # what a signal means now; `lifecycle.interrupted`: one arrived here
@@ -237,30 +223,17 @@ class Controller:
         # First: children started after it write their warnings above the live panel, not through it.
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
-        sweep_dead_segments()
-        self.ring = SlotRing.create(self.num_slots, self.config.batch_size, self.image_size, self.budget)
-        self.scheduler = Scheduler(self.plan, self.config.epochs, self.start_at, self.num_slots,
-                                   self.data.val is not None, self.config.checkpoint_every, self.run_dir,
-                                   self.cluster.first_rank, self.num_consumers)
-        self.pool = ProducerPool(self._producer_setup(), self.ring, self.mailbox, self.stop, self.budget,
-                                 self.config.producer_timeout_s)
-        initial = self.budget if self.config.producers != "auto" else min(
-            self.config.initial_producers or self.config.min_producers, self.budget)
-        for _ in range(initial):
-            self.pool.grow()
-        self.producers_initial = initial
-        self._record_producers("start")
-        auto = self.config.producers == "auto"
-        self.autoscaler = Autoscaler(self.config.min_producers, min(self.static_budget, self.budget),
-                                     self.budget, STARTUP_WINDOWS) if auto else None
+        config = self.config
+        self._engine = Engine(self.data.train, self.data.val, config.augment, config.seed, self.num_slots,
+                              config.batch_size, self.image_size, self.counts, config.producer_timeout_s,
+                              config.max_bad_fraction, self.mailbox, self.stop, self.stats, self.metrics)
+        self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.num_slots, self.data.val is not None,
+                                   config.checkpoint_every, self.run_dir, self.cluster.first_rank, self.num_consumers)
+        self.engine.follow(self.scheduler)
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
-        self.metrics.write("start", devices=self.devices, producers=initial, config=self.config.as_json(),
+        self.metrics.write("start", devices=self.devices, producers=self.counts.initial, config=config.as_json(),
                            resume_from=self.resume_from)
-
-    def _producer_setup(self) -> ProducerSetup:
-        # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
-        return ProducerSetup(self.ring.spec, self.data.train, self.data.val, self.config.augment, self.config.seed)
 
     def _consumer_store(self) -> StoreAddress:
         """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
@@ -280,22 +253,10 @@ class Controller:
         if self.cluster.multi:
             self.agreement = cluster.StopAgreement.join(self.cluster, self.store, store,
                                                         self.config.collective_timeout_s)
-        config = self.config
-        threads = threads_per_consumer(self.devices)
-        outer = None if config.outer_optimizer == "none" else OuterSpec(config.outer_optimizer, config.outer_lr,
-                                                                         config.outer_momentum)
-        for rank, device in enumerate(self.devices):
-            setup = ConsumerSetup(
-                rank=self.cluster.first_rank + rank, local_rank=rank, world_size=self.cluster.world, device=device,
-                store=store, ring=self.ring.spec, model=config.model,
-                num_classes=len(self.data.train.classes), optimizer=config.optimizer, lr=config.lr,
-                schedule=config.schedule, total_steps=self.plan.steps_per_epoch * config.epochs,
-                momentum=config.momentum, weight_decay=config.weight_decay, sync_every=config.sync_every,
-                outer=outer, overlap_averaging=config.overlap_averaging,
-                average_in_backward=config.average_in_backward, seed=config.seed, num_threads=threads,
-                collective_timeout_s=config.collective_timeout_s, check_replicas_every=config.check_replicas_every,
-                resume_from=self.resume_from, precision=config.precision, channels_last=config.channels_last,
-                compile=config.compile, deterministic=config.deterministic)
+        setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
+                                 len(self.data.train.classes), self.plan.steps_per_epoch * self.config.epochs,
+                                 self.resume_from)
+        for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
             outbox = self.mailbox.open()
@@ -307,7 +268,7 @@ class Controller:
         window = WindowTotals()
         while len(self.finished) < self.num_consumers:
             self._follow_interrupts()
-            self._dispatch()
+            self.engine.dispatch()
             self._deliver(window)
             self._handle_messages(window)
             self._check_processes()
@@ -339,31 +300,14 @@ class Controller:
         if (row := agreement.poll_row()) is not None:
             self.scheduler.cut(row)
 
-    def _dispatch(self) -> None:
-        while self.pool.can_take():
-            issued = self.scheduler.issue_one()
-            if issued is None:
-                break
-            self._assign(issued)
-
-    def _assign(self, issued: Issue, skip: dict[int, str] | None = None) -> None:
-        task = Task(next(self.task_ids), issued.work, issued.slot, skip or {})
-        self.tasks[task.task_id] = issued
-        self.slot_owner[issued.slot] = issued.rank
-        if issued.work.kind == "train":
-            self.stats.expect(issued.work.epoch, issued.work.sample_ids)
-        self.pool.assign(task)
-
     def _deliver(self, window: WindowTotals) -> None:
-        for rank, message in self.scheduler.deliverable():
-            if getattr(message, "slot", None) is not None:
-                self.delivered[rank] += 1
+        for rank, message in self.engine.deliverable():
             self.ready_queues[rank].put(message)
         waiting = self.agreement is not None and self.agreement.waiting
         if not self.finishing and not waiting and self.scheduler.exhausted():
             self._finish()
         window.queue_samples += 1
-        window.queue_fill += sum(self.delivered) / max(1, self.num_slots)
+        window.queue_fill += self.engine.queue_fill()
 
     def _finish(self) -> None:
         """Every consumer got its last batch: save where an interrupt stopped us, then write the final model."""
@@ -384,10 +328,7 @@ class Controller:
     def _handle(self, message: Any, window: WindowTotals) -> None:
         now = time.monotonic()
         if isinstance(message, SlotFree):
-            self.delivered[self.slot_owner[message.slot]] -= 1
-            self.scheduler.release(message.slot, self.slot_owner.pop(message.slot))
-        elif isinstance(message, TaskDone):
-            self._task_done(message)
+            self.engine.release(message.slot)
         elif isinstance(message, StepReport):
             self.stats.record_step(message, now)
             self.ledger.record_step(message)
@@ -411,8 +352,8 @@ class Controller:
             if not causes and self.cluster.multi:
                 causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
             raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
-        elif isinstance(message, ProducerFailed):
-            raise StokerRunError(f"{message.error}\n{message.error.trace}")
+        else:
+            self.engine.handle(message)  # a producer's
 
     def _compare_replicas(self, report: StepReport) -> None:
         identical = self.stats.record_digest(report)
@@ -420,27 +361,6 @@ class Controller:
             self.metrics.write("replica_check", global_step=report.global_step, identical=identical)
             if not identical:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
-
-    def _task_done(self, done: TaskDone) -> None:
-        task = self.pool.finished(done)
-        if task is None:
-            return
-        issued = self.tasks.pop(done.task_id)
-        if done.skipped:
-            epoch = issued.work.epoch if issued.work.kind == "train" else None
-            self.stats.record_skipped(epoch, done.skipped)
-            for item in done.skipped.values():
-                log.warning("skipped %s: %s", item.path, item.reason)
-                self.metrics.write("skipped", path=item.path, reason=item.reason)
-            self._check_bad_fraction()
-        self.scheduler.complete(issued)
-
-    def _check_bad_fraction(self) -> None:
-        bad = len(self.stats.skipped)
-        total = len(self.data.train) + len(self.data.val or ())
-        if bad > self.config.max_bad_fraction * total:
-            raise StokerRunError(f"{bad} of {total} files are unusable, more than max_bad_fraction="
-                                 f"{self.config.max_bad_fraction}; see skipped_files in summary.json")
 
     def _saved(self, message: Saved) -> None:
         parts = self.pending_saves.setdefault(message.global_step, {})
@@ -484,16 +404,7 @@ class Controller:
                     continue
                 self.witness.log_reported_failures()
                 raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
-        for loss in self.pool.check():
-            log.warning("%s; starting a replacement and re-issuing its %d batch(es)", loss.message,
-                        len(loss.reissue))
-            self.metrics.write("producer_lost", message=loss.message, reissued=len(loss.reissue))
-            self.pool.grow()
-            for task in loss.reissue:
-                issued = self.tasks.get(task.task_id)
-                if issued is not None:
-                    del self.tasks[task.task_id]
-                    self._assign(issued, task.skip)
+        self.engine.check_producers()
 
     def _read_last_messages(self, rank: int) -> None:
         """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
@@ -504,34 +415,23 @@ class Controller:
     def _close_window(self, window: WindowTotals, elapsed_s: float) -> None:
         """Every SCALE_WINDOW_S: record the pipeline's state and let the autoscaler decide."""
         consumer_time = max(1e-9, elapsed_s * self.num_consumers)
-        utilization = min(1.0, self.pool.take_utilization(elapsed_s))  # a task counts in the window it ends in
-        self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
+        utilization = self.engine.take_utilization(elapsed_s)
         queue_fill = window.queue_fill / max(1, window.queue_samples)
         self.last_queue_fill = queue_fill
         compute, wait, averaging = time_shares(window.compute_s, window.wait_s, window.averaging_s, consumer_time)
-        self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=len(self.pool.active),
-                               producer_budget=self._producer_limit(), producer_utilization=utilization,
+        self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=self.engine.num_active,
+                               producer_budget=self.engine.producer_limit(), producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging)
         self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
                            queue_fill=round(queue_fill, 4), producers=self.split.producers,
                            producer_utilization=round(utilization, 4), compute=round(self.split.compute, 4),
                            input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4))
-        if self.autoscaler is None or window.steps == 0 or self.finishing:
+        if window.steps == 0 or self.finishing:
             return
-        decision = self.autoscaler.decide(Window(
+        self.engine.autoscale(Window(
             stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
             producers=self.split.producers, samples=window.samples, steps=window.steps,
             train_s=(window.wait_s + window.compute_s + window.averaging_s) / self.num_consumers))
-        self.metrics.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
-        if decision.change > 0 and self.pool.grow() is None:
-            self.autoscaler.fork_refused()
-            self.metrics.write("autoscale", change=0, reason="no free producer row yet (one is retiring): "
-                                                              "asking again next window")
-            return
-        if decision.change < 0:
-            self.pool.shrink(newest=decision.retire_newest)
-        if decision.change:
-            self._record_producers(decision.reason, decision.measurement)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
@@ -540,24 +440,14 @@ class Controller:
             return Verdict("starting", "no training step finished")
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
-            averaging=mean(self.stats.averaging_fractions()), producers=self.pool.max_alive if self.pool else 0,
-            producer_budget=self._producer_limit(), producer_utilization=self._producer_utilization(),
+            averaging=mean(self.stats.averaging_fractions()), producers=self.engine.max_alive,
+            producer_budget=self.engine.producer_limit(), producer_utilization=self.engine.producer_utilization(),
             sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging))
 
-    def _producer_utilization(self) -> float:
-        busy, seconds = self.producer_busy
-        return busy / seconds if seconds else 0.0
-
-    def _producer_limit(self) -> int:
-        """The count the producers are held to now: fixed, the ceiling, or the most that paid."""
-        return self.autoscaler.limit if self.autoscaler is not None else self.budget
-
-    def _record_producers(self, reason: str, measurement: dict[str, Any] | None = None) -> None:
-        count = len(self.pool.active)
-        behind = {"measurement": measurement} if measurement else {}
-        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason,
-                              **behind})
-        self.metrics.write("producers", count=count, reason=reason, **behind)
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "the engine starts with the run"
+        return self._engine
 
     def _show(self, final: bool = False) -> None:
         if not (final or self.view.due()):
@@ -571,9 +461,9 @@ class Controller:
             samples_per_s=self.stats.throughput() if final else self.stats.rate(time.monotonic()),
             loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
-            consumers=tuple(self.stats.shares()),
-            queue_fill=self.last_queue_fill, producers=len(self.pool.active), producer_budget=self._producer_limit(),
-            producer_utilization=self._producer_utilization(), verdict=self.run_verdict().text))
+            consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,
+            producer_budget=self.engine.producer_limit(), producer_utilization=self.engine.producer_utilization(),
+            verdict=self.run_verdict().text))
 
     # ---- the end ------------------------------------------------------------------------------------------------
 
@@ -585,16 +475,16 @@ class Controller:
         if hasattr(self, "view"):
             self.view.close()
         self.stop.set()
-        if self.pool is not None:
-            self.pool.close()
+        if self._engine is not None:
+            self._engine.stop_producers()
         stop_processes(self.consumers, timeout_s=10.0)
         stop_processes(CONTEXT.active_children(), timeout_s=5.0)  # one a signal caught between start and record
         for channel in self.ready_queues:
             channel.cancel_join_thread()
             channel.close()
         self.mailbox.close()
-        if self.ring is not None:
-            self.ring.close()
+        if self._engine is not None:
+            self._engine.close()
         self._finish_commits()
         checkpoint.discard_incomplete(self.run_dir)
         if self.local_store is not None:
@@ -602,42 +492,4 @@ class Controller:
         self.agreement = self.store = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
-        last_epoch = max(self.stats.epochs, default=None)
-        last_val = self.val_reports[-1] if self.val_reports else None
-        digests = self.final_digests
-        summary = {
-            "status": status,
-            **({"error": error} if error else {}),
-            "epochs": len(self.stats.completed_epochs),
-            "steps": self.stats.consumers[0].steps,
-            "num_consumers": self.cluster.world,
-            "machines": self.cluster.nodes,
-            "devices": self.devices,
-            "gpu_memory": [self.finished[rank].memory for rank in sorted(self.finished)],
-            "producers_initial": self.producers_initial,
-            "producers_final": self.timeline[-1]["producers"] if self.timeline else 0,
-            "producers_max": self.pool.max_alive if self.pool else 0,
-            "producers_timeline": self.timeline,
-            "samples_expected": self.plan.samples_per_epoch,
-            "samples_consumed": [a.consumed() for _, a in sorted(self.stats.epochs.items())],
-            **self.stats.accounting(),
-            "epoch_accounting": self.stats.epoch_accounting(),
-            "skipped_files": [{"path": p, "reason": r} for p, r in self.stats.skipped.items()],
-            "input_stall_fraction": self.stats.stall_fractions(),
-            "averaging_fraction": self.stats.averaging_fractions(),
-            "compute_fraction": self.stats.compute_fractions(),
-            "verdict": self.run_verdict().as_json(),
-            "throughput_samples_per_s": round(self.stats.throughput(), 2),
-            "val_accuracy": last_val.accuracy if last_val else None,
-            "val_loss": last_val.loss if last_val else None,
-            "train_loss": self.stats.train_loss(last_epoch) if last_epoch is not None else None,
-            "replicas_identical": bool(digests) and len(digests) == self.cluster.world
-                                  and self.stats.replicas_identical(digests),
-            "replica_mismatch_steps": self.stats.mismatched_steps(),
-            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "model": str(self.run_dir / "model.pt") if status == "completed" else None,
-            "classes": list(self.data.train.classes),
-            "start_step": self.start_at.global_step,
-            "wall_s": round(time.monotonic() - self.started, 3),
-        }
-        return self.ledger.whole_run(summary, self.stats, self.start_at.global_step)
+        return run_summary(self, status, error)

@@ -1,0 +1,283 @@
+"""The engine: the slot ring, the producer pool, the scheduler's order of work and the autoscaler, driven as one.
+
+Two drivers run it and nothing else has a copy of any part: the controller (`stoker train`: N consumer processes
+and averaging) and `stoker.Loader` (one rank of a user's own training loop, in the user's process). A driver
+chooses the scheduler (what to build and in which order), hands over what `deliverable()` yields, gives slots back
+with `release()`, passes the producers' messages to `handle()`, calls `check_producers()` on every pass and
+`close_window()` every scaling window; the engine routes tasks to producers, re-issues the work of lost ones, and
+keeps the exactly-once books through `Accounting`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from stoker.common.procs import Mailbox, StokerRunError
+from stoker.data.dataset import Skipped
+from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.pool import ProducerPool
+from stoker.pipeline.producer import ProducerFailed, ProducerSetup, SampleSource, Task, TaskDone
+from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
+from stoker.pipeline.scheduler import Issue, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Accounting(Protocol):
+    """The exactly-once books (`observe.metrics.RunStats` is one): what was scheduled, and what was skipped."""
+
+    skipped: dict[str, str]
+
+    def expect(self, epoch: int, sample_ids: np.ndarray) -> None: ...
+
+    def record_skipped(self, epoch: int | None, skipped: dict[int, Skipped]) -> None: ...
+
+
+class EventLog(Protocol):
+    """Where events go (`observe.metrics.MetricsLog` is one)."""
+
+    def write(self, event: str, **fields: Any) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProducerCounts:
+    """How many producers: at the start; the most alive at once (the ring has a status row for each); what fits
+    the cores the training processes leave free; the least auto keeps; whether the autoscaler moves the count."""
+
+    initial: int
+    budget: int
+    fits: int
+    minimum: int
+    auto: bool
+
+    @classmethod
+    def from_settings(cls, producers: int | Literal["auto"], min_producers: int, initial_producers: int | None,
+                      max_producers: int | None, fits: int, cores: int) -> ProducerCounts:
+        if producers != "auto":
+            return cls(producers, producers, fits, min_producers, auto=False)
+        budget = max_producers or default_ceiling(max(fits, min_producers), cores)
+        return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True)
+
+    def autoscaler(self) -> Autoscaler | None:
+        if not self.auto:
+            return None
+        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS)
+
+
+def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int) -> None:
+    """Before any process starts: a /dev/shm that cannot hold the ring is a user error, not a bus error."""
+    check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status).nbytes)
+
+
+class Engine:
+    """Creates the ring and starts `counts.initial` producers."""
+
+    def __init__(self, train: SampleSource, val: SampleSource | None, augment: Any, seed: int, num_slots: int,
+                 batch_size: int, image_size: int, counts: ProducerCounts, hang_timeout_s: float,
+                 max_bad_fraction: float, mailbox: Mailbox, stop: Any, accounting: Accounting,
+                 events: EventLog) -> None:
+        self.num_slots = num_slots
+        self.budget = budget = counts.budget
+        self.autoscaler = counts.autoscaler()
+        self.max_bad_fraction = max_bad_fraction
+        self.total_files = len(train.paths) + (len(val.paths) if val is not None else 0)
+        self.accounting = accounting
+        self.events = events
+        self.started = time.monotonic()
+        self.scheduler: Scheduler | None = None
+        self.tasks: dict[int, Issue] = {}  # task id -> the batch it builds
+        self.task_ids = iter(range(1 << 62))
+        self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
+        self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
+        self.timeline: list[dict[str, Any]] = []
+        self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
+        self.pool: ProducerPool | None = None
+        self.closed = False
+        sweep_dead_segments()
+        self.ring = SlotRing.create(num_slots, batch_size, image_size, budget)
+        try:
+            # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
+            setup = ProducerSetup(self.ring.spec, train, val, augment, seed)
+            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget, hang_timeout_s)
+            for _ in range(counts.initial):
+                self.pool.grow()
+        except BaseException:
+            self.close()
+            raise
+        self.producers_initial = counts.initial
+        self.record_producers("start")
+
+    def follow(self, scheduler: Scheduler) -> None:
+        """Build what `scheduler` orders from now on, in a ring whose slots are all free again: batches of an
+        earlier scheduler that were built and not taken are dropped (none may still be in flight)."""
+        assert not self.tasks, "a new scheduler while batches of the last one are being built"
+        self.scheduler = scheduler
+        self.slot_owner = {}
+        self.delivered = [0] * scheduler.num_ranks
+
+    @property
+    def building(self) -> int:
+        """Batches given to producers and not yet reported built."""
+        return len(self.tasks)
+
+    # ---- routing ------------------------------------------------------------------------------------------------
+
+    def dispatch(self) -> None:
+        """Give producers the next batches, as far as slots and their queues allow."""
+        assert self.pool is not None and self.scheduler is not None
+        while self.pool.can_take():
+            issued = self.scheduler.issue_one()
+            if issued is None:
+                break
+            self._assign(issued)
+
+    def _assign(self, issued: Issue, skip: dict[int, str] | None = None) -> None:
+        assert self.pool is not None
+        task = Task(next(self.task_ids), issued.work, issued.slot, skip or {})
+        self.tasks[task.task_id] = issued
+        self.slot_owner[issued.slot] = issued.rank
+        if issued.work.kind == "train":
+            self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
+        self.pool.assign(task)
+
+    def deliverable(self) -> Iterator[tuple[int, Any]]:
+        """(rank, message) pairs to hand over now, in each rank's order."""
+        assert self.scheduler is not None
+        for rank, message in self.scheduler.deliverable():
+            if getattr(message, "slot", None) is not None:
+                self.delivered[rank] += 1
+            yield rank, message
+
+    def release(self, slot: int) -> None:
+        """The batch in `slot` has been taken: it may be rebuilt."""
+        assert self.scheduler is not None
+        rank = self.slot_owner.pop(slot)
+        self.delivered[rank] -= 1
+        self.scheduler.release(slot, rank)
+
+    def queue_fill(self) -> float:
+        """Batches handed over and not yet taken, as a share of the ring."""
+        return sum(self.delivered) / max(1, self.num_slots)
+
+    def handle(self, message: Any) -> bool:
+        """A producer's message; False when it is not one (the driver's own)."""
+        if isinstance(message, TaskDone):
+            self._task_done(message)
+            return True
+        if isinstance(message, ProducerFailed):
+            raise StokerRunError(f"{message.error}\n{message.error.trace}")
+        return False
+
+    def _task_done(self, done: TaskDone) -> None:
+        assert self.pool is not None and self.scheduler is not None
+        task = self.pool.finished(done)
+        if task is None:
+            return
+        issued = self.tasks.pop(done.task_id)
+        if done.skipped:
+            epoch = issued.work.epoch if issued.work.kind == "train" else None
+            self.accounting.record_skipped(epoch, done.skipped)
+            for item in done.skipped.values():
+                log.warning("skipped %s: %s", item.path, item.reason)
+                self.events.write("skipped", path=item.path, reason=item.reason)
+            self._check_bad_fraction()
+        self.scheduler.complete(issued)
+
+    def _check_bad_fraction(self) -> None:
+        bad = len(self.accounting.skipped)
+        if bad > self.max_bad_fraction * self.total_files:
+            raise StokerRunError(f"{bad} of {self.total_files} files are unusable, more than max_bad_fraction="
+                                 f"{self.max_bad_fraction}; see skipped_files in summary.json")
+
+    def check_producers(self) -> None:
+        """Replace dead or hung producers and re-issue exactly the batches they held."""
+        assert self.pool is not None
+        for loss in self.pool.check():
+            log.warning("%s; starting a replacement and re-issuing its %d batch(es)", loss.message,
+                        len(loss.reissue))
+            self.events.write("producer_lost", message=loss.message, reissued=len(loss.reissue))
+            self.pool.grow()
+            for task in loss.reissue:
+                issued = self.tasks.get(task.task_id)
+                if issued is not None:
+                    del self.tasks[task.task_id]
+                    self._assign(issued, task.skip)
+
+    # ---- scaling ------------------------------------------------------------------------------------------------
+
+    def take_utilization(self, elapsed_s: float) -> float:
+        """Producers' busy share over the window that ends now (a task counts in the window it ends in)."""
+        assert self.pool is not None
+        utilization = min(1.0, self.pool.take_utilization(elapsed_s))
+        self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
+        return utilization
+
+    def autoscale(self, window: Window) -> None:
+        """Let the autoscaler decide on the window's measurement, and carry out what it decides."""
+        assert self.pool is not None
+        if self.autoscaler is None:
+            return
+        decision = self.autoscaler.decide(window)
+        self.events.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
+        if decision.change > 0 and self.pool.grow() is None:
+            self.autoscaler.fork_refused()
+            self.events.write("autoscale", change=0, reason="no free producer row yet (one is retiring): "
+                                                             "asking again next window")
+            return
+        if decision.change < 0:
+            self.pool.shrink(newest=decision.retire_newest)
+        if decision.change:
+            self.record_producers(decision.reason, decision.measurement)
+
+    def record_producers(self, reason: str, measurement: dict[str, Any] | None = None) -> None:
+        count = self.num_active
+        behind = {"measurement": measurement} if measurement else {}
+        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason,
+                              **behind})
+        self.events.write("producers", count=count, reason=reason, **behind)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.pool.active) if self.pool is not None else 0
+
+    @property
+    def max_alive(self) -> int:
+        return self.pool.max_alive if self.pool is not None else 0
+
+    def producer_limit(self) -> int:
+        """The count the producers are held to now: fixed, the ceiling, or the most that paid."""
+        return self.autoscaler.limit if self.autoscaler is not None else self.budget
+
+    def producer_utilization(self) -> float:
+        busy, seconds = self.producer_busy
+        return busy / seconds if seconds else 0.0
+
+    # ---- the end ------------------------------------------------------------------------------------------------
+
+    def stop_producers(self) -> None:
+        """Idempotent: the driver sets the stop event first; join, terminate stragglers."""
+        if self.pool is not None:
+            self.pool.close()
+
+    def close(self) -> None:
+        """Idempotent: producers first, then the ring (only its creator unlinks it)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stop_producers()
+        self.ring.close()
+
+
+def producer_fields(engine: Engine | None) -> dict[str, Any]:
+    """The summary's producer counts (all zero when the run stopped before the engine started)."""
+    timeline = engine.timeline if engine is not None else []
+    return {"producers_initial": engine.producers_initial if engine is not None else 0,
+            "producers_final": timeline[-1]["producers"] if timeline else 0,
+            "producers_max": engine.max_alive if engine is not None else 0,
+            "producers_timeline": timeline}
