@@ -131,8 +131,9 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, s
         if previous is not None and faults.wants("producer-batch", "repeat-batch", f"task={task.task_id};"):
             task = replace(task, work=previous.work, first=previous.first, stop=previous.stop)
         previous = task
+        skipped: dict[int, Skipped] = {}
         if task.compact:
-            count, skipped = compact_slot(task, ring, status), {}
+            count = compact_slot(task, ring, status)
         else:
             count, skipped = build_batch(task, setup, ring, status)
         faults.maybe_inject("producer-result", f"task={task.task_id};", outbox)
