@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import numpy as np
@@ -21,10 +22,11 @@ import numpy as np
 from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.parts import Assembler, parts_per_batch
 from stoker.pipeline.pool import ProducerPool
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, SampleSource, Task, TaskDone
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
-from stoker.pipeline.scheduler import Issue, Scheduler
+from stoker.pipeline.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,8 @@ class Engine:
         self.events = events
         self.started = time.monotonic()
         self.scheduler: Scheduler | None = None
-        self.tasks: dict[int, Issue] = {}  # task id -> the batch it builds
+        self.tasks: dict[int, Task] = {}  # task id -> the part it builds, given to a producer and not yet done
+        self.pending_parts: deque[Task] = deque()  # parts of issued batches waiting for a free producer
         self.task_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
@@ -101,6 +104,7 @@ class Engine:
         self.closed = False
         sweep_dead_segments()
         self.ring = SlotRing.create(num_slots, batch_size, image_size, budget)
+        self.assembler = Assembler(self.ring, parts_per_batch(batch_size, num_slots, budget))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
             setup = ProducerSetup(self.ring.spec, train, val, augment, seed)
@@ -116,34 +120,37 @@ class Engine:
     def follow(self, scheduler: Scheduler) -> None:
         """Build what `scheduler` orders from now on, in a ring whose slots are all free again: batches of an
         earlier scheduler that were built and not taken are dropped (none may still be in flight)."""
-        assert not self.tasks, "a new scheduler while batches of the last one are being built"
+        assert not self.tasks and not self.pending_parts, "a new scheduler while batches of the last are being built"
         self.scheduler = scheduler
         self.slot_owner = {}
         self.delivered = [0] * scheduler.num_ranks
 
     @property
     def building(self) -> int:
-        """Batches given to producers and not yet reported built."""
-        return len(self.tasks)
+        """Parts of batches given to producers, or waiting for one, and not yet reported built."""
+        return len(self.tasks) + len(self.pending_parts)
 
     # ---- routing ------------------------------------------------------------------------------------------------
 
     def dispatch(self) -> None:
-        """Give producers the next batches, as far as slots and their queues allow."""
+        """Give producers the next parts of batches, as far as slots and their queues allow: the parts of one
+        batch go to as many producers as are free (`parts.py`)."""
         assert self.pool is not None and self.scheduler is not None
         while self.pool.can_take():
-            issued = self.scheduler.issue_one()
-            if issued is None:
-                break
-            self._assign(issued)
+            if not self.pending_parts:
+                issued = self.scheduler.issue_one()
+                if issued is None:
+                    break
+                self.slot_owner[issued.slot] = issued.rank
+                if issued.work.kind == "train":
+                    self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
+                self.pending_parts.extend(self.assembler.split(issued))
+            self._assign(self.pending_parts.popleft())
 
-    def _assign(self, issued: Issue, skip: dict[int, str] | None = None) -> None:
+    def _assign(self, task: Task) -> None:
         assert self.pool is not None
-        task = Task(next(self.task_ids), issued.work, issued.slot, skip or {})
-        self.tasks[task.task_id] = issued
-        self.slot_owner[issued.slot] = issued.rank
-        if issued.work.kind == "train":
-            self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
+        task = replace(task, task_id=next(self.task_ids))
+        self.tasks[task.task_id] = task
         self.pool.assign(task)
 
     def deliverable(self) -> Iterator[tuple[int, Any]]:
@@ -179,15 +186,19 @@ class Engine:
         task = self.pool.finished(done)
         if task is None:
             return
-        issued = self.tasks.pop(done.task_id)
+        del self.tasks[done.task_id]
         if done.skipped:
-            epoch = issued.work.epoch if issued.work.kind == "train" else None
+            epoch = task.work.epoch if task.work.kind == "train" else None
             self.accounting.record_skipped(epoch, done.skipped)
             for item in done.skipped.values():
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.events.write("skipped", path=item.path, reason=item.reason)
             self._check_bad_fraction()
-        self.scheduler.complete(issued)
+        issued, compaction = self.assembler.done(task, done.count)
+        if compaction is not None:
+            self.pending_parts.appendleft(compaction)  # its slot is next in line: before any new part
+        if issued is not None:
+            self.scheduler.complete(issued)
 
     def _check_bad_fraction(self) -> None:
         bad = len(self.accounting.skipped)
@@ -196,18 +207,17 @@ class Engine:
                                  f"{self.max_bad_fraction}; see skipped_files in summary.json")
 
     def check_producers(self) -> None:
-        """Replace dead or hung producers and re-issue exactly the batches they held."""
+        """Replace dead or hung producers and re-issue exactly the parts they held."""
         assert self.pool is not None
         for loss in self.pool.check():
             log.warning("%s; starting a replacement and re-issuing its %d batch(es)", loss.message,
                         len(loss.reissue))
-            self.events.write("producer_lost", message=loss.message, reissued=len(loss.reissue))
+            self.events.write("producer_lost", message=loss.message, reissued=len(loss.reissue),
+                              reissued_samples=[t.end - t.first for t in loss.reissue if not t.compact])
             self.pool.grow()
             for task in loss.reissue:
-                issued = self.tasks.get(task.task_id)
-                if issued is not None:
-                    del self.tasks[task.task_id]
-                    self._assign(issued, task.skip)
+                if self.tasks.pop(task.task_id, None) is not None:
+                    self.pending_parts.extendleft(reversed(self.assembler.again(task)))
 
     # ---- scaling ------------------------------------------------------------------------------------------------
 

@@ -129,7 +129,7 @@ class ProducerPool:
         self.losses_since_progress = 0
         task = handle.in_flight.pop(done.task_id, None)
         if task is not None and self.outside_kills:
-            self.outside_kills = {k: n for k, n in self.outside_kills.items() if k[0] != task.work.key}
+            self.outside_kills = {k: n for k, n in self.outside_kills.items() if k[0] != task.part_key}
         return task
 
     def check(self) -> list[Loss]:
@@ -177,7 +177,9 @@ class ProducerPool:
         current = handle.in_flight.get(task_id)
         where = "while idle"
         reissue = list(handle.in_flight.values())
-        if current is not None:
+        if current is not None and current.compact:
+            where = "while compacting a batch"  # no file to blame: moving rows within a slot
+        elif current is not None:
             sample = int(current.work.sample_ids[position])
             source = self.setup.train if current.work.kind == "train" else self.setup.val
             assert source is not None, "validation work is scheduled only when there is a validation split"
@@ -196,8 +198,11 @@ class ProducerPool:
     def _skip_known_killers(self, task: Task) -> Task:
         if not self.killers:
             return task
+        if task.compact:
+            return task
         kind = task.work.kind
-        known = {s: self.killers[(kind, s)] for s in task.work.sample_ids.tolist() if (kind, s) in self.killers}
+        part = task.work.sample_ids[task.first:task.end].tolist()
+        known = {s: self.killers[(kind, s)] for s in part if (kind, s) in self.killers}
         return replace(task, skip={**known, **task.skip}) if known else task
 
     def _skip_reason(self, handle: Handle, how: str, external: bool, current: Task, sample: int) -> str | None:
@@ -205,7 +210,7 @@ class ProducerPool:
         who = f"producer {handle.producer} (pid {handle.process.pid}) {how}"
         if not external:
             return f"{who} on this file"
-        key = (current.work.key, sample)
+        key = (current.part_key, sample)
         self.outside_kills[key] = kills = self.outside_kills.get(key, 0) + 1
         if kills < OUTSIDE_KILLS_TO_SKIP:
             return None

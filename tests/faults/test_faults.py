@@ -50,6 +50,21 @@ def test_producer_killed_mid_epoch_is_replaced_and_nothing_is_lost(textures, tmp
     assert summary["skipped_files"] == []
 
 
+def test_a_producer_killed_on_a_part_costs_that_part_not_its_batch(textures, tmp_path):
+    """4 producers, 1 consumer, batches of 16: each batch is built in 2 parts of 8 (stoker/pipeline/parts.py)."""
+    victim = "train/3_checker/00005.jpg"
+    run_cli(*train_args(textures, tmp_path / "run", "--devices", "cpu:1", "--producers", "4", "--epochs", "1",
+                        "--batch-size", "16"),
+            env=fault(f"producer:sigkill:{victim}", once_dir=tmp_path))
+    summary = read_summary(tmp_path / "run")
+    assert summary["status"] == "completed"
+    assert summary["samples_consumed"] == [120]
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    [lost] = events(tmp_path / "run", "producer_lost")
+    assert victim in lost["message"] and lost["reissued_samples"]
+    assert all(0 < n <= 8 for n in lost["reissued_samples"])  # parts of a batch of 16, never a whole one
+
+
 def test_producer_killed_halfway_through_sending_its_result_breaks_only_its_own_pipe(textures, tmp_path):
     """Half a message on the pipe, then SIGKILL: with one queue shared by every producer this garbles the stream
     (or leaves its lock held); with a pipe per producer the controller sees that pipe close and re-issues."""

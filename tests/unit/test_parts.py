@@ -1,0 +1,136 @@
+"""A batch built in parts by several producers holds the same bytes as the batch built whole by one, with real JPEG
+files (some unusable) decoded into a real shared-memory ring, whatever order the parts finish in and when a
+compaction is lost half-way."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from stoker.data.imaging import make_decode_warnings_errors
+from stoker.pipeline.parts import Assembler, part_bounds, parts_per_batch
+from stoker.pipeline.plan import Work
+from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch, compact_slot
+from stoker.pipeline.ring import SlotRing
+from stoker.pipeline.scheduler import Issue
+
+BATCH = 16
+SIZE = 24
+BAD = {3, 4, 9}  # sample ids of unusable files: two in one part, one in another
+
+
+@pytest.fixture()
+def source(tmp_path):
+    rng = np.random.default_rng(0)
+    paths = []
+    for sample in range(BATCH):
+        path = tmp_path / f"{sample:02d}.jpg"
+        if sample in BAD:
+            path.write_bytes(b"" if sample == 3 else b"\xff\xd8\xff\xe0 not a jpeg")
+        else:
+            buffer = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (40, 30, 3), dtype=np.uint8)).save(buffer, "JPEG")
+            path.write_bytes(buffer.getvalue())
+        paths.append(str(path))
+    make_decode_warnings_errors()
+    return Source(tuple(paths), np.arange(BATCH, dtype=np.int64) % 5)
+
+
+@pytest.fixture()
+def ring():
+    ring = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=SIZE, num_status=1)
+    yield ring
+    ring.close()
+
+
+def work() -> Work:
+    order = np.random.default_rng(1).permutation(BATCH).astype(np.int64)  # plan order is not id order
+    return Work("train", 0, 0, 0, order, BATCH)
+
+
+def slot_contents(ring: SlotRing, slot: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    count = int(ring.counts[slot])
+    return count, ring.images[slot, :count].copy(), ring.labels[slot, :count].copy(), ring.ids[slot, :count].copy()
+
+
+def build_whole(ring, setup) -> tuple:
+    build_batch(Task(0, work(), 1), setup, ring, ring.status[0])
+    return slot_contents(ring, 1)
+
+
+def build_in_parts(ring, setup, parts: int, finish_order) -> tuple:
+    assembler = Assembler(ring, parts)
+    tasks = assembler.split(Issue(0, 0, work(), 0, 0))
+    ring.images[0] = 255  # garbage a previous batch left: nothing of it may show through
+    issued = compaction = None
+    for index in finish_order(len(tasks)):
+        task = tasks[index]
+        count, _ = build_batch(task, setup, ring, ring.status[0])
+        issued, compaction = assembler.done(task, count)
+    if compaction is not None:
+        compact_slot(compaction, ring, ring.status[0])
+        issued, _ = assembler.done(compaction, 0)
+    assert issued is not None
+    return slot_contents(ring, 0)
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and all(np.array_equal(x, y) for x, y in zip(a[1:], b[1:], strict=True))
+
+
+@pytest.mark.parametrize("parts", [2, 3, 4])
+@pytest.mark.parametrize("order", ["forward", "backward"])
+def test_parts_in_any_order_give_the_bytes_of_the_whole_batch(source, ring, parts, order):
+    setup = ProducerSetup(ring.spec, source, None, "standard", seed=3)
+    whole = build_whole(ring, setup)
+    finish = (lambda n: range(n)) if order == "forward" else (lambda n: reversed(range(n)))
+    assert same(build_in_parts(ring, setup, parts, finish), whole)
+    # and independently of the whole-batch path: the usable samples, in plan order
+    assert whole[3].tolist() == [s for s in work().sample_ids.tolist() if s not in BAD]
+    assert whole[0] == BATCH - len(BAD)
+
+
+def test_a_compaction_lost_half_way_is_redone_from_the_parts_it_moved(source, ring):
+    setup = ProducerSetup(ring.spec, source, None, "standard", seed=3)
+    whole = build_whole(ring, setup)
+    assembler = Assembler(ring, 4)
+    tasks = assembler.split(Issue(0, 0, work(), 0, 0))
+    compaction = None
+    for task in tasks:
+        count, _ = build_batch(task, setup, ring, ring.status[0])
+        _, compaction = assembler.done(task, count)
+    assert compaction is not None
+    half = Task(-1, compaction.work, 0, compact=compaction.compact[:3])  # killed after moving three parts
+    compact_slot(half, ring, ring.status[0])
+    again = assembler.again(compaction)
+    moved = [first for first, _ in compaction.compact[1:]]
+    assert [t.first for t in again] == [f for f in moved if f != sum(n for g, n in compaction.compact if g < f)]
+    for task in again:
+        count, _ = build_batch(task, setup, ring, ring.status[0])
+        issued, compaction_again = assembler.done(task, count)
+    assert compaction_again is not None and compaction_again.compact == compaction.compact
+    compact_slot(compaction_again, ring, ring.status[0])
+    issued, _ = assembler.done(compaction_again, 0)
+    assert issued is not None and same(slot_contents(ring, 0), whole)
+
+
+def test_full_parts_need_no_compaction_and_set_the_count(ring):
+    assembler = Assembler(ring, 4)
+    tasks = assembler.split(Issue(0, 0, Work("val", 0, 0, 0, np.arange(10, dtype=np.int64), 10), 1, 0))
+    assert [(t.first, t.end) for t in tasks] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    for task in tasks[:-1]:
+        assert assembler.done(task, task.end - task.first) == (None, None)
+    issued, compaction = assembler.done(tasks[-1], 1)  # only the last part short: nothing to move
+    assert issued is not None and compaction is None and ring.counts[1] == 9
+
+
+def test_parts_are_sized_from_the_producer_ceiling():
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=1) == 1  # the slots give each producer work
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4) == 2
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=16) == 8
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=64) == 8  # never under 4 samples a part
+    assert parts_per_batch(batch_size=3, num_slots=4, max_producers=64) == 1
+    assert part_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty part
