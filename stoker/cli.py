@@ -23,7 +23,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "val_fraction": ("share of each class held out for validation when --val is not given", "F"),
     "model": ("resnet8 | resnet14 | resnet20 | resnet18 | resnet50 | module:function", "NAME"),
     "image_size": ("training resolution (default 32 on the built-in data, else 224)", "PX"),
-    "augment": ("standard (random resized crop + flip) | noflip | none", "MODE"),
+    "augment": ("standard (random resized crop + flip) | noflip | none | trivial (standard + TrivialAugment) | "
+                "randaug (standard + RandAugment, 2 ops at magnitude 9)", "MODE"),
     "devices": ("auto | cpu:N | cuda | cuda:0,1", "SPEC"),
     "producers": ("auto (fork more when consumers wait) or a fixed count", "M"),
     "min_producers": ("lower bound for --producers auto", "A"),
@@ -33,7 +34,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "epochs": ("passes over the training set", "E"),
     "optimizer": ("sgd (with --momentum, --weight-decay) | adamw (--weight-decay)", "NAME"),
     "lr": ("peak learning rate", "LR"),
-    "schedule": ("learning rate over the run: cosine (decays to 0 at the last step) | constant", "NAME"),
+    "schedule": ("learning rate over the run: cosine (decays to 0 at the last step) | step (x0.1 at 50%% and "
+                 "75%% of the steps) | constant", "NAME"),
     "momentum": ("SGD momentum", "MU"),
     "weight_decay": ("SGD weight decay", "WD"),
     "sync_every": ("average replicas every H steps", "H"),
@@ -60,6 +62,21 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "channels_last": ("true | false: feed the model channels_last input (default true) or plain NCHW", "BOOL"),
     "compile": ("true | false: torch.compile the model in each consumer", "BOOL"),
     "deterministic": ("true | false: deterministic cuDNN algorithms, no TF32 (bitwise resume on GPUs)", "BOOL"),
+    "init": ("start from this state_dict (plain or under 'state_dict'/'model'; loaded by name, a head of "
+             "another shape re-initialized)", "STATE_DICT"),
+    "lr_head_multiplier": ("learning rate multiplier of the classifier head (fine-tuning with --init)", "X"),
+    "warmup_epochs": ("linear warmup of the learning rate over E epochs, per step, then --schedule", "E"),
+    "label_smoothing": ("label smoothing of the targets (0: off)", "S"),
+    "mixup": ("mixup with Beta(A, A) mixing weights, on the device (0: off)", "A"),
+    "cutmix": ("cutmix with Beta(A, A) box areas, on the device (0: off; with --mixup, one of the two per "
+               "batch)", "A"),
+    "ema": ("keep an EMA of the weights with this decay (0: off), validated each epoch and saved as "
+            "model_ema.pt", "D"),
+    "clip_grad_norm": ("clip the gradients' global norm to N (0: off)", "N"),
+    "no_decay_norm_bias": ("true | false: no weight decay on norm layers' weights and on biases (default true)",
+                           "BOOL"),
+    "random_erasing": ("random erasing probability per sample, on the device (0: off)", "P"),
+    "val_image_size": ("validation resolution (default --image-size)", "PX"),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 

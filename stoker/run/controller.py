@@ -29,6 +29,7 @@ from stoker.common.procs import (
 )
 from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.observe.evaluation import val_summary
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach
@@ -44,7 +45,9 @@ from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.training.averager import OuterSpec
 from stoker.training.consumer import ConsumerSetup, consumer_main
+from stoker.training.init import check_init
 from stoker.training.models import check_model
+from stoker.training.recipe import recipe_setup
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,10 @@ class Controller:
         self._ring_bytes_check()
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
+        if config.init is not None and config.resume is None:
+            check_init(config.init, config.model, len(self.data.train.classes))
+        self.recipe = recipe_setup(config, len(self.data.train.classes), self.plan.steps_per_epoch,
+                                   config.resume is not None)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
         if config.resume is None:
             rundir.check_new_run_dir(self.run_dir)
@@ -295,7 +302,7 @@ class Controller:
                 average_in_backward=config.average_in_backward, seed=config.seed, num_threads=threads,
                 collective_timeout_s=config.collective_timeout_s, check_replicas_every=config.check_replicas_every,
                 resume_from=self.resume_from, precision=config.precision, channels_last=config.channels_last,
-                compile=config.compile, deterministic=config.deterministic)
+                compile=config.compile, deterministic=config.deterministic, recipe=self.recipe)
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
             outbox = self.mailbox.open()
@@ -398,7 +405,7 @@ class Controller:
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
-                               count=message.count)
+                               count=message.count, top5=message.top5, ema=message.ema)
             log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
                      message.loss)
         elif isinstance(message, Saved):
@@ -636,6 +643,8 @@ class Controller:
             "replica_mismatch_steps": self.stats.mismatched_steps(),
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             "model": str(self.run_dir / "model.pt") if status == "completed" else None,
+            **val_summary(last_val, list(self.data.train.classes)),
+            "model_ema": str(self.run_dir / "model_ema.pt") if status == "completed" and self.config.ema else None,
             "classes": list(self.data.train.classes),
             "start_step": self.start_at.global_step,
             "wall_s": round(time.monotonic() - self.started, 3),
