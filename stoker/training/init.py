@@ -40,6 +40,7 @@ class InitPlan:
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    _check_archive(path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError) as error:
@@ -55,6 +56,20 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise InitError(f"init={str(path)!r}: expected a state_dict (names to tensors), plain or under "
                         f"{' or '.join(repr(k) for k in WRAPPER_KEYS)}; found {type(loaded).__name__}")
     return loaded
+
+
+def _check_archive(path: Path) -> None:
+    """torch.load does not check the CRC-32 that torch.save writes for each record, so changed tensor bytes load
+    without a word; zipfile checks them."""
+    if not zipfile.is_zipfile(path):
+        return  # the legacy format, or not torch at all: torch.load says which
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise InitError(f"init={str(path)!r}: a damaged archive ({error})") from None
+    if damaged is not None:
+        raise InitError(f"init={str(path)!r}: tampered or damaged: the checksum of {damaged!r} does not match")
 
 
 def plan_init(path: Path, model: nn.Module) -> InitPlan:
