@@ -76,7 +76,6 @@ TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "no_decay_norm_bias": ("true | false: no weight decay on norm layers' weights and on biases (default true)",
                            "BOOL"),
     "random_erasing": ("random erasing probability per sample, on the device (0: off)", "P"),
-    "val_image_size": ("validation resolution (default --image-size)", "PX"),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 

@@ -87,7 +87,6 @@ class TrainConfig:
     clip_grad_norm: float = Field(0.0, ge=0.0)
     no_decay_norm_bias: bool = True
     random_erasing: float = Field(0.0, ge=0.0, le=1.0)
-    val_image_size: int | None = Field(None, ge=8, le=2048)
 
     @field_validator("devices")
     @classmethod
@@ -134,10 +133,6 @@ class TrainConfig:
         if self.image_size is not None:
             return self.image_size
         return BUILTIN_IMAGE_SIZE if self.data is None else DEFAULT_IMAGE_SIZE
-
-    @property
-    def resolved_val_image_size(self) -> int:
-        return self.val_image_size or self.resolved_image_size
 
     def replace(self, **changes: Any) -> TrainConfig:
         return make_config({**self.as_dict(), **changes})
