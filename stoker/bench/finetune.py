@@ -69,14 +69,15 @@ def measure(root: Path, pretrain_per_class: int, finetune_per_class: int, val_pe
     import stoker
 
     pretrain, finetune = split_tasks(root, pretrain_per_class, finetune_per_class, val_per_class)
-    common = {"devices": devices, "image_size": 32, "report": False, "lr": 0.05}
-    runs = []
+    common: dict[str, Any] = {"devices": devices, "image_size": 32, "report": False, "lr": 0.05}
+    runs: list[dict[str, Any]] = []
     for seed in range(seeds):
         base = root / f"pretrained-{seed}"
         stoker.train(data=pretrain / "train", val=pretrain / "val", epochs=pretrain_epochs, seed=seed, out=base,
                      batch_size=32, show_progress=False, **common)
-        curves = {}
-        for name, extra in (("finetuned", {"init": base / "model.pt"}), ("scratch", {})):
+        curves: dict[str, list[float]] = {}
+        choices: tuple[tuple[str, dict[str, Any]], ...] = (("finetuned", {"init": base / "model.pt"}), ("scratch", {}))
+        for name, extra in choices:
             out = root / f"{name}-{seed}"
             stoker.train(data=finetune / "train", val=finetune / "val", epochs=epochs, seed=seed, out=out,
                          batch_size=FINETUNE_BATCH, show_progress=False, **common, **extra)
@@ -86,7 +87,8 @@ def measure(root: Path, pretrain_per_class: int, finetune_per_class: int, val_pe
             "median_epochs_to_target": {name: statistics.median(epochs_to(run[name], target, epochs)
                                                                 for run in runs)
                                         for name in ("finetuned", "scratch")},
-            "settings": {**common, "pretrain_batch_size": 32, "finetune_batch_size": FINETUNE_BATCH, "pretrain_per_class": pretrain_per_class,
+            "settings": {**common, "pretrain_batch_size": 32, "finetune_batch_size": FINETUNE_BATCH,
+                         "pretrain_per_class": pretrain_per_class,
                          "finetune_per_class": finetune_per_class, "val_per_class": val_per_class}}
 
 
