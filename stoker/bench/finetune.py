@@ -66,20 +66,18 @@ def split_tasks(root: Path, pretrain_per_class: int, finetune_per_class: int,
 
 def measure(root: Path, pretrain_per_class: int, finetune_per_class: int, val_per_class: int,
             pretrain_epochs: int, epochs: int, target: float, seeds: int, devices: str) -> dict[str, Any]:
-    import stoker
-
     pretrain, finetune = split_tasks(root, pretrain_per_class, finetune_per_class, val_per_class)
     common: dict[str, Any] = {"devices": devices, "image_size": 32, "report": False, "lr": 0.05}
     runs: list[dict[str, Any]] = []
     for seed in range(seeds):
         base = root / f"pretrained-{seed}"
-        stoker.train(data=pretrain / "train", val=pretrain / "val", epochs=pretrain_epochs, seed=seed, out=base,
+        _train(data=pretrain / "train", val=pretrain / "val", epochs=pretrain_epochs, seed=seed, out=base,
                      batch_size=32, show_progress=False, **common)
         curves: dict[str, list[float]] = {}
         choices: tuple[tuple[str, dict[str, Any]], ...] = (("finetuned", {"init": base / "model.pt"}), ("scratch", {}))
         for name, extra in choices:
             out = root / f"{name}-{seed}"
-            stoker.train(data=finetune / "train", val=finetune / "val", epochs=epochs, seed=seed, out=out,
+            _train(data=finetune / "train", val=finetune / "val", epochs=epochs, seed=seed, out=out,
                          batch_size=FINETUNE_BATCH, show_progress=False, **common, **extra)
             curves[name] = val_curve(out)
         runs.append({"seed": seed, **curves})
@@ -90,6 +88,15 @@ def measure(root: Path, pretrain_per_class: int, finetune_per_class: int, val_pe
             "settings": {**common, "pretrain_batch_size": 32, "finetune_batch_size": FINETUNE_BATCH,
                          "pretrain_per_class": pretrain_per_class,
                          "finetune_per_class": finetune_per_class, "val_per_class": val_per_class}}
+
+
+def _train(**settings: Any) -> None:
+    """One run; an interrupted or failed one stops the benchmark (Ctrl-C reaches the run's controller first)."""
+    import stoker
+
+    summary = stoker.train(**settings)
+    if summary["status"] != "completed":
+        raise SystemExit(f"bench finetune: a run ended {summary['status']}: {summary.get('error', '')}")
 
 
 def val_curve(run_dir: Path) -> list[float]:
