@@ -38,5 +38,5 @@ def test_more_cpu_consumers_than_cores_is_warned_before_the_run_starts(textures,
     caplog.clear()
     with caplog.at_level("WARNING"):
         Controller(make_config({"data": train, "val": val, "devices": f"cpu:{cores}", "image_size": 16,
-                                "out": tmp_path / "run"}))
+                                "out": tmp_path / "other"}))  # the first still holds its folder's lock
     assert not any("CPU consumers on" in r.getMessage() for r in caplog.records)

@@ -27,15 +27,20 @@ def test_at_the_ceiling_a_higher_ceiling_is_the_advice():
 
 def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(textures, tmp_path):
     from stoker.common.config import make_config
+    from stoker.pipeline.engine import Engine
     from stoker.run.controller import Controller
 
     train, val = textures
     controller = Controller(make_config({"data": train, "val": val, "devices": "cpu:1", "image_size": 16,
                                          "max_producers": 6, "out": tmp_path / "run"}))  # starts nothing
-    controller.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
-    controller.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
-    controller.timeline = [{"producers": n} for n in (1, 2, 3, 4, 3)]
-    controller.producer_busy = (8.2, 10.0)
+    # The engine's state after such a run, without its processes: the controller reads it from there.
+    engine = Engine.__new__(Engine)
+    engine.budget, engine.pool = 6, None
+    engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    engine.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
+    engine.timeline = [{"producers": n} for n in (1, 2, 3, 4, 3)]
+    engine.producer_busy = (8.2, 10.0)
+    controller._engine = engine
     for step, now in enumerate((1.0, 2.0, 3.0)):  # half of every step spent waiting for input
         controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
     text = controller.run_verdict().text
