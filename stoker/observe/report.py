@@ -162,6 +162,9 @@ def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
              ("metrics.jsonl", "every step and event"),
              ("model.pt", "the averaged model where the run ended")]
     found = [(name, what) for name, what in files if (run_dir / name).exists()]
+    if summary.get("model_best") and summary.get("best_epoch") is not None:
+        found.append(("model_best.pt", f"the best validation accuracy, {100 * summary['best_val_accuracy']:.2f}%, "
+                                       f"at epoch {summary['best_epoch']}"))
     if summary.get("checkpoint"):
         checkpoint = Path(summary["checkpoint"])
         resume = "" if summary["status"] == "completed" else f": stoker train --resume {run_dir} continues"

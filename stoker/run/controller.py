@@ -45,6 +45,7 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.model_file import BEST_MODEL_FILE, model_card
 from stoker.training.models import check_model
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
@@ -282,7 +283,8 @@ class Controller:
                                                         self.config.collective_timeout_s)
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  len(self.data.train.classes), self.plan.steps_per_epoch * self.config.epochs,
-                                 self.resume_from)
+                                 self.resume_from, model_card(self.config.model, self.data.train.classes,
+                                                              self.image_size), self.run_dir / BEST_MODEL_FILE)
         for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stoker.pipeline.engine import producer_fields
+from stoker.training.model_file import BEST_MODEL_FILE, ModelFileError, read_model
 
 if TYPE_CHECKING:
     from stoker.run.controller import Controller
@@ -44,8 +46,21 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         "replica_mismatch_steps": run.stats.mismatched_steps(),
         "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
         "model": str(run.run_dir / "model.pt") if status == "completed" else None,
+        **best_model_fields(run.run_dir / BEST_MODEL_FILE),
         "classes": list(run.data.train.classes),
         "start_step": run.start_at.global_step,
         "wall_s": round(time.monotonic() - run.started, 3),
     }
     return run.ledger.whole_run(summary, run.stats, run.start_at.global_step)
+
+
+def best_model_fields(path: Path) -> dict[str, Any]:
+    """model_best.pt and the validation that chose it, as the file itself records them (a resumed run's best
+    may come from an earlier part)."""
+    try:
+        card = read_model(path)[0] if path.exists() else None
+    except ModelFileError:
+        card = None
+    return {"model_best": str(path) if card is not None else None,
+            "best_epoch": card.epoch if card is not None else None,
+            "best_val_accuracy": card.val_accuracy if card is not None else None}

@@ -41,7 +41,7 @@ from stoker.pipeline.messages import (
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.pipeline.streams import ops_for
-from stoker.training import accel, exchange, warmup
+from stoker.training import accel, exchange, model_file, warmup
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.models import build_model
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
@@ -80,6 +80,8 @@ class ConsumerSetup:
     channels_last: bool = True
     compile: bool = False
     deterministic: bool = False
+    model_card: model_file.ModelCard | None = None  # written into model.pt beside the weights (None: plain weights)
+    best_model: Path | None = None  # where rank 0 keeps the model of the best validation accuracy so far
 
 
 class Stopped(Exception):
@@ -169,6 +171,7 @@ class Replica:
                 self.averager.outer.reset_anchor()
         self.first_wait_s: float | None = None
         self.val_totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self.best = _BestModel(setup.best_model, setup.model_card) if setup.rank == 0 else None
 
     def serve(self, ready, stop) -> None:
         watch = ParentWatch()
@@ -280,6 +283,8 @@ class Replica:
         self.val_totals.zero_()
         if self.setup.rank == 0 and count:
             self.outbox.send(ValReport(message.epoch, loss_sum / count, correct / count, int(count)))
+        if self.best is not None and count:
+            self.best.offer(self.model, message.epoch + 1, correct / count)
 
     def save(self, message: Save) -> None:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
@@ -337,9 +342,31 @@ class Replica:
         self.averager.settle()
         digest = self.averager.digest()
         if self.setup.rank == 0:
-            checkpoint.save_tensors(message.model_path, self.model.state_dict())
+            _save_model(message.model_path, self.model, self.setup.model_card)
         self.outbox.send(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0,
                                   accel.memory_stats(self.device)))
+
+
+def _save_model(path: Path, model: torch.nn.Module, card: model_file.ModelCard | None) -> None:
+    if card is None:
+        checkpoint.save_tensors(path, model.state_dict())
+    else:
+        model_file.save_model(path, model.state_dict(), card)
+
+
+class _BestModel:
+    """model_best.pt: rewritten (atomically) whenever validation beats the best accuracy so far; a resumed run
+    starts from the accuracy the file records, so a worse epoch after a resume does not replace it."""
+
+    def __init__(self, path: Path | None, card: model_file.ModelCard | None) -> None:
+        self.path, self.card = path, card
+        self.accuracy = model_file.recorded_accuracy(path) if path is not None else None
+
+    def offer(self, model: torch.nn.Module, epoch: int, accuracy: float) -> None:
+        if self.path is None or self.card is None or (self.accuracy is not None and accuracy <= self.accuracy):
+            return
+        model_file.save_best(self.path, model.state_dict(), self.card, epoch, accuracy)
+        self.accuracy = accuracy
 
 
 @dataclass
