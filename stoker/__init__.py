@@ -2,19 +2,22 @@
 
     import stoker
     summary = stoker.train(data="photos/", devices="cpu:2", epochs=3, out="runs/photos")
+    model = stoker.load("runs/photos")       # model.model (eval mode), model.classes, model.preprocess(path)
 
 `train` takes the same settings as `stoker train` (see `stoker.TrainConfig`) and returns the run summary.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stoker.common.config import TrainConfig
+    from stoker.run.inference import LoadedModel
     from stoker.run.loader import Loader
 
-__all__ = ["Loader", "TrainConfig", "train"]
+__all__ = ["Loader", "TrainConfig", "load", "train"]
 
 
 def train(config: TrainConfig | None = None, *, show_progress: bool = True, **settings: Any) -> dict[str, Any]:
@@ -37,6 +40,15 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, **se
     from stoker.run.controller import Controller  # after the settings: a bad one is reported without torch's import
 
     return Controller(config, show_progress=show_progress).run()
+
+
+def load(source: str | Path, device: str = "cpu") -> LoadedModel:
+    """The model a run trained (RUN_DIR, or a model file: model.pt, model_best.pt, model_ema.pt) in eval mode on
+    `device`, with `.classes` and `.preprocess(path or bytes or image)`: exactly the tensor validation gives that
+    file. A file stoker did not write, or one modified since, is a ValueError naming it."""
+    from stoker.run.inference import load as load_model
+
+    return load_model(source, device)
 
 
 def __getattr__(name: str) -> Any:

@@ -162,8 +162,8 @@ def assert_same_weights(run_a: Path, run_b: Path) -> None:
     """The two runs' model.pt hold bitwise the same tensors."""
     import torch  # here: a test that needs no torch does not pay for its import
 
-    a = torch.load(run_a / "model.pt", weights_only=True)
-    b = torch.load(run_b / "model.pt", weights_only=True)
+    a = torch.load(run_a / "model.pt", weights_only=True)["state_dict"]
+    b = torch.load(run_b / "model.pt", weights_only=True)["state_dict"]
     for name in a:
         assert torch.equal(a[name], b[name]), name
 

@@ -29,6 +29,7 @@ from stoker.common.devices import available_cores
 from stoker.common.procs import CONTEXT, POLL_S, Mailbox, StokerRunError
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
+from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source, log_refused
 from stoker.data.user_dataset import DatasetSource, check_dataset
 from stoker.observe.diagnosis import TimeSplit, diagnose
@@ -448,6 +449,8 @@ def _shut_down(engine: Engine, stop: Any, mailbox: Mailbox, events: _Events, own
 def _open_data(data: str | Path | Any | None, image_size: int | None
                ) -> tuple[Any, int, tuple[str, ...], tuple[Skipped, ...]]:
     """The samples, the image size, the class names, and what the index refused."""
+    if isinstance(data, PackedIndex):  # an index made for the purpose: eval's classes in a model's order, predict's
+        return data, image_size or DEFAULT_IMAGE_SIZE, tuple(data.classes), tuple(data.skipped)
     if data is not None and not isinstance(data, (str, Path)):
         check_dataset(data)
         size = image_size or _first_item_size(data)

@@ -170,8 +170,8 @@ def test_two_gpus_resume_is_exact(textures, tmp_path):
                     env={"STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=5;"}, check=False)
     assert result.returncode == 130
     run_cli("train", "--resume", str(split), "--devices", "cuda:0,1", "--quiet")
-    a = torch.load(straight / "model.pt", weights_only=True)
-    b = torch.load(split / "model.pt", weights_only=True)
+    a = torch.load(straight / "model.pt", weights_only=True)["state_dict"]
+    b = torch.load(split / "model.pt", weights_only=True)["state_dict"]
     for name in a:
         assert torch.equal(a[name], b[name]), name
 

@@ -21,5 +21,5 @@ def test_bf16_learns_digits_within_a_point_of_fp32(digits, tmp_path):
     assert full["val_accuracy"] >= 0.95, full["val_accuracy"]
     assert abs(half["val_accuracy"] - full["val_accuracy"]) <= 0.01, (half["val_accuracy"], full["val_accuracy"])
     assert half["replicas_identical"] is True
-    weights = torch.load(tmp_path / "bf16" / "model.pt", weights_only=True)
+    weights = torch.load(tmp_path / "bf16" / "model.pt", weights_only=True)["state_dict"]
     assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}  # fp32 master weights

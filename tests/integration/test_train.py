@@ -50,7 +50,7 @@ def test_same_seed_same_weights_whatever_the_number_of_producers(textures, tmp_p
         run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers",
                 str(producers), "--batch-size", "8", "--image-size", "32", "--epochs", "1", "--seed", "7", "--out",
                 str(out), "--quiet")
-        weights.append(torch.load(out / "model.pt", weights_only=True))
+        weights.append(torch.load(out / "model.pt", weights_only=True)["state_dict"])
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         assert torch.equal(weights[0][name], weights[1][name]), name
@@ -75,7 +75,7 @@ def test_averaging_equals_training_on_the_concatenated_batches(textures, tmp_pat
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--model", "nobn:small_cnn",
             "--batch-size", str(batch), "--epochs", "1", "--seed", str(seed), "--lr", "0.05", "--schedule", "constant",
             "--weight-decay", "0.0005", "--image-size", str(size), "--out", str(tmp_path), "--quiet")
-    distributed = torch.load(tmp_path / "model.pt", weights_only=True)
+    distributed = torch.load(tmp_path / "model.pt", weights_only=True)["state_dict"]
 
     sys.path.insert(0, str(HELPERS))
     torch.manual_seed(seed)
@@ -130,7 +130,7 @@ def test_python_api_trains_and_checkpoint_loads_into_the_model(textures, tmp_pat
                            out=tmp_path, show_progress=False)
     assert summary["status"] == "completed"
     model = build_model("resnet8", 10)
-    model.load_state_dict(torch.load(summary["model"], weights_only=True))
+    model.load_state_dict(torch.load(summary["model"], weights_only=True)["state_dict"])
     assert np.isfinite(summary["train_loss"])
 
 
@@ -153,7 +153,7 @@ def _final_weights(textures, out, **settings):
     summary = stoker.train(data=train, val=val, devices="cpu:2", batch_size=8, image_size=32, epochs=1, sync_every=3,
                            seed=3, out=out, show_progress=False, report=False, **settings)
     assert summary["status"] == "completed" and summary["replicas_identical"] is True
-    return torch.load(out / "model.pt", weights_only=True)
+    return torch.load(out / "model.pt", weights_only=True)["state_dict"]
 
 
 def test_outer_sgd_with_lr_1_and_no_momentum_is_plain_averaging_and_nesterov_is_not(textures, tmp_path):

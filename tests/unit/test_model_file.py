@@ -1,0 +1,185 @@
+"""model.pt and `stoker.load`: the card travels with the weights in a file `torch.load(weights_only=True)` reads;
+a foreign, plain or modified file is refused with its name; `preprocess` gives exactly the tensor stoker's
+validation path (producers into a slot, the consumer's feed) gives the same file."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import stoker
+from stoker.run.loader import Loader
+from stoker.training.model_file import ModelCard, ModelFileError, model_card, read_model, save_model
+from stoker.training.models import build_model
+from tests.conftest import HELPERS, photograph_jpeg
+
+CLASSES = ("cat", "dog", "eel")
+
+
+def saved_model(path: Path, name: str = "resnet8", image_size: int = 32) -> tuple[torch.nn.Module, ModelCard]:
+    torch.manual_seed(0)
+    model = build_model(name, len(CLASSES))
+    card = model_card(name, CLASSES, image_size)
+    save_model(path, model.state_dict(), card)
+    return model, card
+
+
+def test_the_file_is_plain_weights_and_a_card_that_weights_only_reads(tmp_path):
+    model, _ = saved_model(tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=True)
+    # what `--init` and a plain load_state_dict read: the weights under 'state_dict'
+    fresh = build_model("resnet8", len(CLASSES))
+    fresh.load_state_dict(loaded["state_dict"])
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    card = loaded["card"]
+    assert (card["model"], card["classes"], card["image_size"]) == ("resnet8", list(CLASSES), 32)
+    # torchvision's ImageNet normalization and validation crop (its references: Resize(256), CenterCrop(224))
+    assert card["mean"] == [0.485, 0.456, 0.406] and card["std"] == [0.229, 0.224, 0.225]
+    assert card["crop_fraction"] == 224 / 256
+
+
+def test_load_gives_the_model_in_eval_mode_with_its_classes(tmp_path):
+    model, _ = saved_model(tmp_path / "model.pt")
+    loaded = stoker.load(tmp_path)  # a run folder: its model.pt
+    assert loaded.classes == CLASSES and loaded.image_size == 32 and not loaded.model.training
+    x = torch.randn(2, 3, 32, 32)
+    assert torch.equal(loaded(x), model.eval()(x))
+
+
+def test_a_module_function_model_is_rebuilt_from_its_recorded_spec(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(HELPERS))
+    model, card = saved_model(tmp_path / "user.pt", name="nobn:small_cnn")
+    assert card.module_file == str((HELPERS / "nobn.py").resolve()) and card.module_sha256
+    loaded = stoker.load(tmp_path / "user.pt")
+    x = torch.randn(1, 3, 32, 32)
+    assert torch.equal(loaded(x), model.eval()(x))
+
+
+def test_a_module_that_cannot_be_imported_names_the_file_and_where_it_was_trained_from(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(HELPERS))
+    saved_model(tmp_path / "user.pt", name="nobn:small_cnn")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(HELPERS)])
+    monkeypatch.delitem(sys.modules, "nobn")
+    with pytest.raises(ValueError, match=f"{tmp_path / 'user.pt'}: cannot rebuild its model.*trained from "
+                                         f".*nobn.py: run from its folder or put that on PYTHONPATH"):
+        stoker.load(tmp_path / "user.pt")
+
+
+def _record_data_offset(path: Path, suffix: str) -> int:
+    """Where the bytes of the archive's first record ending in `suffix` start (after its local header)."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(suffix) and i.file_size > 64)
+    with open(path, "rb") as handle:
+        handle.seek(info.header_offset)
+        header = handle.read(30)
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_length + extra_length
+
+
+@pytest.mark.parametrize("record", ["/data/0", "data.pkl"])  # a weight's bytes; the card (pickled) itself
+def test_a_modified_file_is_refused_with_its_name(tmp_path, record):
+    path = tmp_path / "model.pt"
+    saved_model(path)
+    data = bytearray(path.read_bytes())
+    data[_record_data_offset(path, record) + 40] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelFileError, match=f"{path}: tampered or damaged"):
+        stoker.load(path)
+
+
+def test_foreign_and_plain_files_are_refused_with_their_names(tmp_path):
+    plain = tmp_path / "plain.pt"
+    torch.save(build_model("resnet8", 3).state_dict(), plain)
+    with pytest.raises(ModelFileError, match=f"{plain}: a plain state_dict, without the card"):
+        read_model(plain)
+    text = tmp_path / "notes.pt"
+    text.write_text("not a model")
+    with pytest.raises(ModelFileError, match=f"{text}: not a model file"):
+        stoker.load(text)
+    other = tmp_path / "other.pt"
+    torch.save({"epoch": 3, "weights": [1, 2]}, other)
+    with pytest.raises(ModelFileError, match=f"{other}: not a stoker model file"):
+        stoker.load(other)
+    with pytest.raises(ModelFileError, match=f"{tmp_path / 'model.pt'}: no such file"):
+        stoker.load(tmp_path)
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['EXPLOIT_MARKER']}",))
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_runs_none(tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
+    path = tmp_path / "model.pt"
+    torch.save({"stoker_model": 1, "state_dict": {"w": torch.zeros(1)}, "card": _Exploit()}, path)
+    with pytest.raises(ModelFileError, match=f"{path}: not a model file torch can load safely"):
+        stoker.load(path)
+    assert not marker.exists()
+
+
+def test_a_card_whose_weights_do_not_fit_its_model_is_refused(tmp_path):
+    card = model_card("resnet8", CLASSES, 32)
+    save_model(tmp_path / "model.pt", build_model("resnet14", 3).state_dict(), card)
+    with pytest.raises(ModelFileError, match="model.pt: its weights do not fit 'resnet8' with 3 classes"):
+        stoker.load(tmp_path / "model.pt")
+
+
+def _images(folder: Path) -> None:
+    """One file per decoder path: baseline and progressive JPEG photos (427x640: a non-square crop, a reduced
+    decode), a CMYK JPEG (Pillow), RGB and grey PNGs (libpng), RGBA and 16-bit PNGs (Pillow), a BMP."""
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    (folder / "a").mkdir(parents=True)
+    (folder / "b").mkdir()
+    (folder / "a" / "photo.jpg").write_bytes(photograph_jpeg(0, progressive=False))
+    (folder / "a" / "progressive.jpg").write_bytes(photograph_jpeg(1, progressive=True))
+    Image.fromarray(noise).convert("CMYK").save(folder / "a" / "cmyk.jpg", quality=90)
+    Image.fromarray(noise).save(folder / "b" / "rgb.png")
+    Image.fromarray(noise[:, :, 0]).save(folder / "b" / "grey.png")
+    Image.fromarray(np.dstack([noise, noise[:, :, :1]])).save(folder / "b" / "rgba.png")
+    Image.fromarray(noise[:, :, 1].astype(np.uint16) * 257).save(folder / "b" / "wide.png")
+    Image.fromarray(noise).save(folder / "b" / "plain.bmp")
+
+
+def test_preprocess_equals_the_validation_batch_bit_for_bit(tmp_path):
+    data = tmp_path / "data"
+    _images(data)
+    saved_model(tmp_path / "model.pt", image_size=48)
+    model = stoker.load(tmp_path / "model.pt")
+    seen = 0
+    with Loader(data, batch_size=3, image_size=48, augment="none", producers=2, device="cpu") as loader:
+        for images, _ in loader:
+            for image, sample in zip(images, loader.batch_ids):
+                path = loader.source.paths[int(sample)]
+                assert torch.equal(model.preprocess(path), image), path
+                assert torch.equal(model.preprocess(Path(path).read_bytes()), image), path
+                seen += 1
+    assert seen == 8
+    with Image.open(data / "b" / "rgb.png") as opened:  # a decoded image: the same crop, resize and normalization
+        assert torch.equal(model.preprocess(opened), model.preprocess(data / "b" / "rgb.png"))
+
+
+def test_preprocess_names_a_file_it_cannot_use(tmp_path):
+    saved_model(tmp_path / "model.pt")
+    model = stoker.load(tmp_path)
+    bad = tmp_path / "cut.jpg"
+    bad.write_bytes(photograph_jpeg(0, progressive=False)[:5000])
+    with pytest.raises(ValueError, match=f"{bad}: truncated"):
+        model.preprocess(bad)
+    with pytest.raises(ValueError, match=f"{tmp_path / 'absent.png'}: cannot read it"):
+        model.preprocess(tmp_path / "absent.png")
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(buffer, "GIF")
+    with pytest.raises(ValueError, match="the image bytes: not an image in a supported format"):
+        model.preprocess(buffer.getvalue())
