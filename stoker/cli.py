@@ -103,7 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "report-compare.png for two runs)")
     from stoker.bench import add_bench_parser
     from stoker.data.pack import add_parser as add_pack_parser
+    from stoker.run.model_commands import add_parsers as add_model_parsers
     add_pack_parser(commands)
+    add_model_parsers(commands)  # eval, predict
     add_bench_parser(commands)
     return parser
 
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for handler in logging.getLogger().handlers:  # file names in log lines printable (issue 24 item 15)
         handler.addFilter(EscapedArguments())
     args = build_parser().parse_args(argv)
-    if args.command in ("bench", "pack"):
+    if args.command in ("bench", "pack", "eval", "predict"):
         return args.run(args)
     if args.command == "report":
         return report_command(args)

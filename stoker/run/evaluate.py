@@ -1,0 +1,181 @@
+"""`stoker eval` and `stoker predict`: a trained model over a folder, fed by stoker's producers.
+
+Both read the model file's card (model, classes, image size, preprocessing) and ask nothing again. The images go
+through the `stoker.Loader` engine with validation's preprocessing (augment "none": the centre crop, stoker's
+decoder), as uint8 on the host; each batch goes to the next of the devices given (one model replica on each),
+where it is normalized as the consumer's feed does (`inference.normalize`) and run. An unusable image is
+listed with its reason, never fatal.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from stoker.common.devices import available_cores, resolve_devices
+from stoker.data.image_list import list_images
+from stoker.data.index import PackedIndex
+from stoker.data.sources import load_source
+from stoker.run.inference import LoadedModel, load, normalize
+from stoker.run.loader import Loader
+
+log = logging.getLogger(__name__)
+
+MAX_BAD_FRACTION = 1.0  # every image may be bad: each is listed, none stops the command
+
+
+@dataclass(frozen=True)
+class Feed:
+    """How the images are read and where the model runs."""
+
+    devices: str = "auto"
+    batch_size: int = 64
+    producers: int | Literal["auto"] = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size!r}: expected an integer >= 1")
+        if self.producers != "auto" and (not isinstance(self.producers, int) or self.producers < 1):
+            raise ValueError(f"producers={self.producers!r}: expected 'auto' or an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One batch's outputs on the host: the samples' positions in the index, their labels and logits."""
+
+    positions: np.ndarray
+    labels: torch.Tensor
+    logits: torch.Tensor
+
+
+class Replicas:
+    """The model on each distinct device; batches go to them in turn (on GPUs the launches are asynchronous, so
+    the devices run side by side)."""
+
+    def __init__(self, loaded: LoadedModel, devices: list[str]) -> None:
+        self.loaded = loaded
+        self.devices = [torch.device(d) for d in dict.fromkeys(devices)]
+        if all(d.type == "cpu" for d in self.devices):
+            torch.set_num_threads(available_cores())  # one process: every core for the one CPU replica
+        self.models: list[nn.Module] = [copy.deepcopy(loaded.model).to(d).eval() for d in self.devices]
+        self.turn = 0
+
+    def run(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Logits of a uint8 NCHW batch, on the device that ran it."""
+        device, model = self.devices[self.turn], self.models[self.turn]
+        self.turn = (self.turn + 1) % len(self.devices)
+        images = normalize(pixels, self.loaded.card, device, torch.channels_last)  # as the trainer feeds its model
+        with torch.no_grad():
+            return model(images)
+
+
+def scored_batches(loaded: LoadedModel, index: PackedIndex, feed: Feed,
+                   skipped: dict[str, str]) -> Iterator[Scored]:
+    """The model's logits for every usable sample of `index`; what the producers could not use lands in
+    `skipped` (path: reason) once the pass ends."""
+    replicas = Replicas(loaded, resolve_devices(feed.devices))
+    loader = Loader(index, batch_size=feed.batch_size, image_size=loaded.image_size, augment="none",
+                    producers=feed.producers, device=None, drop_last=False, max_bad_fraction=MAX_BAD_FRACTION)
+    with loader:
+        for pixels, labels in loader:
+            positions = loader.batch_ids.copy()
+            if len(positions):
+                yield Scored(positions, labels, replicas.run(pixels).float().cpu())
+        for item in loader.summary()["skipped_files"]:  # the scan's refusals and the producers'
+            skipped[item["path"]] = item["reason"]
+
+
+# ---- eval ----------------------------------------------------------------------------------------------------------
+
+def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.ndarray]:
+    """The labelled data and, per class of the data, the model's output for it; a class the model does not know
+    is an error naming it (and what the model knows)."""
+    if not (data.is_dir() or data.is_file() or "{" in str(data)):
+        raise ValueError(f"data={str(data)!r} is not a folder, a .tar shard, a list file or a brace pattern "
+                         "(expected an ImageFolder root or WebDataset-layout shards)")
+    index = load_source(data)
+    known = {name: k for k, name in enumerate(classes)}
+    unknown = [name for name in index.classes if name not in known]
+    if unknown:
+        shown = ", ".join(repr(n) for n in unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10
+                                                             else "")
+        raise ValueError(f"data={str(data)!r}: class folder(s) {shown} are not classes of the model (it knows "
+                         f"{', '.join(classes[:20])}{', ...' if len(classes) > 20 else ''})")
+    return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
+
+
+def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any]:
+    """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`."""
+    from stoker.observe.evaluation import confusion_summary, per_class_accuracy
+    from stoker.training.evaluation import ValTotals
+
+    loaded = load(model_file)
+    index, to_model = eval_index(data, loaded.classes)
+    totals = ValTotals(len(loaded.classes), torch.device("cpu"))
+    skipped: dict[str, str] = {}
+    lookup = torch.from_numpy(to_model)
+    for batch in scored_batches(loaded, index, feed, skipped):
+        totals.add(batch.logits, lookup[batch.labels])
+    result = totals.reduce()
+    refused = {s.path: s.reason for s in index.skipped}
+    return {
+        "model": str(loaded.path), "data": str(data), "architecture": loaded.card.model,
+        "image_size": loaded.image_size, "count": result.count if result else 0,
+        "loss": result.loss if result else None, "top1": result.accuracy if result else None,
+        "top5": result.top5 if result else None,
+        "per_class": per_class_accuracy(result.confusion, list(loaded.classes)) if result else None,
+        "confusion": confusion_summary(result.confusion, list(loaded.classes)) if result else None,
+        "skipped_files": [{"path": p, "reason": r} for p, r in {**refused, **skipped}.items()],
+    }
+
+
+# ---- predict -------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    path: str  # as the user named the folder, then the file's path below it
+    classes: tuple[str, ...]  # the top k, most probable first
+    probabilities: tuple[float, ...]
+    error: str = ""  # why the file could not be used (then no classes)
+
+
+def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = Feed()) -> tuple[int, list[Prediction]]:
+    """(k, predictions): the top-k classes (k at most the model's classes) and their probabilities for every
+    image in `images` (recursively), bad files included with their reason; sorted by path."""
+    loaded = load(model_file)
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r}: expected an integer >= 1")
+    index = list_images(images)
+    k = min(top_k, len(loaded.classes))
+    root_real = os.path.realpath(images)
+    shown = {path: _shown_path(images, root_real, path) for path in index.paths}
+    rows: list[Prediction] = []
+    skipped: dict[str, str] = {}
+    for batch in scored_batches(loaded, index, feed, skipped):
+        top = batch.logits.softmax(1).topk(k, dim=1)
+        for position, values, outputs in zip(batch.positions, top.values.tolist(), top.indices.tolist()):
+            rows.append(Prediction(shown[index.paths[int(position)]], tuple(loaded.classes[o] for o in outputs),
+                                   tuple(values)))
+    rows += [Prediction(shown.get(p) or _shown_path(images, root_real, p), (), (), r) for p, r in skipped.items()]
+    return k, sorted(rows, key=lambda row: row.path)
+
+
+def _shown_path(images: Path, root_real: str, path: str) -> str:
+    return os.path.join(str(images), os.path.relpath(path, root_real))
+
+
+def prediction_rows(predictions: list[Prediction], top_k: int) -> Iterator[list[str]]:
+    """CSV rows: path, then class and probability for each of the top k, then the error (empty when none)."""
+    yield ["path", *[f"{name}_{i}" for i in range(1, top_k + 1) for name in ("class", "probability")], "error"]
+    for row in predictions:
+        pairs = [value for c, p in zip(row.classes, row.probabilities) for value in (c, f"{p:.6g}")]
+        yield [row.path, *pairs, *[""] * (2 * top_k - len(pairs)), row.error]
