@@ -3,7 +3,11 @@ back the accuracy validation measured. One short real run (2 consumers, gloo) se
 
 from __future__ import annotations
 
+import contextlib
+import csv
+import io
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +16,7 @@ import torch
 from PIL import Image
 
 import stoker
+from stoker.cli import main
 from tests.conftest import read_summary, run_cli
 
 TRAIN_PER_CLASS, VAL_PER_CLASS = 30, 10
@@ -74,3 +79,73 @@ def test_model_best_is_the_epoch_of_the_best_validation_not_the_last(run):
     # what the files hold is what validation measured: the best epoch's model, and the last one's
     assert accuracy_of(run_dir / "model_best.pt", val) == pytest.approx(accuracies[best], abs=1e-9)
     assert accuracy_of(run_dir / "model.pt", val) == pytest.approx(accuracies[-1], abs=1e-9)
+
+
+@pytest.fixture(scope="module")
+def evaluated(run, tmp_path_factory) -> tuple[dict, str]:
+    """(the JSON, the table) of `stoker eval` on the run's validation folder."""
+    run_dir, _, val = run
+    figures = tmp_path_factory.mktemp("eval") / "eval.json"
+    table = io.StringIO()
+    with contextlib.redirect_stdout(table):
+        assert main(["eval", str(run_dir / "model.pt"), "--data", str(val), "--devices", "cpu", "--batch-size",
+                     "7", "--producers", "2", "--json", str(figures)]) == 0
+    return json.loads(figures.read_text()), table.getvalue()
+
+
+def test_eval_top1_is_the_runs_own_final_validation_accuracy(run, evaluated):
+    run_dir, _, _ = run
+    result, table = evaluated
+    summary = read_summary(run_dir)
+    assert result["count"] == 10 * VAL_PER_CLASS and not result["skipped_files"]
+    assert result["top1"] == summary["val_accuracy"]  # counts of the same images: exactly equal
+    assert result["loss"] == pytest.approx(summary["val_loss"], rel=1e-4)
+    assert result["top1"] <= result["top5"] <= 1
+    matrix = result["confusion"]["matrix"]
+    assert result["confusion"]["classes"] == summary["classes"] and sum(map(sum, matrix)) == result["count"]
+    assert sum(matrix[i][i] for i in range(10)) == round(result["top1"] * result["count"])
+    for position, name in enumerate(summary["classes"]):
+        assert result["per_class"][name] == matrix[position][position] / VAL_PER_CLASS
+    assert f"top-1      {100 * result['top1']:.2f}%" in table and "confusion (rows: true class" in table
+
+
+def test_predict_lists_every_image_and_its_top1_agrees_with_eval(run, evaluated, tmp_path, capsys):
+    run_dir, _, val = run
+    images = tmp_path / "images"
+    shutil.copytree(val, images / "nested")  # class folders or not: every image below, recursively
+    (images / "junk.png").write_bytes(b"not a png")
+    assert main(["predict", str(run_dir / "model.pt"), str(images), "--top-k", "3", "--devices", "cpu",
+                 "--producers", "1"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert len(rows) == 10 * VAL_PER_CLASS + 1
+    bad = [row for row in rows if row["error"]]
+    assert [row["path"] for row in bad] == [str(images / "junk.png")] and bad[0]["class_1"] == ""
+    good = [row for row in rows if not row["error"]]
+    assert all(float(r["probability_1"]) >= float(r["probability_2"]) >= float(r["probability_3"]) for r in good)
+    top1 = np.mean([Path(row["path"]).parent.name == row["class_1"] for row in good])
+    assert top1 == pytest.approx(evaluated[0]["top1"], abs=1e-9)
+
+
+@pytest.mark.parametrize("command", ["eval", "predict"])
+def test_bad_input_is_one_line_and_exit_2(run, tmp_path, capsys, command):
+    run_dir, _, val = run
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    foreign = tmp_path / "model.pt"
+    foreign.write_bytes(b"PK\x03\x04 not really")
+    extra = tmp_path / "extra"
+    shutil.copytree(val, extra)
+    (extra / "10").mkdir()
+    shutil.copy(next((extra / "1").iterdir()), extra / "10")
+
+    def error_of(*args: str) -> str:
+        assert main([command, *args]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("stoker: error: "), lines
+        return lines[0]
+
+    folder = ["--data", str(empty)] if command == "eval" else [str(empty)]
+    assert str(foreign) in error_of(str(foreign), *folder)
+    assert str(empty) in error_of(str(run_dir), *folder)
+    if command == "eval":
+        assert "class folder(s) '10' are not classes of the model" in error_of(str(run_dir), "--data", str(extra))

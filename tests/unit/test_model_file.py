@@ -5,6 +5,7 @@ validation path (producers into a slot, the consumer's feed) gives the same file
 from __future__ import annotations
 
 import io
+import logging
 import os
 import struct
 import sys
@@ -183,3 +184,28 @@ def test_preprocess_names_a_file_it_cannot_use(tmp_path):
     Image.new("RGB", (40, 30), (200, 10, 10)).save(buffer, "GIF")
     with pytest.raises(ValueError, match="the image bytes: not an image in a supported format"):
         model.preprocess(buffer.getvalue())
+
+
+def test_model_best_is_replaced_only_by_a_better_validation_also_after_a_resume(tmp_path, caplog):
+    from stoker.training.consumer import _BestModel
+
+    path = tmp_path / "model_best.pt"
+    card = model_card("resnet8", CLASSES, 32)
+    model = build_model("resnet8", len(CLASSES))
+    best = _BestModel(path, card)
+    for epoch, accuracy in ((1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)):  # a tie keeps the earlier epoch
+        with torch.no_grad():
+            model.head.bias.fill_(epoch)
+        best.offer(model, epoch, accuracy)
+    card_2, state = read_model(path)
+    assert (card_2.kind, card_2.epoch, card_2.val_accuracy) == ("best", 2, 0.7)
+    assert torch.equal(state["head.bias"], torch.full((3,), 2.0))
+    resumed = _BestModel(path, card)  # a resumed run's rank 0 starts from what the file records
+    resumed.offer(model, 5, 0.65)
+    assert read_model(path)[0].epoch == 2
+    resumed.offer(model, 6, 0.75)
+    assert read_model(path)[0].epoch == 6
+    path.write_bytes(b"damaged")
+    with caplog.at_level(logging.WARNING):
+        assert _BestModel(path, card).accuracy is None  # replaced at the next validation, with a warning
+    assert "model_best.pt: not a model file" in caplog.text
