@@ -50,7 +50,8 @@ class Feed:
 
 @dataclass(frozen=True)
 class Scored:
-    """One batch's outputs on the host: the samples' positions in the index, their labels and logits."""
+    """One batch: the samples' positions in the index, their labels (on the host) and logits (on the device that
+    ran them: nothing waits for a device until the pass ends)."""
 
     positions: np.ndarray
     labels: torch.Tensor
@@ -89,7 +90,7 @@ def scored_batches(loaded: LoadedModel, index: PackedIndex, feed: Feed,
         for pixels, labels in loader:
             positions = loader.batch_ids.copy()
             if len(positions):
-                yield Scored(positions, labels, replicas.run(pixels).float().cpu())
+                yield Scored(positions, labels, replicas.run(pixels).float())
         for item in loader.summary()["skipped_files"]:  # the scan's refusals and the producers'
             skipped[item["path"]] = item["reason"]
 
@@ -120,12 +121,14 @@ def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any
 
     loaded = load(model_file)
     index, to_model = eval_index(data, loaded.classes)
-    totals = ValTotals(len(loaded.classes), torch.device("cpu"))
+    per_device: dict[torch.device, ValTotals] = {}
     skipped: dict[str, str] = {}
     lookup = torch.from_numpy(to_model)
     for batch in scored_batches(loaded, index, feed, skipped):
-        totals.add(batch.logits, lookup[batch.labels])
-    result = totals.reduce()
+        device = batch.logits.device
+        totals = per_device.setdefault(device, ValTotals(len(loaded.classes), device))
+        totals.add(batch.logits, lookup[batch.labels].to(device, non_blocking=True))
+    result = _summed(per_device.values(), len(loaded.classes)).reduce()
     refused = {s.path: s.reason for s in index.skipped}
     return {
         "model": str(loaded.path), "data": str(data), "architecture": loaded.card.model,
@@ -136,6 +139,17 @@ def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any
         "confusion": confusion_summary(result.confusion, list(loaded.classes)) if result else None,
         "skipped_files": [{"path": p, "reason": r} for p, r in {**refused, **skipped}.items()],
     }
+
+
+def _summed(totals: Any, num_classes: int) -> Any:
+    """Every device's totals added on the host (the figures of one pass over all of them)."""
+    from stoker.training.evaluation import ValTotals
+
+    whole = ValTotals(num_classes, torch.device("cpu"))
+    for part in totals:
+        whole.sums += part.sums.cpu()
+        whole.confusion += part.confusion.cpu()
+    return whole
 
 
 # ---- predict -------------------------------------------------------------------------------------------------------
@@ -160,9 +174,10 @@ def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = Feed())
     shown = {path: _shown_path(images, root_real, path) for path in index.paths}
     rows: list[Prediction] = []
     skipped: dict[str, str] = {}
-    for batch in scored_batches(loaded, index, feed, skipped):
-        top = batch.logits.softmax(1).topk(k, dim=1)
-        for position, values, outputs in zip(batch.positions, top.values.tolist(), top.indices.tolist()):
+    tops = [(batch.positions, batch.logits.softmax(1).topk(k, dim=1))
+            for batch in scored_batches(loaded, index, feed, skipped)]
+    for positions, top in tops:  # read once every batch has been launched
+        for position, values, outputs in zip(positions, top.values.tolist(), top.indices.tolist()):
             rows.append(Prediction(shown[index.paths[int(position)]], tuple(loaded.classes[o] for o in outputs),
                                    tuple(values)))
     rows += [Prediction(shown.get(p) or _shown_path(images, root_real, p), (), (), r) for p, r in skipped.items()]
