@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stoker.observe.evaluation import val_summary
 from stoker.pipeline.engine import producer_fields
 from stoker.training.model_file import BEST_MODEL_FILE, ModelFileError, read_model
 
@@ -47,6 +48,8 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
         "model": str(run.run_dir / "model.pt") if status == "completed" else None,
         **best_model_fields(run.run_dir / BEST_MODEL_FILE),
+        **val_summary(last_val, list(run.data.train.classes)),
+        "model_ema": str(run.run_dir / "model_ema.pt") if status == "completed" and run.config.ema else None,
         "classes": list(run.data.train.classes),
         "start_step": run.start_at.global_step,
         "wall_s": round(time.monotonic() - run.started, 3),
