@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -25,8 +25,10 @@ from stoker.common.devices import available_cores, resolve_devices
 from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
+from stoker.observe.evaluation import confusion_summary, per_class_accuracy
 from stoker.run.inference import LoadedModel, load, normalize
 from stoker.run.loader import Loader
+from stoker.training.evaluation import ValTotals
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +118,6 @@ def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.nd
 
 def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any]:
     """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`."""
-    from stoker.observe.evaluation import confusion_summary, per_class_accuracy
-    from stoker.training.evaluation import ValTotals
-
     loaded = load(model_file)
     index, to_model = eval_index(data, loaded.classes)
     per_device: dict[torch.device, ValTotals] = {}
@@ -141,10 +140,8 @@ def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any
     }
 
 
-def _summed(totals: Any, num_classes: int) -> Any:
+def _summed(totals: Iterable[ValTotals], num_classes: int) -> ValTotals:
     """Every device's totals added on the host (the figures of one pass over all of them)."""
-    from stoker.training.evaluation import ValTotals
-
     whole = ValTotals(num_classes, torch.device("cpu"))
     for part in totals:
         whole.sums += part.sums.cpu()

@@ -47,7 +47,7 @@ def run(tmp_path_factory) -> tuple[Path, Path, Path]:
     out = tmp_path_factory.mktemp("runs") / "rotated"
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers", "1",
             "--augment", "none", "--image-size", "16", "--batch-size", "16", "--epochs", "3", "--lr", "0.02",
-            "--seed", "0", "--out", str(out), "--quiet", "--report", "false")
+            "--seed", "0", "--ema", "0.9", "--out", str(out), "--quiet", "--report", "false")
     return out, train, val
 
 
@@ -81,6 +81,14 @@ def test_model_best_is_the_epoch_of_the_best_validation_not_the_last(run):
     assert accuracy_of(run_dir / "model.pt", val) == pytest.approx(accuracies[-1], abs=1e-9)
 
 
+def test_the_ema_model_carries_the_same_card(run):
+    run_dir, _, _ = run
+    ema, final = stoker.load(run_dir / "model_ema.pt"), stoker.load(run_dir)
+    assert (ema.card.kind, final.card.kind) == ("ema", "final")
+    assert (ema.classes, ema.image_size, ema.card.model) == (final.classes, 16, "resnet8")
+    assert read_summary(run_dir)["model_ema"] == str(run_dir / "model_ema.pt")
+
+
 @pytest.fixture(scope="module")
 def evaluated(run, tmp_path_factory) -> tuple[dict, str]:
     """(the JSON, the table) of `stoker eval` on the run's validation folder."""
@@ -89,7 +97,7 @@ def evaluated(run, tmp_path_factory) -> tuple[dict, str]:
     table = io.StringIO()
     with contextlib.redirect_stdout(table):
         assert main(["eval", str(run_dir / "model.pt"), "--data", str(val), "--devices", "cpu", "--batch-size",
-                     "7", "--producers", "2", "--json", str(figures)]) == 0
+                     "7", "--producers", "1", "--json", str(figures)]) == 0
     return json.loads(figures.read_text()), table.getvalue()
 
 

@@ -48,6 +48,15 @@ def test_the_file_is_plain_weights_and_a_card_that_weights_only_reads(tmp_path):
     assert card["crop_fraction"] == 224 / 256
 
 
+def test_init_reads_the_weights_of_a_model_file(tmp_path):
+    from stoker.training.init import read_state_dict
+
+    model, _ = saved_model(tmp_path / "model.pt")
+    state = read_state_dict(tmp_path / "model.pt")  # what --init model.pt loads
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def test_load_gives_the_model_in_eval_mode_with_its_classes(tmp_path):
     model, _ = saved_model(tmp_path / "model.pt")
     loaded = stoker.load(tmp_path)  # a run folder: its model.pt
