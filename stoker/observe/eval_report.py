@@ -36,12 +36,14 @@ def eval_table(result: dict[str, Any]) -> str:
 
 
 def _matrix_lines(matrix: list[list[int]], classes: list[str]) -> list[str]:
+    """Rows: the true class, numbered; columns: the predicted class, by the same numbers."""
     cell = max(5, *(len(str(v)) + 1 for row in matrix for v in row))
+    number = len(str(len(classes) - 1))
     width = max(len(name) for name in classes)
-    header = " " * (width + 2) + "".join(f"{i:>{cell}}" for i in range(len(classes)))
-    rows = [f"  {name:<{width}}" + "".join(f"{v:>{cell}}" for v in row) for name, row in zip(classes, matrix)]
-    return ["confusion (rows: true class; columns: predicted, by position)", header,
-            *[f"{row}   {i}" for i, row in enumerate(rows)]]
+    header = " " * (2 + number + 1 + width) + "".join(f"{i:>{cell}}" for i in range(len(classes)))
+    rows = [f"  {i:>{number}} {name:<{width}}" + "".join(f"{v:>{cell}}" for v in row)
+            for i, (name, row) in enumerate(zip(classes, matrix))]
+    return ["confusion (rows: true class; columns: predicted class, by number)", header, *rows]
 
 
 def _pairs(confusion: dict[str, Any]) -> list[dict[str, Any]]:
