@@ -74,6 +74,21 @@ def test_a_module_function_model_is_rebuilt_from_its_recorded_spec(tmp_path, mon
     assert torch.equal(loaded(x), model.eval()(x))
 
 
+def test_a_module_changed_since_training_is_loaded_with_a_warning(tmp_path, monkeypatch, caplog):
+    (tmp_path / "changing_model.py").write_text((HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved_model(tmp_path / "user.pt", name="changing_model:small_cnn")
+    with caplog.at_level(logging.WARNING):
+        stoker.load(tmp_path / "user.pt")
+    assert "differs from the file it was trained with" not in caplog.text
+    with open(tmp_path / "changing_model.py", "a") as module:
+        module.write("# edited after training\n")
+    with caplog.at_level(logging.WARNING):
+        stoker.load(tmp_path / "user.pt")
+    assert "changing_model.py differs from the file it was trained with" in caplog.text
+    monkeypatch.delitem(sys.modules, "changing_model")
+
+
 def test_a_module_that_cannot_be_imported_names_the_file_and_where_it_was_trained_from(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(HELPERS))
     saved_model(tmp_path / "user.pt", name="nobn:small_cnn")
