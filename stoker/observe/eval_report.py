@@ -13,7 +13,8 @@ PAIRS_SHOWN = 10
 
 def eval_table(result: dict[str, Any]) -> str:
     skipped = len(result["skipped_files"])
-    lines = [f"model      {printable(result['model'])} ({result['architecture']}, {result['image_size']} px)",
+    lines = [f"model      {printable(result['model'])} ({result['architecture']}, {result['num_classes']} classes, "
+             f"{result['image_size']} px)",
              f"data       {printable(result['data'])}: {result['count']} images"
              + (f", {skipped} skipped (listed in the JSON)" if skipped else "")]
     if not result["count"]:

@@ -131,7 +131,7 @@ def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any
     refused = {s.path: s.reason for s in index.skipped}
     return {
         "model": str(loaded.path), "data": str(data), "architecture": loaded.card.model,
-        "image_size": loaded.image_size, "count": result.count if result else 0,
+        "num_classes": len(loaded.classes), "image_size": loaded.image_size, "count": result.count if result else 0,
         "loss": result.loss if result else None, "top1": result.accuracy if result else None,
         "top5": result.top5 if result else None,
         "per_class": per_class_accuracy(result.confusion, list(loaded.classes)) if result else None,

@@ -9,6 +9,7 @@ import logging
 import os
 import struct
 import sys
+import threading
 import zipfile
 from pathlib import Path
 
@@ -191,6 +192,17 @@ def test_preprocess_equals_the_validation_batch_bit_for_bit(tmp_path):
                 assert torch.equal(model.preprocess(Path(path).read_bytes()), image), path
                 seen += 1
     assert seen == 8
+    # With another thread alive stoker decodes PNGs with Pillow instead of libpng (descriptor 2 is the process's):
+    # the same pixels, so a user's threaded program gets the same tensors.
+    alone = {path: model.preprocess(path) for path in sorted(data.glob("*/*"))}
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, args=(30,))
+    other.start()
+    try:
+        assert all(torch.equal(model.preprocess(path), tensor) for path, tensor in alone.items())
+    finally:
+        release.set()
+        other.join()
     with Image.open(data / "b" / "rgb.png") as opened:  # a decoded image: the same crop, resize and normalization
         assert torch.equal(model.preprocess(opened), model.preprocess(data / "b" / "rgb.png"))
 
