@@ -245,3 +245,13 @@ def test_model_best_is_replaced_only_by_a_better_validation_also_after_a_resume(
     with caplog.at_level(logging.WARNING):
         assert _BestModel(path, card).accuracy is None  # replaced at the next validation, with a warning
     assert "model_best.pt: not a model file" in caplog.text
+
+
+def test_the_ending_says_which_epoch_model_best_is_from(tmp_path):
+    from stoker.observe.report import run_files
+
+    summary = {"status": "completed", "checkpoint": None, "model_best": str(tmp_path / "model_best.pt"),
+               "best_epoch": 2, "best_val_accuracy": 0.875}
+    assert ("model_best.pt", "the best validation accuracy, 87.50%, at epoch 2") in run_files(summary, tmp_path)
+    assert all(name != "model_best.pt" for name, _ in run_files({**summary, "model_best": None, "best_epoch": None},
+                                                                  tmp_path))
