@@ -39,6 +39,10 @@ CASES = [
     ["train", "--data", "/no/such/folder"],
     ["train", "--devices", "tpu"],
     ["report"],
+    ["eval", "--help"],
+    ["predict", "--help"],
+    ["eval", "model.pt"],  # no --data
+    ["predict", "model.pt", "images", "--top-k", "0"],
 ]
 
 
