@@ -21,7 +21,7 @@ import numpy as np
 
 from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
-from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, plain_need
 from stoker.pipeline.parts import Assembler, parts_per_batch
 from stoker.pipeline.pool import ProducerPool
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, SampleSource, Task, TaskDone
@@ -105,6 +105,9 @@ class Engine:
         self.producer_reading = (0.0, 0.0)  # (producer-seconds reading files, busy producer-seconds) over the run
         self.window_read_share = 0.0
         self.last_window = (0.0, 0.0, 0.0, 0.0)  # the latest window's (busy, seconds, reading, busy producer-s)
+        # How fast auto answers: when a window first showed a plain need, and when the first fork came.
+        self.plain_need_s: float | None = None
+        self.first_fork_s: float | None = None
         self.pool: ProducerPool | None = None
         self.closed = False
         sweep_dead_segments()
@@ -256,6 +259,10 @@ class Engine:
         window = replace(window, ended_s=ended_s, starting=self.pool.starting(), read_share=self.window_read_share,
                          working_since=self.pool.all_working_since())
         decision = self.autoscaler.decide(window)
+        if self.plain_need_s is None and plain_need(window):
+            self.plain_need_s = round(ended_s - self.started, 3)
+        if self.first_fork_s is None and decision.change > 0:
+            self.first_fork_s = round(ended_s - self.started, 3)
         self.events.write("autoscale", change=decision.change, reason=decision.reason,
                           t_decided=round(ended_s - self.started, 3), **decision.measurement)
         if decision.change > 0:
@@ -324,9 +331,12 @@ class Engine:
 
 
 def producer_fields(engine: Engine | None) -> dict[str, Any]:
-    """The summary's producer counts (all zero when the run stopped before the engine started)."""
+    """The summary's producer counts (all zero when the run stopped before the engine started), and how fast auto
+    answered a plain need: seconds into the run of the first window that showed one and of the first fork."""
     timeline = engine.timeline if engine is not None else []
     return {"producers_initial": engine.producers_initial if engine is not None else 0,
             "producers_final": timeline[-1]["producers"] if timeline else 0,
             "producers_max": engine.max_alive if engine is not None else 0,
-            "producers_timeline": timeline}
+            "producers_timeline": timeline,
+            "autoscale_plain_need_s": engine.plain_need_s if engine is not None else None,
+            "autoscale_first_fork_s": engine.first_fork_s if engine is not None else None}

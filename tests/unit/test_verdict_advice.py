@@ -87,6 +87,7 @@ def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
 
     engine = Engine.__new__(Engine)
     engine.budget, engine.pool, engine.producers_initial = 6, None, 1
+    engine.plain_need_s = engine.first_fork_s = None
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.timeline = [{"producers": n} for n in (1, 2)]
     engine.producer_busy, engine.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
