@@ -19,7 +19,7 @@ from multiprocessing.queues import Queue
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
-from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
+from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ class ProducerPool:
         outbox = self.mailbox.open()
         process = start(producer_main, (producer, self.setup, tasks, outbox, self.stop),
                         f"stoker producer {producer}")
+        if process.pid is not None:
+            nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
         self.handles[producer] = Handle(producer, process, tasks)
         self.max_alive = max(self.max_alive, len(self.active))

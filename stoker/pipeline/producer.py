@@ -110,7 +110,7 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
     make_decode_warnings_errors()
     # Under CPU contention the consumers go first: a late consumer holds up a device and, through the
     # averaging collective, every other one; a late producer only eats into the batches queued ahead.
-    os.nice(PRODUCER_NICENESS)
+    nice_producer(os.getpid())
     ring = SlotRing.attach(setup.ring)
     try:
         _serve(producer, setup, ring, tasks, outbox, stop)
@@ -118,6 +118,17 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
         outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
         ring.close()
+
+
+def nice_producer(pid: int) -> None:
+    """At PRODUCER_NICENESS, never nicer twice: the pool sets it as soon as the process exists, so that a producer's
+    imports (half a second of a core each; a jump starts several) do not take the cores from the consumers and the
+    controller either; the producer sets it again in case that came too late."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, pid) < PRODUCER_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, pid, PRODUCER_NICENESS)
+    except OSError:  # the process is already gone: its loss is seen by the pool's check
+        pass
 
 
 def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, stop) -> None:
