@@ -66,8 +66,8 @@ def _producer_advice(split: TimeSplit) -> str:
                 "starting); raise --slots-per-consumer")
     reading = split.producer_read_share
     if reading is not None and reading >= SLOW_READS:
-        more = ("--max-producers" if split.producers >= (split.producer_ceiling or split.producer_budget)
-                else "--producers auto adds them")
+        at_most = split.producers >= (split.producer_ceiling or split.producer_budget)
+        more = "raise --producers, or --max-producers under auto" if at_most else "--producers auto adds them"
         return (f"producers busy {split.producer_utilization:.0%}, {reading:.0%} of it reading files: reading is "
                 f"slow (storage or network); more producers overlap the reads ({more}), or copy the data to a "
                 "local disk")

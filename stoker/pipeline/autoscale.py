@@ -10,6 +10,11 @@ if it slowed busy consumers (CPU consumers competing for cores, a GPU consumer's
 and it is retired; a consumer that does not wait never gets another producer. Queues that stay full while
 producers idle retire one too.
 
+When the need is plain (consumers waiting much of a window while every producer is busy) the policy forks at once,
+from the first window of training, and by as many as the cores hold: a producer that spends its busy time waiting
+for reads uses little of a core. A jump that did not pay is retired whole. A count is judged on the steps that ended
+after its producers were all working, by each step's own end time, not by when its report arrived.
+
 The policy holds no clock and touches no process: windows in, decisions out, so recorded measurements replay.
 """
 
@@ -168,6 +173,8 @@ class Autoscaler:
         self._add_steps(window, previous)
         rate = _rate(self._steps)
         measurement["rate_at_count"] = round(rate, 2)
+        if self._trial is not None and self._trial.rate_before is None:
+            self._trial = None  # a start-up fork on a plain need: nothing to compare with, the count is measured
         if self._trial is not None:
             if not self._measured(self._trial.added > 1):
                 return Decision(0, f"measuring the fork to {window.producers}; {summary}", measurement=measurement)
@@ -202,10 +209,7 @@ class Autoscaler:
         """A fork has been measured: keep it if the rate rose enough, else retire what it added and hold the
         count."""
         trial, self._trial = self._trial, None
-        assert trial is not None, "judged only while a fork is on trial"
-        if trial.rate_before is None:
-            measurement.update(rate_before=None, gain=None)
-            return None  # a start-up fork on a plain need: its rate is the first measured one
+        assert trial is not None and trial.rate_before is not None, "judged only while a measured fork is on trial"
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else math.inf
         needed = required_gain(trial.producers, trial.stall_before, trial.added)
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))
