@@ -105,6 +105,7 @@ class Engine:
         self.producer_reading = (0.0, 0.0)  # (producer-seconds reading files, busy producer-seconds) over the run
         self.window_read_share = 0.0
         self.last_window = (0.0, 0.0, 0.0, 0.0)  # the latest window's (busy, seconds, reading, busy producer-s)
+        self.training = False  # a window with training steps has been seen: run totals count from then on
         # How fast auto answers: when a window first showed a plain need, and when the first fork came.
         self.plain_need_s: float | None = None
         self.first_fork_s: float | None = None
@@ -237,11 +238,13 @@ class Engine:
         utilization = min(1.0, utilization)
         self.last_window = (utilization * elapsed_s, elapsed_s, read_s, busy_s)
         self.window_read_share = min(1.0, read_s / busy_s) if busy_s > 0 else 0.0
+        if self.training:
+            self._count_window()
         return utilization
 
     def _count_window(self) -> None:
-        """Run totals over windows in which consumers trained: the verdict sets them beside the consumers' wait
-        after their first batch (before it, producers idle on a full ring while the consumers start)."""
+        """Run totals from the first window in which consumers trained on: the verdict sets them beside the
+        consumers' wait after their first batch (before it, producers idle on a full ring while consumers start)."""
         busy, seconds, read_s, busy_s = self.last_window
         self.last_window = (0.0, 0.0, 0.0, 0.0)
         self.producer_busy = (self.producer_busy[0] + busy, self.producer_busy[1] + seconds)
@@ -252,7 +255,9 @@ class Engine:
         its clock, the producers still starting, the share of their time spent reading), and carry it out. Called
         for windows in which consumers trained."""
         assert self.pool is not None
-        self._count_window()
+        if not self.training:
+            self.training = True
+            self._count_window()
         if self.autoscaler is None:
             return
         ended_s = time.monotonic() if window.ended_s is None else window.ended_s
