@@ -4,7 +4,10 @@
   work: more producers than the cores the consumer leaves free pay while the consumer waits);
 - **b** compute-heavy: a CPU consumer training resnet14 on the built-in textures (auto must not starve it);
 - **c** simulated latency: every file read waits `--read-latency-ms`, every step holds its consumer `--step-ms`;
-- **d** simulated GPU consumer: the photos of (a), every step a `--step-ms` sleep that leaves the core free.
+- **d** simulated GPU consumer: the photos of (a), every step a `--step-ms` sleep that leaves the core free;
+- **e** issue 23's latency workload: every file read waits 25 ms (remote storage), 500x375 JPEGs, the model of (a),
+  64 px, batch 32, 2 epochs, fixed 4 and 16 producers (`--counts`) at the default slots against auto. Input
+  capacity must follow the producers, not the slots: 16 at least 3.5x 4, auto at least 0.9 of the best.
 
 Auto runs with its defaults (no --max-producers). Throughput is measured on the second half of each run's steps,
 the same way for every run, so auto's warm-up shows in `settle_s`, not in the steady-state ratio; with
@@ -29,7 +32,8 @@ from stoker.common.waiting import waiting
 from stoker.data import builtin_data
 from stoker.observe.metrics import read_events
 
-WORKLOADS = ("a", "b", "c", "d")
+WORKLOADS = ("a", "b", "c", "d", "e")
+LATENCY_COUNTS = (4, 16)
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,14 @@ class Workload:
     data: str  # "photos" or "textures"
     settings: dict[str, Any]
     env: dict[str, str] = field(default_factory=dict)
+    counts: tuple[int, ...] | None = None  # the fixed counts to run; None: 1 to --max-fixed
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("autoscale", help="fixed producer counts against --producers auto, four workloads")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="which of a,b,c,d to run")
+    parser.add_argument("--workloads", default="a,b,c,d", help="which of a,b,c,d,e to run")
     parser.add_argument("--max-fixed", type=int, default=4, help="fixed M is swept from 1 to this")
+    parser.add_argument("--counts", help="fixed counts to run instead, comma-separated (e: 4,16)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (median counts)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every workload's epochs")
     parser.add_argument("--photos", type=int, default=96, help="2000x1500 JPEGs for workloads a and d")
@@ -76,6 +82,9 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
                       {faults.READ_LATENCY_ENV: str(args.read_latency_ms), faults.STEP_TIME_ENV: str(args.step_ms)}),
         "d": Workload("d", f"simulated GPU consumer: 2000x1500 JPEGs, each step a {args.step_ms:g} ms sleep",
                       "photos", {**photos, "epochs": epochs(30)}, {faults.STEP_TIME_ENV: str(args.step_ms)}),
+        "e": Workload("e", "latency: reads wait 25 ms, 500x375 JPEGs, light CPU consumer, 64 px", "small-photos",
+                      {**photos, "image_size": 64, "epochs": epochs(2)}, {faults.READ_LATENCY_ENV: "25"},
+                      LATENCY_COUNTS),
     }
 
 
@@ -83,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     chosen = [name.strip() for name in args.workloads.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(WORKLOADS))
     if unknown or not chosen:
-        raise SystemExit(f"--workloads={args.workloads!r}: expected a comma-separated subset of a,b,c,d")
+        raise SystemExit(f"--workloads={args.workloads!r}: expected a comma-separated subset of a,b,c,d,e")
+    if args.counts is not None and not _parse_counts(args.counts):
+        raise SystemExit(f"--counts={args.counts!r}: expected comma-separated producer counts of 1 or more")
     if args.photos < 40 and {"a", "d"} & set(chosen):
         raise SystemExit(f"--photos={args.photos}: workloads a and d train batches of 32, expected at least 40")
     table = workloads(args)
@@ -98,6 +109,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        return ()
+    return counts if counts and min(counts) >= 1 else ()
+
+
 def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
     from stoker.bench.pipeline import generate
 
@@ -105,6 +124,9 @@ def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
     if "photos" in kinds:
         generate(root / "photos", small=0, large=photos)
         made["photos"] = root / "photos" / "2000x1500"
+    if "small-photos" in kinds:
+        generate(root / "small-photos", small=640, large=0)  # the issue's 640: 608 train, 19 steps an epoch
+        made["small-photos"] = root / "small-photos" / "500x375"
     if "textures" in kinds:
         builtin_data.generate(root / "textures", train_per_class=60, val_per_class=2)
         made["textures"] = root / "textures" / "train"
@@ -117,8 +139,12 @@ def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
 def measure(workload: Workload, data: Path, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
     import stoker
 
-    configurations: list[int | str] = [*range(1, args.max_fixed + 1), "auto"]
+    fixed_counts = (_parse_counts(args.counts) if args.counts else None) or workload.counts \
+        or tuple(range(1, args.max_fixed + 1))
+    configurations: list[int | str] = [*fixed_counts, "auto"]
     rates: dict[int | str, list[float]] = {m: [] for m in configurations}
+    whole: dict[int | str, list[float]] = {m: [] for m in configurations}
+    verdicts: dict[int | str, list[str]] = {m: [] for m in configurations}
     summaries: dict[str, dict[str, Any]] = {}
     runs = args.repeats * len(configurations)
     with (_environment(workload.env),
@@ -131,17 +157,23 @@ def measure(workload: Workload, data: Path, scratch: Path, args: argparse.Namesp
                 if summary["status"] != "completed":
                     raise RuntimeError(f"workload {workload.name}, producers={producers}: {summary.get('error')}")
                 rates[producers].append(steady_rate(out))
+                whole[producers].append(round(summary["throughput_samples_per_s"], 2))
+                verdicts[producers].append(summary["verdict"]["text"])
                 progress.advance()
                 if producers == "auto":
                     summaries[str(repeat)] = summary
-    fixed: list[dict[str, Any]] = [{"producers": m, "samples_per_s": statistics.median(rates[m]), "runs": rates[m]}
-             for m in configurations if m != "auto"]
+    fixed: list[dict[str, Any]] = [{"producers": m, "samples_per_s": statistics.median(rates[m]), "runs": rates[m],
+                                    "whole_run_samples_per_s": statistics.median(whole[m]), "verdicts": verdicts[m]}
+                                   for m in configurations if m != "auto"]
     best = max(fixed, key=lambda row: row["samples_per_s"])
     auto_rate = statistics.median(rates["auto"])
     median_run = summaries[str(_median_index(rates["auto"]))]
     return {"workload": workload.name, "description": workload.description, "settings": workload.settings,
             "env": workload.env, "fixed": fixed, "best_fixed_producers": best["producers"],
             "auto_samples_per_s": auto_rate, "auto_runs": rates["auto"],
+            "auto_whole_run_samples_per_s": statistics.median(whole["auto"]), "auto_verdicts": verdicts["auto"],
+            "auto_plain_need_s": median_run.get("autoscale_plain_need_s"),
+            "auto_first_fork_s": median_run.get("autoscale_first_fork_s"),
             "auto_producers_final": median_run["producers_final"], "auto_producers_max": median_run["producers_max"],
             "settle_s": settle_time(median_run["producers_timeline"]),
             "auto_timeline": median_run["producers_timeline"],
@@ -184,9 +216,19 @@ def settle_time(timeline: list[dict[str, Any]]) -> float:
 def print_table(result: dict[str, Any]) -> None:
     for workload in result["workloads"]:
         print(f"\n({workload['workload']}) {workload['description']}")
-        print(f"{'producers':>10} {'samples/s':>10}")
+        print(f"{'producers':>10} {'samples/s':>10} {'whole run':>10}")
         for row in workload["fixed"]:
-            print(f"{row['producers']:>10} {row['samples_per_s']:>10.1f}")
-        print(f"{'auto':>10} {workload['auto_samples_per_s']:>10.1f}   (1 -> {workload['auto_producers_final']} "
-              f"producers, at most {workload['auto_producers_max']}, last change at {workload['settle_s']:.1f} s)")
-        print(f"auto / best fixed (M={workload['best_fixed_producers']}): {workload['auto_over_best']:.3f}")
+            print(f"{row['producers']:>10} {row['samples_per_s']:>10.1f} {row['whole_run_samples_per_s']:>10.1f}")
+        print(f"{'auto':>10} {workload['auto_samples_per_s']:>10.1f} {workload['auto_whole_run_samples_per_s']:>10.1f}"
+              f"   (1 -> {workload['auto_producers_final']} producers, at most {workload['auto_producers_max']}, "
+              f"last change at {workload['settle_s']:.1f} s; plain need at {workload['auto_plain_need_s']} s, "
+              f"first fork at {workload['auto_first_fork_s']} s)")
+        fixed = workload["fixed"]
+        print(f"auto / best fixed (M={workload['best_fixed_producers']}): {workload['auto_over_best']:.3f}"
+              + (f"; M={fixed[-1]['producers']} / M={fixed[0]['producers']}: "
+                 f"{fixed[-1]['samples_per_s'] / max(1e-9, fixed[0]['samples_per_s']):.2f}x" if len(fixed) > 1 else ""))
+        for row in fixed:
+            for verdict in row["verdicts"]:
+                print(f"  M={row['producers']}: {verdict}")
+        for verdict in workload["auto_verdicts"]:
+            print(f"  auto: {verdict}")

@@ -11,6 +11,7 @@ HOST_BOUND = 0.10  # GPUs idle for the host (Python, copies), not for input, mor
 SYNC_BOUND = 0.15  # averaging more than this share of the step
 SYNC_GOAL = 0.05  # the averaging share a suggested --sync-every aims for
 BUSY_PRODUCERS = 0.80  # producers busy more than this share of their time are the limit
+SLOW_READS = 0.5  # producers spending more than this share of their busy time reading files wait on storage
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class TimeSplit:
     overlapped: bool = False
     producer_ceiling: int | None = None  # --max-producers (or auto's default); None: the budget is the ceiling
     host: float = 0.0  # on GPUs: the device idle while the consumer was not waiting for a batch
+    producer_read_share: float | None = None  # of the producers' busy time, reading files; None: not measured
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,20 @@ def diagnose(split: TimeSplit) -> Verdict:
 
 
 def _producer_advice(split: TimeSplit) -> str:
+    """What limits input, from the producers' own figures: idle producers lack work (more cores would idle too);
+    busy ones wait on storage only when reading files is most of their busy time (a cache-warm folder reads in
+    microseconds and its producers are busy decoding)."""
+    if split.producer_utilization < BUSY_PRODUCERS:
+        return (f"producers idle {1 - split.producer_utilization:.0%} of the time while consumers wait: they lack "
+                "work, not cores or storage (the batches in flight are the limit, or new producers were still "
+                "starting); raise --slots-per-consumer")
+    reading = split.producer_read_share
+    if reading is not None and reading >= SLOW_READS:
+        at_most = split.producers >= (split.producer_ceiling or split.producer_budget)
+        more = "raise --producers, or --max-producers under auto" if at_most else "--producers auto adds them"
+        return (f"producers busy {split.producer_utilization:.0%}, {reading:.0%} of it reading files: reading is "
+                f"slow (storage or network); more producers overlap the reads ({more}), or copy the data to a "
+                "local disk")
     if split.producers >= split.producer_budget and (split.producer_ceiling or 0) > split.producer_budget:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
         return (f"producers held at {split.producer_budget} (busy {split.producer_utilization:.0%}; the ceiling is "
@@ -63,11 +79,8 @@ def _producer_advice(split: TimeSplit) -> str:
     if split.producers >= split.producer_budget:
         return (f"producers at budget ({split.producers}/{split.producer_budget}, busy "
                 f"{split.producer_utilization:.0%}): give them more cores (--max-producers) or lower --image-size")
-    if split.producer_utilization >= BUSY_PRODUCERS:
-        return (f"{split.producers} producers busy {split.producer_utilization:.0%}, below the budget of "
-                f"{split.producer_budget}: --producers auto adds more, or raise --producers")
-    return (f"producers idle {1 - split.producer_utilization:.0%} of the time: reading the files is slow "
-            "(storage or network); copy the data to a local disk")
+    return (f"{split.producers} producers busy {split.producer_utilization:.0%}, below the budget of "
+            f"{split.producer_budget}: --producers auto adds more, or raise --producers")
 
 
 def suggest_sync_every(averaging: float, sync_every: int) -> int:

@@ -12,6 +12,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoker.data.dataset import Skipped
+from stoker.pipeline.autoscale import StepStamp
 
 if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
     from stoker.pipeline.messages import StepReport
@@ -32,8 +33,11 @@ class WindowTotals:
     samples: int = 0
     queue_fill: float = 0.0
     queue_samples: int = 0
+    stamps: list[StepStamp] = field(default_factory=list)
 
     def add(self, report: StepReport) -> None:
+        busy_s = report.wait_s + report.compute_s + report.averaging_s + report.host_s
+        self.stamps.append(StepStamp(report.ended_s, report.count, busy_s))
         self.wait_s += report.wait_s
         self.compute_s += report.compute_s
         self.averaging_s += report.averaging_s

@@ -10,30 +10,41 @@ if it slowed busy consumers (CPU consumers competing for cores, a GPU consumer's
 and it is retired; a consumer that does not wait never gets another producer. Queues that stay full while
 producers idle retire one too.
 
+When the need is plain (consumers waiting much of a window while every producer is busy) the policy forks at once,
+from the first window of training, and by as many as the cores hold: a producer that spends its busy time waiting
+for reads uses little of a core. A jump that did not pay is retired whole. A count is judged on the steps that ended
+after its producers were all working, by each step's own end time, not by when its report arrived.
+
 The policy holds no clock and touches no process: windows in, decisions out, so recorded measurements replay.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 STALL_HIGH = 0.05  # consumers waiting more than this share of their time want another producer
 STALL_LOW = 0.01
 QUEUE_FULL = 0.75
 IDLE_UTILIZATION = 0.5
+PLAIN_STALL = 0.4  # consumers waiting much of a window (the first one starts on the ring's batches) ...
+PLAIN_BUSY = 0.9  # ... while every producer is busy: the need is plain, fork at once, by more than one
+JUMP_MAX = 4  # a plain need multiplies the count by at most this (a jump that does not pay is retired whole)
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
 SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
-SETTLE_WINDOWS = 1  # after a change: the new producer starts, the queues refill
+SETTLE_S = 0.5  # after a change: steps that end within this ran on batches built before it
 STARTUP_WINDOWS = 2  # the ring is full when training starts: its first seconds measure the ring, not the producers
 MEASURE_WINDOWS = 2  # windows at one count that make its rate ...
 MEASURE_STEPS = 8  # ... with at least this many training steps in them (slow steps: more windows)
-KEEP_WINDOWS = 10  # the rate at a count is measured over its latest windows, at most these
+JUMP_MEASURE_STEPS = 2  # a jump of several producers is measured on fewer, in one window: it must bring a lot
+MAX_STARTING_WINDOWS = 5  # forked producers not working after this many windows are measured as they are
+KEEP_S = 10.0  # the rate at a count is measured over the steps that ended in its latest seconds, at most these
 RETRY_WINDOWS = 10  # how long an unpaid count stays the limit; doubles after every fork that fails again
 GPU_FEED_CORES = 0.5  # a GPU consumer's feeding thread and NCCL's progress thread: part of a core, never zero
-OVERSUBSCRIBE = 3  # auto's default ceiling, in producers per core: reached only fork by measured fork
+OVERSUBSCRIBE = 8  # auto's default ceiling, in producers per core: reached only fork by measured fork (producers
+# that wait on storage use little of a core: 16 on 2 cores paid 3.5x over 4 with reads waiting 25 ms)
 
 
 def static_budget(devices: list[str], cores: int) -> int:
@@ -50,6 +61,16 @@ def default_ceiling(budget: int, cores: int) -> int:
 
 
 @dataclass(frozen=True)
+class StepStamp:
+    """A training step as the policy judges it: when it ended, not when its report arrived (a GPU consumer reports
+    steps in groups; a step that ran before a change must not count for the count after it)."""
+
+    ended_s: float  # time.monotonic() in the consumer when the step ended: one clock for the machine's processes
+    samples: int
+    train_s: float  # its time in the training step, input wait included
+
+
+@dataclass(frozen=True)
 class Window:
     stall: float  # input wait / consumer wall time over the window, mean over consumers
     queue_fill: float  # ready batches / ready slots, mean over the window
@@ -58,6 +79,11 @@ class Window:
     samples: int = 0  # training samples consumed in the window, all consumers
     steps: int = 0  # training steps reported in the window, all consumers
     train_s: float = 0.0  # seconds the consumers spent in training steps (wait included), mean over consumers
+    ended_s: float | None = None  # when the window closed, on the stamps' clock; None: a replay, 1 s a window
+    stamps: tuple[StepStamp, ...] = ()  # the steps reported in the window; none: its totals count as one stamp
+    starting: int = 0  # producers forked and not yet done with their first task
+    working_since: float | None = None  # when the last producer started working (the count's real start)
+    read_share: float = 0.0  # of the producers' busy time, the share spent reading files (off the CPU)
 
     @property
     def rate(self) -> float:
@@ -66,81 +92,126 @@ class Window:
 
 @dataclass(frozen=True)
 class Decision:
-    change: int  # +1, -1 or 0
+    change: int  # producers to fork (> 0), to retire (< 0), or 0
     reason: str
-    retire_newest: bool = False  # -1 of a fork that did not pay: the newest goes, not the least busy
+    retire_newest: bool = False  # the retirement of a fork that did not pay: the newest go, not the least busy
     measurement: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class _Trial:
     producers: int  # the count before the fork
-    rate_before: float
+    added: int
+    rate_before: float | None  # None: forked at start-up on a plain need, with no rate of its own to compare
     stall_before: float
 
 
-def _rate(windows: list[Window]) -> float:
-    train_s = sum(w.train_s for w in windows)
-    return sum(w.samples for w in windows) / train_s if train_s > 0 else 0.0
+def _rate(steps: list[StepStamp]) -> float:
+    train_s = sum(s.train_s for s in steps)
+    return sum(s.samples for s in steps) / train_s if train_s > 0 else 0.0
 
 
-def required_gain(producers_before: int, stall_before: float) -> float:
-    """Relative rise a fork from `producers_before` must bring: smaller as the count grows (one more of many adds
-    little even when it pays) and as the wait left shrinks (ending a wait of s raises the rate by s / (1 - s) at
-    most), never below MIN_GAIN."""
+def required_gain(producers_before: int, stall_before: float, added: int = 1) -> float:
+    """Relative rise a fork of `added` producers from `producers_before` must bring: smaller as the count grows
+    (one more of many adds little even when it pays) and as the wait left shrinks (ending a wait of s raises the
+    rate by s / (1 - s) at most), never below MIN_GAIN."""
     stall = min(max(stall_before, 0.0), 0.95)
-    return max(MIN_GAIN, min(SHARE_OF_PROPORTIONAL / max(1, producers_before), SHARE_OF_WAIT * stall / (1 - stall)))
+    proportional = SHARE_OF_PROPORTIONAL * added / max(1, producers_before)
+    return max(MIN_GAIN, min(proportional, SHARE_OF_WAIT * stall / (1 - stall)))
+
+
+def plain_need(window: Window) -> bool:
+    """Consumers waited most of the window while every producer was busy: more producers, no doubt about it."""
+    return window.stall >= PLAIN_STALL and window.utilization >= PLAIN_BUSY and window.starting == 0
 
 
 class Autoscaler:
-    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0) -> None:
+    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0,
+                 cores: int | None = None) -> None:
         self.minimum = minimum
         self.budget = budget  # what fits the free cores: shown, not a limit
         self.ceiling = max(budget, ceiling or budget)
+        self.cores = cores or budget  # what a jump may fill with producers' own CPU work
         self.limit = self.ceiling  # lowered to a count whose fork did not pay, until `_hold` runs out
         self._hold = 0
         self._retry_windows = RETRY_WINDOWS
-        self._settling = startup_windows
-        self._settling_reason = "start-up: the batches the ring held before training began are being drained"
-        self._measured: list[Window] = []  # windows at the current count, after settling
+        self._startup = startup_windows
+        self._clock = 0.0  # the latest window's end
+        self._count_from = -math.inf  # steps that ended before this ran at an earlier count
+        self._steps: list[StepStamp] = []  # steps at the current count, after settling
+        self._stalls: list[float] = []  # the windows' stalls at the current count, after settling
+        self._step_count = 0  # training steps at the current count, after settling
         self._trial: _Trial | None = None
         self._calm_windows = 0
+        self._starting_windows = 0
 
     def decide(self, window: Window) -> Decision:
+        previous, self._clock = self._clock, window.ended_s if window.ended_s is not None else self._clock + 1.0
         self._count_down_hold()
         summary = (f"stall {window.stall:.1%}, {window.rate:.1f} samples/s, queue {window.queue_fill:.0%} full, "
                    f"producers {window.utilization:.0%} busy")
         measurement = {"stall": round(window.stall, 4), "samples_per_s": round(window.rate, 2),
                        "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
-                       "producers": window.producers, "limit": self.limit}
-        if self._settling > 0:
-            self._settling -= 1
-            return Decision(0, f"{self._settling_reason}; {summary}", measurement=measurement)
-        self._measured = [*self._measured, window][-KEEP_WINDOWS:]
-        measured = (len(self._measured) >= MEASURE_WINDOWS
-                    and sum(w.steps for w in self._measured) >= MEASURE_STEPS)
-        rate = _rate(self._measured)
+                       "read_share": round(window.read_share, 4), "producers": window.producers,
+                       "limit": self.limit}
+        if window.starting and self._starting_windows < MAX_STARTING_WINDOWS:
+            self._starting_windows += 1
+            self._restart_count(self._clock)  # what ran so far ran without them
+            return Decision(0, f"{window.starting} new producer(s) starting; {summary}", measurement=measurement)
+        self._starting_windows = 0
+        if window.working_since is not None and window.working_since + SETTLE_S > self._count_from > -math.inf:
+            # Starting processes (imports) takes the cores' time: the count began when the last one worked.
+            self._restart_count(window.working_since + SETTLE_S)
+        if self._startup > 0:
+            self._startup -= 1
+            if plain_need(window) and window.producers < self.limit:
+                # Even with the ring's batches drained, consumers waited most of the window: fork now.
+                return self._fork(window, None, window.stall, f"consumers wait from the start: {summary}",
+                                  measurement)
+            return Decision(0, "start-up: the batches the ring held before training began are being drained; "
+                               f"{summary}", measurement=measurement)
+        self._add_steps(window, previous)
+        rate = _rate(self._steps)
         measurement["rate_at_count"] = round(rate, 2)
+        if self._trial is not None and self._trial.rate_before is None:
+            self._trial = None  # a start-up fork on a plain need: nothing to compare with, the count is measured
         if self._trial is not None:
-            if not measured:
+            if not self._measured(self._trial.added > 1):
                 return Decision(0, f"measuring the fork to {window.producers}; {summary}", measurement=measurement)
             verdict = self._judge_trial(window, rate, measurement)
             if verdict is not None:
                 return verdict
         if window.stall > STALL_HIGH:
-            return self._maybe_fork(window, rate, measured, summary, measurement)
+            return self._maybe_fork(window, rate, summary, measurement)
         calm = window.stall < STALL_LOW and window.queue_fill > QUEUE_FULL and window.utilization < IDLE_UTILIZATION
         self._calm_windows = self._calm_windows + 1 if calm else 0
         if self._calm_windows >= 2 and window.producers > self.minimum:
             return self._change(-1, f"queues full, producers idle: {summary}", measurement)
         return Decision(0, summary, measurement=measurement)
 
+    def _add_steps(self, window: Window, window_started: float) -> None:
+        """The window's steps that ran at the current count; a window without stamps counts as one step-group
+        stamped at its start (a replay: the window after a change settles)."""
+        stamps = window.stamps or ((StepStamp(window_started, window.samples, window.train_s),)
+                                   if window.steps else ())
+        counted = [s for s in stamps if s.ended_s >= self._count_from]
+        steps = window.steps if not window.stamps else len(counted)
+        if counted:
+            self._stalls = [*self._stalls, window.stall][-int(KEEP_S):]
+        self._steps = [s for s in [*self._steps, *counted] if s.ended_s >= self._clock - KEEP_S - 1.0]
+        self._step_count += steps
+
+    def _measured(self, jump: bool) -> bool:
+        windows, steps = (1, JUMP_MEASURE_STEPS) if jump else (MEASURE_WINDOWS, MEASURE_STEPS)
+        return len(self._stalls) >= windows and self._step_count >= steps
+
     def _judge_trial(self, window: Window, rate: float, measurement: dict[str, Any]) -> Decision | None:
-        """A fork has been measured: keep it if the rate rose enough, else retire the newest and hold the count."""
+        """A fork has been measured: keep it if the rate rose enough, else retire what it added and hold the
+        count."""
         trial, self._trial = self._trial, None
-        assert trial is not None, "judged only while a fork is on trial"
+        assert trial is not None and trial.rate_before is not None, "judged only while a measured fork is on trial"
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else math.inf
-        needed = required_gain(trial.producers, trial.stall_before)
+        needed = required_gain(trial.producers, trial.stall_before, trial.added)
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))
         if gain >= needed:
             return None  # it paid: carry on, maybe fork again at once
@@ -149,26 +220,53 @@ class Autoscaler:
         self._retry_windows *= 2
         reason = (f"the fork to {window.producers} did not pay: {trial.rate_before:.1f} -> {rate:.1f} samples/s "
                   f"({gain:+.1%}, needed {needed:+.1%}); back to {trial.producers} for {self._hold} windows")
-        return self._change(-1, reason, measurement, retire_newest=True)
+        return self._change(trial.producers - window.producers, reason, measurement, retire_newest=True)
 
-    def _maybe_fork(self, window: Window, rate: float, measured: bool, summary: str,
-                    measurement: dict[str, Any]) -> Decision:
+    def _maybe_fork(self, window: Window, rate: float, summary: str, measurement: dict[str, Any]) -> Decision:
         if window.producers >= self.limit:
             held = "the most that paid" if self.limit < self.ceiling else "the ceiling"
             return Decision(0, f"at {held} ({self.limit} producers); {summary}", measurement=measurement)
-        if not measured:
+        if not self._measured(plain_need(window) and self.jump_target(window) > window.producers + 1):
             return Decision(0, f"measuring {window.producers} producers; {summary}", measurement=measurement)
-        past = " (past the free cores: consumers wait, so they leave theirs idle)" \
-            if window.producers >= self.budget else ""
-        stall = sum(w.stall for w in self._measured) / len(self._measured)
-        self._trial = _Trial(window.producers, rate, stall)
-        return self._change(+1, f"consumers wait: {summary}; forking{past}", measurement)
+        stall = sum(self._stalls) / len(self._stalls)
+        return self._fork(window, rate, stall, f"consumers wait: {summary}", measurement)
+
+    def jump_target(self, window: Window) -> int:
+        """On a plain need: the count whose input would end the wait if input grew with the count, at most
+        JUMP_MAX times this one, and no more than the cores can run (a producer that waits for reads uses
+        little of one); else one more."""
+        p = window.producers
+        if not plain_need(window):
+            return p + 1
+        ends_wait = math.ceil(p / max(0.05, 1 - window.stall))
+        cores_each = window.utilization * (1 - window.read_share)
+        fits = math.floor(self.cores / cores_each) if cores_each > 0 else ends_wait
+        return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, fits))
+
+    def _fork(self, window: Window, rate: float | None, stall: float, why: str,
+              measurement: dict[str, Any]) -> Decision:
+        target = self.jump_target(window)
+        past = " (past the free cores: consumers wait, so they leave theirs idle)" if target > self.budget else ""
+        self._trial = _Trial(window.producers, target - window.producers, rate, stall)
+        measurement["target"] = target
+        return self._change(target - window.producers, f"{why}; forking to {target}{past}", measurement)
+
+    def forked(self, started: int, now: float | None = None) -> None:
+        """The pool started `started` of the producers a fork asked for, by `now` (starting processes takes time,
+        and the steps of that time are not the new count's). Fewer than asked: a retiring producer still holds
+        its row until it exits; none, and there is no trial to judge and nothing to settle: the next window asks
+        again."""
+        if started == 0:
+            self._trial = None
+            self._count_from = -math.inf
+            return
+        if now is not None:
+            self._count_from = max(self._count_from, now + SETTLE_S)
+        if self._trial is not None and started < self._trial.added:
+            self._trial = replace(self._trial, added=started)
 
     def fork_refused(self) -> None:
-        """The pool could not fork now (a retiring producer still holds its row until it exits): there is no
-        trial to judge and nothing to settle; the next window asks again."""
-        self._trial = None
-        self._settling = 0
+        self.forked(0)
 
     def _count_down_hold(self) -> None:
         if self._hold > 0:
@@ -176,8 +274,14 @@ class Autoscaler:
             if self._hold == 0:
                 self.limit = self.ceiling
 
+    def _restart_count(self, since: float) -> None:
+        """Count from `since` on: the steps already counted that ended after it stay."""
+        self._count_from = since
+        self._steps = [s for s in self._steps if s.ended_s >= since]
+        self._stalls = self._stalls[-1:] if self._steps else []
+        self._step_count = len(self._steps)
+
     def _change(self, change: int, reason: str, measurement: dict[str, Any], retire_newest: bool = False) -> Decision:
-        self._settling, self._settling_reason = SETTLE_WINDOWS, "settling after a change"
-        self._measured = []
+        self._restart_count(self._clock + SETTLE_S)
         self._calm_windows = 0
         return Decision(change, reason, retire_newest, measurement)

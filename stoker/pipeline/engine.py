@@ -21,7 +21,7 @@ import numpy as np
 
 from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
-from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, plain_need
 from stoker.pipeline.parts import Assembler, parts_per_batch
 from stoker.pipeline.pool import ProducerPool
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, SampleSource, Task, TaskDone
@@ -57,19 +57,21 @@ class ProducerCounts:
     fits: int
     minimum: int
     auto: bool
+    cores: int = 0
 
     @classmethod
     def from_settings(cls, producers: int | Literal["auto"], min_producers: int, initial_producers: int | None,
                       max_producers: int | None, fits: int, cores: int) -> ProducerCounts:
         if producers != "auto":
-            return cls(producers, producers, fits, min_producers, auto=False)
+            return cls(producers, producers, fits, min_producers, auto=False, cores=cores)
         budget = max_producers or default_ceiling(max(fits, min_producers), cores)
-        return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True)
+        return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True,
+                   cores=cores)
 
     def autoscaler(self) -> Autoscaler | None:
         if not self.auto:
             return None
-        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS)
+        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores or None)
 
 
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int) -> None:
@@ -100,6 +102,13 @@ class Engine:
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
         self.timeline: list[dict[str, Any]] = []
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
+        self.producer_reading = (0.0, 0.0)  # (producer-seconds reading files, busy producer-seconds) over the run
+        self.window_read_share = 0.0
+        self.last_window = (0.0, 0.0, 0.0, 0.0)  # the latest window's (busy, seconds, reading, busy producer-s)
+        self.training = False  # a window with training steps has been seen: run totals count from then on
+        # How fast auto answers: when a window first showed a plain need, and when the first fork came.
+        self.plain_need_s: float | None = None
+        self.first_fork_s: float | None = None
         self.pool: ProducerPool | None = None
         self.closed = False
         sweep_dead_segments()
@@ -222,25 +231,55 @@ class Engine:
     # ---- scaling ------------------------------------------------------------------------------------------------
 
     def take_utilization(self, elapsed_s: float) -> float:
-        """Producers' busy share over the window that ends now (a task counts in the window it ends in)."""
+        """Producers' busy share over the window that ends now (a task counts in the window it ends in); the share
+        of their busy time spent reading files is kept for the window's measurement and the verdict."""
         assert self.pool is not None
-        utilization = min(1.0, self.pool.take_utilization(elapsed_s))
-        self.producer_busy = (self.producer_busy[0] + utilization * elapsed_s, self.producer_busy[1] + elapsed_s)
+        utilization, busy_s, read_s = self.pool.take_utilization(elapsed_s)
+        utilization = min(1.0, utilization)
+        self.last_window = (utilization * elapsed_s, elapsed_s, read_s, busy_s)
+        self.window_read_share = min(1.0, read_s / busy_s) if busy_s > 0 else 0.0
+        if self.training:
+            self._count_window()
         return utilization
 
+    def _count_window(self) -> None:
+        """Run totals from the first window in which consumers trained on: the verdict sets them beside the
+        consumers' wait after their first batch (before it, producers idle on a full ring while consumers start)."""
+        busy, seconds, read_s, busy_s = self.last_window
+        self.last_window = (0.0, 0.0, 0.0, 0.0)
+        self.producer_busy = (self.producer_busy[0] + busy, self.producer_busy[1] + seconds)
+        self.producer_reading = (self.producer_reading[0] + read_s, self.producer_reading[1] + busy_s)
+
     def autoscale(self, window: Window) -> None:
-        """Let the autoscaler decide on the window's measurement, and carry out what it decides."""
+        """Let the autoscaler decide on the window's measurement (completed here with what only the engine knows:
+        its clock, the producers still starting, the share of their time spent reading), and carry it out. Called
+        for windows in which consumers trained."""
         assert self.pool is not None
+        if not self.training:
+            self.training = True
+            self._count_window()
         if self.autoscaler is None:
             return
+        ended_s = time.monotonic() if window.ended_s is None else window.ended_s
+        window = replace(window, ended_s=ended_s, starting=self.pool.starting(), read_share=self.window_read_share,
+                         working_since=self.pool.all_working_since())
         decision = self.autoscaler.decide(window)
-        self.events.write("autoscale", change=decision.change, reason=decision.reason, **decision.measurement)
-        if decision.change > 0 and self.pool.grow() is None:
-            self.autoscaler.fork_refused()
-            self.events.write("autoscale", change=0, reason="no free producer row yet (one is retiring): "
-                                                             "asking again next window")
-            return
-        if decision.change < 0:
+        if self.plain_need_s is None and plain_need(window):
+            self.plain_need_s = round(ended_s - self.started, 3)
+        if self.first_fork_s is None and decision.change > 0:
+            self.first_fork_s = round(ended_s - self.started, 3)
+        self.events.write("autoscale", change=decision.change, reason=decision.reason,
+                          t_decided=round(ended_s - self.started, 3), **decision.measurement)
+        if decision.change > 0:
+            spawning = time.monotonic()
+            started = sum(self.pool.grow() is not None for _ in range(decision.change))
+            decision.measurement["spawn_s"] = round(time.monotonic() - spawning, 3)
+            self.autoscaler.forked(started, time.monotonic())
+            if not started:
+                self.events.write("autoscale", change=0, reason="no free producer row yet (one is retiring): "
+                                                                 "asking again next window")
+                return
+        for _ in range(-decision.change):
             self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
             self.record_producers(decision.reason, decision.measurement)
@@ -268,6 +307,18 @@ class Engine:
         busy, seconds = self.producer_busy
         return busy / seconds if seconds else 0.0
 
+    def producer_read_share(self) -> float:
+        """Of the producers' busy time over the run, the share spent reading files (storage, not the CPU)."""
+        read, busy = self.producer_reading
+        return min(1.0, read / busy) if busy else 0.0
+
+    def verdict_fields(self) -> dict[str, Any]:
+        """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers: the
+        count of now against the limit of now, how busy they were and what kept them busy."""
+        return {"producers": self.timeline[-1]["producers"] if self.timeline else 0,
+                "producer_budget": self.producer_limit(), "producer_utilization": self.producer_utilization(),
+                "producer_ceiling": self.budget, "producer_read_share": self.producer_read_share()}
+
     # ---- the end ------------------------------------------------------------------------------------------------
 
     def stop_producers(self) -> None:
@@ -285,9 +336,12 @@ class Engine:
 
 
 def producer_fields(engine: Engine | None) -> dict[str, Any]:
-    """The summary's producer counts (all zero when the run stopped before the engine started)."""
+    """The summary's producer counts (all zero when the run stopped before the engine started), and how fast auto
+    answered a plain need: seconds into the run of the first window that showed one and of the first fork."""
     timeline = engine.timeline if engine is not None else []
     return {"producers_initial": engine.producers_initial if engine is not None else 0,
             "producers_final": timeline[-1]["producers"] if timeline else 0,
             "producers_max": engine.max_alive if engine is not None else 0,
-            "producers_timeline": timeline}
+            "producers_timeline": timeline,
+            "autoscale_plain_need_s": engine.plain_need_s if engine is not None else None,
+            "autoscale_first_fork_s": engine.first_fork_s if engine is not None else None}

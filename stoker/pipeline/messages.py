@@ -59,6 +59,7 @@ class StepReport:
     digest: str | None
     memory: dict[str, int] = field(default_factory=dict)  # GPU memory peaks so far (nothing on the CPU)
     host_s: float = 0.0  # on a GPU: the device idled for the host (Python, copies), not for input (timing.py)
+    ended_s: float = 0.0  # time.monotonic() when the host ended the step: the autoscaler judges windows by it
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from multiprocessing.queues import Queue
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
-from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, producer_main
+from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,9 @@ class Handle:
     in_flight: dict[int, Task] = field(default_factory=dict)
     retiring: bool = False
     busy_s: float = 0.0
+    read_s: float = 0.0  # of busy_s, reading files
+    tasks_done: int = 0
+    working_since: float | None = None  # time.monotonic() when its first task was done
     exited_ns: int | None = None  # when a retiring producer was first seen exited cleanly
 
 
@@ -97,6 +100,8 @@ class ProducerPool:
         outbox = self.mailbox.open()
         process = start(producer_main, (producer, self.setup, tasks, outbox, self.stop),
                         f"stoker producer {producer}")
+        if process.pid is not None:
+            nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
         self.handles[producer] = Handle(producer, process, tasks)
         self.max_alive = max(self.max_alive, len(self.active))
@@ -126,6 +131,9 @@ class ProducerPool:
         if handle is None:
             return None  # a producer declared dead managed to report: its task was already re-issued
         handle.busy_s += done.busy_s
+        handle.read_s += done.read_s
+        handle.tasks_done += 1
+        handle.working_since = handle.working_since or time.monotonic()
         self.losses_since_progress = 0
         task = handle.in_flight.pop(done.task_id, None)
         if task is not None and self.outside_kills:
@@ -217,12 +225,23 @@ class ProducerPool:
         del self.outside_kills[key]
         return f"{who} on this file, {kills} producers in a row (out of memory? the OOM killer sends SIGKILL)"
 
-    def take_utilization(self, elapsed_s: float) -> float:
-        """Busy share of the producers since the last call (which starts a new window)."""
+    def starting(self) -> int:
+        """Active producers that have not finished a task yet (still importing, or on their first)."""
+        return sum(1 for h in self.active if h.working_since is None)
+
+    def all_working_since(self) -> float | None:
+        """When the last of the active producers finished its first task (None: one has not yet)."""
+        times = [h.working_since for h in self.active]
+        return None if not times or None in times else max(t for t in times if t is not None)
+
+    def take_utilization(self, elapsed_s: float) -> tuple[float, float, float]:
+        """Since the last call (which starts a new window): the producers' busy share, their busy seconds and the
+        seconds of it they spent reading files."""
         busy = sum(h.busy_s for h in self.handles.values())
+        read = sum(h.read_s for h in self.handles.values())
         for handle in self.handles.values():
-            handle.busy_s = 0.0
-        return busy / (elapsed_s * len(self.handles)) if self.handles and elapsed_s > 0 else 0.0
+            handle.busy_s = handle.read_s = 0.0
+        return (busy / (elapsed_s * len(self.handles)) if self.handles and elapsed_s > 0 else 0.0), busy, read
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Idempotent: tell every producer to stop, join, terminate stragglers, release the queues."""

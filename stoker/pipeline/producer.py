@@ -90,6 +90,7 @@ class TaskDone:
     count: int
     skipped: dict[int, Skipped]  # sample id -> the file and why it could not be used
     busy_s: float
+    read_s: float = 0.0  # of busy_s, the time spent reading files: storage, not the CPU (the verdict tells them apart)
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
     make_decode_warnings_errors()
     # Under CPU contention the consumers go first: a late consumer holds up a device and, through the
     # averaging collective, every other one; a late producer only eats into the batches queued ahead.
-    os.nice(PRODUCER_NICENESS)
+    nice_producer(os.getpid())
     ring = SlotRing.attach(setup.ring)
     try:
         _serve(producer, setup, ring, tasks, outbox, stop)
@@ -117,6 +118,17 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
         outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
         ring.close()
+
+
+def nice_producer(pid: int) -> None:
+    """At PRODUCER_NICENESS, never nicer twice: the pool sets it as soon as the process exists, so that a producer's
+    imports (half a second of a core each; a jump starts several) do not take the cores from the consumers and the
+    controller either; the producer sets it again in case that came too late."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, pid) < PRODUCER_NICENESS:
+            os.setpriority(os.PRIO_PROCESS, pid, PRODUCER_NICENESS)
+    except OSError:  # the process is already gone: its loss is seen by the pool's check
+        pass
 
 
 def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, stop) -> None:
@@ -136,16 +148,31 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, s
             task = replace(task, work=previous.work, first=previous.first, stop=previous.stop)
         previous = task
         skipped: dict[int, Skipped] = {}
+        reads = ReadClock()
         if task.compact:
             count = compact_slot(task, ring, status)
         else:
-            count, skipped = build_batch(task, setup, ring, status)
+            count, skipped = build_batch(task, setup, ring, status, reads)
         faults.maybe_inject("producer-result", f"task={task.task_id};", outbox)
-        outbox.send(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started))
+        outbox.send(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started, reads.seconds))
 
 
-def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
-                status: np.ndarray) -> tuple[int, dict[int, Skipped]]:
+@dataclass
+class ReadClock:
+    """Seconds spent reading files (opening and reading their bytes), apart from decoding them."""
+
+    seconds: float = 0.0
+
+    def read(self, source: SampleSource, sample_id: int) -> bytes:
+        started = time.perf_counter()
+        try:
+            return source.read(sample_id)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+
+def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing, status: np.ndarray,
+                reads: ReadClock | None = None) -> tuple[int, dict[int, Skipped]]:
     """Write the task's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
     by id). A task that is the whole batch also sets the slot's count; for parts the engine does (`parts.py`)."""
     work = task.work
@@ -155,6 +182,7 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
     assert source is not None, "validation work is scheduled only when there is a validation split"
     augment = setup.augment if work.kind == "train" else "none"
     images, labels, ids = ring.images[task.slot], ring.labels[task.slot], ring.ids[task.slot]
+    reads = reads or ReadClock()
     count = task.first
     skipped: dict[int, Skipped] = {}
     for position in range(task.first, task.end):
@@ -171,7 +199,7 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing,
             if isinstance(source, DatasetSource):  # the user's own __getitem__, seeded per sample
                 labels[count] = source.fill(sample_id, images[count], setup.seed, work.epoch)
             else:
-                load_into(source.read(sample_id), images[count], augment, rng)
+                load_into(reads.read(source, sample_id), images[count], augment, rng)
                 labels[count] = source.labels[sample_id]
         except UnusableImage as error:
             skipped[sample_id] = Skipped(source.paths[sample_id], str(error))

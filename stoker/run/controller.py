@@ -32,7 +32,7 @@ from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach, read_accounting
-from stoker.pipeline.autoscale import Window, static_budget
+from stoker.pipeline.autoscale import StepStamp, Window, static_budget
 from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
@@ -474,10 +474,12 @@ class Controller:
                            host=round(self.split.host, 4))
         if window.steps == 0 or self.finishing:
             return
+        n = self.num_consumers  # a rate of all consumers: their mean time in steps, as train_s
         self.engine.autoscale(Window(
             stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
             producers=self.split.producers, samples=window.samples, steps=window.steps,
-            train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / self.num_consumers))
+            train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / n,
+            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n) for s in window.stamps)))
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
@@ -486,16 +488,9 @@ class Controller:
             return Verdict("starting", "no training step finished")
         return diagnose(TimeSplit(
             compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
-            averaging=mean(self.stats.averaging_fractions()), producers=self._producers_now(),
-            producer_budget=self.engine.producer_limit(), producer_utilization=self.engine.producer_utilization(),
-            sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging,
-            producer_ceiling=self.engine.budget, host=mean(self.stats.host_fractions())))
-
-    def _producers_now(self) -> int:
-        """The count the live line shows, measured against the limit of now (the most ever alive, against a limit
-        lowered since, read as "4/3 at budget")."""
-        timeline = self.engine.timeline
-        return timeline[-1]["producers"] if timeline else 0
+            averaging=mean(self.stats.averaging_fractions()), sync_every=self.config.sync_every,
+            overlapped=self.config.overlap_averaging, host=mean(self.stats.host_fractions()),
+            **self.engine.verdict_fields()))
 
     @property
     def engine(self) -> Engine:

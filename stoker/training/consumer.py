@@ -246,7 +246,7 @@ class Replica:
             digest = self.averager.digest()
         # Copied to the host before the step's end event: read once that event has completed, with no sync.
         loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
-        self.unreported.append(_DoneStep(batch, ids, loss, self.clock.end(averaged), digest))
+        self.unreported.append(_DoneStep(batch, ids, loss, self.clock.end(averaged), digest, time.monotonic()))
         if len(self.unreported) >= self.report_every:
             # The first step is reported at once (the controller times the run from it); later ones only once
             # the device has done them: waiting here would leave the device idle while the host catches up.
@@ -268,7 +268,7 @@ class Replica:
             self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step,
                                         len(step.ids), step.loss.item() if step.loss is not None else 0.0,
                                         times.wait_s, times.compute_s, times.averaging_s, step.ids, step.digest,
-                                        memory, host_s=times.host_s))
+                                        memory, host_s=times.host_s, ended_s=step.ended_s))
 
     def _steps_done(self) -> int:
         """How many of the unreported steps, from the oldest, the device has done."""
@@ -409,6 +409,9 @@ class _DoneStep:
     loss: torch.Tensor | None  # on the host once `marks.end` has completed; None: this rank had no samples
     marks: StepMarks
     digest: str | None
+    # Stamped as the host ends it, not when it is reported (in groups on a GPU, where the device ends it at most
+    # timing.MAX_AHEAD steps later): the autoscaler must not count a step that ran before a fork for the fork.
+    ended_s: float = 0.0
 
 
 def _next_message(ready, stop, watch: ParentWatch, when_idle):

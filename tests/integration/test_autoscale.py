@@ -31,7 +31,7 @@ def test_slow_input_adds_producers_past_the_free_cores_while_consumers_wait(text
     assert summary["producers_initial"] == 1  # and 1 is what the cores the CPU consumer leaves free hold (2 cores)
     assert 3 <= summary["producers_max"] <= 6 and summary["producers_final"] >= 3
     changes = summary["producers_timeline"][1:]
-    assert "wait" in changes[0]["reason"] and changes[0]["producers"] == 2
+    assert "wait" in changes[0]["reason"] and changes[0]["producers"] >= 2  # a jump where reads keep them busy
     assert all({"stall", "samples_per_s", "rate_at_count"} <= set(c["measurement"]) for c in changes)
     late = steps(tmp_path / "auto")[-60:]  # after warm-up
     stall = sum(s["wait_s"] for s in late) / sum(s["wait_s"] + s["compute_s"] + s["averaging_s"] for s in late)

@@ -3,7 +3,9 @@ they wait and forks pay, retire a fork that did not pay, never add competition f
 
 from __future__ import annotations
 
-from stoker.pipeline.autoscale import RETRY_WINDOWS, Autoscaler, Window, required_gain, static_budget
+from dataclasses import replace
+
+from stoker.pipeline.autoscale import RETRY_WINDOWS, Autoscaler, StepStamp, Window, required_gain, static_budget
 
 
 def window(producers: int, stall: float, samples_per_s: float, queue_fill: float = 0.1,
@@ -111,9 +113,91 @@ def test_a_fork_must_bring_less_as_the_count_grows_and_as_the_wait_left_shrinks(
 def test_the_ring_drained_at_start_up_is_not_taken_for_the_producers_rate():
     # Recorded shape: training starts on a full ring, so the first seconds run at the ring's pace, not the
     # producers'; a fork judged against that rate never looks as if it paid (seen: 193 "before" against 121).
-    drained = [window(1, 0.40, 400.0), window(1, 0.60, 300.0)]
+    drained = [window(1, 0.30, 400.0), window(1, 0.35, 300.0)]  # waiting, but not plainly
     scaler = Autoscaler(minimum=1, budget=1, ceiling=6, startup_windows=2)
     assert feed(scaler, [*drained, ONE[0]]) == [0, 0, 0]
     fork = scaler.decide(ONE[1])
     assert fork.change == 1 and fork.measurement["rate_at_count"] == 177.0
     assert feed(scaler, [window(2, 0.9, 40.0), *TWO]) == [0, 0, 1]  # so 177 -> 320 pays
+
+
+def stamped(producers: int, ended_s: float, steps: list[tuple[float, float]], stall: float = 0.9,
+            utilization: float = 0.97, read_share: float = 0.0) -> Window:
+    """A window closed at `ended_s` whose reports carry each step's own end time: (ended_s, seconds) of steps of
+    32 samples (one consumer)."""
+    stamps = tuple(StepStamp(end, 32, seconds) for end, seconds in steps)
+    return Window(stall=stall, queue_fill=0.05, utilization=utilization, producers=producers,
+                  samples=32 * len(steps), steps=len(steps), train_s=sum(s for _, s in steps), ended_s=ended_s,
+                  stamps=stamps, read_share=read_share)
+
+
+def test_a_trial_is_judged_on_the_steps_that_ended_after_the_change_not_on_when_they_were_reported():
+    # Steps of 0.25 s at 2 producers (128 samples/s); the fork to 3 at t=11 makes them 1/6 s (192 samples/s, a
+    # gain of 0.25 / (1/6) - 1 = +50%). Reports come in groups (a GPU consumer's), so the windows after the fork
+    # also carry steps that ran before it: counted by arrival they drag the fork's rate down.
+    def before(t: float) -> list[tuple[float, float]]:
+        return [(t - 0.75, 0.25), (t - 0.5, 0.25), (t - 0.25, 0.25), (t, 0.25)]
+
+    def after(t: float, n: int = 6) -> list[tuple[float, float]]:
+        return [(t - i / 6, 1 / 6) for i in range(n)]
+
+    late = [(10.5, 0.25), (10.75, 0.25), (11.0, 0.25)]  # ran at 2 producers, reported after the fork
+    recorded = [stamped(2, 10.0, before(10.0), stall=0.3), stamped(2, 11.0, before(11.0), stall=0.3),
+                stamped(3, 12.0, after(12.0, 3), stall=0.1), stamped(3, 13.0, late + after(13.0), stall=0.1),
+                stamped(3, 14.0, late + after(14.0), stall=0.1), stamped(3, 15.0, after(15.0), stall=0.1)]
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    decisions = [scaler.decide(w) for w in recorded]
+    assert [d.change for d in decisions[:2]] == [0, 1]
+    judged = [d for d in decisions[2:] if "gain" in d.measurement]
+    assert judged and judged[0].change >= 0 and abs(judged[0].measurement["gain"] - 0.5) < 0.01, judged
+    # The same windows without the stamps, counted as they arrived: a smaller gain than the fork brought.
+    unstamped = [Window(stall=w.stall, queue_fill=w.queue_fill, utilization=w.utilization, producers=w.producers,
+                        samples=w.samples, steps=w.steps, train_s=w.train_s) for w in recorded]
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    gains = [d.measurement["gain"] for d in map(scaler.decide, unstamped) if "gain" in d.measurement]
+    assert gains and gains[0] < 0.4, gains
+
+
+def test_a_plain_need_at_start_up_forks_at_once_and_jumps_as_far_as_the_cores_allow():
+    # Consumers wait most of the first window with every producer busy. Producers that wait on reads 95% of their
+    # busy time (STOKER_READ_LATENCY_MS=25 on 500x375 JPEGs) leave the cores free: jump x4; producers decoding
+    # 2000x1500 JPEGs (reads 1%) fill a core each: on 2 cores, one more.
+    reading = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2, cores=2)
+    fork = reading.decide(stamped(1, 1.0, [(0.2, 0.01), (0.9, 0.7)], stall=0.7, read_share=0.95))
+    assert fork.change == 3 and fork.measurement["target"] == 4
+    decoding = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2, cores=2)
+    fork = decoding.decide(stamped(1, 1.0, [(0.2, 0.01), (0.9, 0.7)], stall=0.7, read_share=0.01))
+    assert fork.change == 1
+    # Not plain (consumers wait a little): no fork before a measurement.
+    calm = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2, cores=2)
+    assert calm.decide(stamped(1, 1.0, [(0.5, 0.1), (0.9, 0.1)], stall=0.2, read_share=0.95)).change == 0
+
+
+def test_a_jump_that_did_not_pay_is_retired_whole_in_one_decision():
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, cores=2)
+    # Plain: one window of two steps measures 4 producers (a jump must bring a lot: the noise of a few steps is
+    # small beside it); 4 -> 16, x4, less than what ends an 80% wait if input grew with the count (20).
+    fork = scaler.decide(stamped(4, 2.0, [(1.5, 0.25), (2.0, 0.25)], stall=0.8, read_share=0.9))
+    assert fork.change == 12
+    scaler.forked(12, now=2.2)
+    same = [stamped(16, t, [(t - 0.5, 0.25), (t, 0.25)], stall=0.8, read_share=0.9) for t in (3.0, 4.0)]
+    decisions = [scaler.decide(w) for w in same]
+    assert decisions[-1].change == -12 and decisions[-1].retire_newest, decisions
+    assert scaler.limit == 4
+
+
+def test_the_count_is_measured_from_when_its_new_producers_work():
+    # Forked producers import for seconds on a loaded machine; the steps until the last of them works ran at the
+    # old count's rate, and must not make the fork look unpaid.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, cores=2)
+    assert scaler.decide(stamped(4, 2.0, [(1.5, 0.25), (2.0, 0.25)], stall=0.8, read_share=0.9)).change == 12
+    scaler.forked(12, now=2.1)
+    slow_start = Window(stall=0.8, queue_fill=0.05, utilization=0.3, producers=16, samples=64, steps=2, train_s=0.5,
+                        ended_s=3.0, stamps=(StepStamp(2.8, 32, 0.25), StepStamp(3.0, 32, 0.25)), starting=9)
+    assert scaler.decide(slow_start).change == 0 and "starting" in scaler.decide(slow_start).reason
+    working = replace(slow_start, ended_s=6.0, starting=0, working_since=5.0, utilization=0.95,
+                      stamps=(StepStamp(4.5, 32, 0.25), StepStamp(5.2, 32, 0.25)))
+    assert scaler.decide(working).change == 0  # only the step after 5.0 + settling counts: not yet measured
+    fast = [StepStamp(6.0 + 0.06 * i, 32, 0.06) for i in range(1, 9)]
+    kept = scaler.decide(replace(working, ended_s=7.0, stall=0.1, stamps=tuple(fast)))
+    assert kept.change >= 0 and kept.measurement["gain"] > 1, kept

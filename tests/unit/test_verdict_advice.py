@@ -40,8 +40,65 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
     engine.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
     engine.timeline = [{"producers": n} for n in (1, 2, 3, 4, 3)]
     engine.producer_busy = (8.2, 10.0)
+    engine.producer_reading = (0.1, 8.2)  # decoding, not reading, kept them busy
     controller._engine = engine
     for step, now in enumerate((1.0, 2.0, 3.0)):  # half of every step spent waiting for input
         controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
     text = controller.run_verdict().text
     assert "input-bound" in text and "held at 3" in text and "--max-producers" not in text, text
+
+
+def _verdict(**figures) -> str:
+    fields = dict(compute=0.5, averaging=0.0, sync_every=1)
+    return diagnose(TimeSplit(**{**fields, **figures})).text
+
+
+def test_idle_producers_are_not_told_to_get_more_cores():
+    # A run's figures (issue 23, the latency workload with 16 producers at 4 slots): consumers waited 16% of the
+    # time while the 16 producers were busy 19%: cores were not what they lacked.
+    text = _verdict(compute=0.84, input_wait=0.16, producers=16, producer_budget=16, producer_utilization=0.19)
+    assert "input-bound" in text and "more cores" not in text and "idle 81%" in text, text
+
+
+def test_a_cache_warm_folder_is_not_called_slow_storage():
+    # A local folder read a second time (in the page cache) while auto measured a fork: 2 of a ceiling of 6
+    # producers, busy 61% (the new one still starting), consumers waiting 30%.
+    text = _verdict(compute=0.7, input_wait=0.30, producers=2, producer_budget=6, producer_utilization=0.61,
+                    producer_ceiling=6)
+    assert "reading the files is slow" not in text and "local disk" not in text, text
+
+
+def test_producers_that_wait_on_reads_are_told_so():
+    # STOKER_READ_LATENCY_MS=25 on 500x375 JPEGs, 4 producers: busy 97%, of it 95% in reads.
+    text = _verdict(input_wait=0.7, producers=4, producer_budget=4, producer_utilization=0.97, producer_ceiling=4,
+                    producer_read_share=0.95)
+    assert "95% of it reading files" in text and "storage" in text and "more cores" not in text, text
+    decoding = _verdict(input_wait=0.7, producers=4, producer_budget=4, producer_utilization=0.97,
+                        producer_ceiling=4, producer_read_share=0.01)
+    assert "more cores" in decoding and "storage" not in decoding, decoding
+
+
+def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
+    # stoker.Loader.summary() printed "reading the files is slow" while its producers idled: it had a copy of the
+    # trainer's producer figures that left the ceiling and the reads out. Both now read the engine's.
+    from stoker.observe.metrics import RunStats
+    from stoker.pipeline.engine import Engine
+    from stoker.run.loader import Loader
+
+    engine = Engine.__new__(Engine)
+    engine.budget, engine.pool, engine.producers_initial = 6, None, 1
+    engine.plain_need_s = engine.first_fork_s = None
+    engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    engine.timeline = [{"producers": n} for n in (1, 2)]
+    engine.producer_busy, engine.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
+    loader = Loader.__new__(Loader)
+    loader.stats, loader._engine, loader.info = RunStats(1, 100, 0), engine, None
+    for step, now in enumerate((1.0, 2.0, 3.0)):
+        loader.stats.record_step(StepReport(0, 0, step, step, 2, 0.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
+    text = loader.summary()["verdict"]["text"]
+    stats = loader.stats
+    expected = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
+                                  averaging=0.0, sync_every=1, producers=2,
+                                  producer_budget=6, producer_utilization=0.4, producer_ceiling=6,
+                                  producer_read_share=0.0025)).text
+    assert text == expected and "reading the files is slow" not in text, text
