@@ -25,6 +25,12 @@ HELPERS = Path(__file__).resolve().parent / "helpers"
 # `gpu` test gets the devices back (`pinned_to_cpu`), and the probe asks with them visible.
 VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# torch's OpenMP threads spin after each parallel region, for GOMP's default 300,000 spins. A test's run puts a
+# 2-thread CPU consumer, its producers, the controller and pytest on 2 cores: the spinning threads burn the cores
+# the others wait for (a 1-epoch run on cpu:1: 20 s of CPU against 9.5 s passive). The wait policy decides only how
+# an idle thread waits, never what is computed: results stay bitwise the same. Set before torch is imported here,
+# inherited by every process a test starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:

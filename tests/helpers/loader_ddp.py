@@ -1,8 +1,8 @@
 """One rank of a DDP training loop fed by stoker.Loader, as a user's torchrun script would be (tests/integration/
 test_loader.py starts two of them with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, as torchrun does).
 
-It records what each batch held (a hash of its bytes and its sample ids) and the final weights' hash, and can stop
-after a number of steps with a checkpoint (model, optimizer, loader.state_dict()) or resume from one.
+It records what each batch held (a hash of its bytes and its sample ids) and the final weights' hash, can write a
+checkpoint (model, optimizer, loader.state_dict()) after given steps while it trains on, and can resume from one.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def main() -> None:
     parser.add_argument("--producers", default="1")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--stop-after", type=int, default=0)  # steps over the run, then checkpoint and exit
+    parser.add_argument("--save-at", default="")  # steps over the run (5,8): a checkpoint CHECKPOINT-5.RANK after each
     parser.add_argument("--checkpoint")
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume")  # a checkpoint written by --save-at, without its .RANK: CHECKPOINT-5
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -75,8 +75,9 @@ def main() -> None:
     model = torch.nn.parallel.DistributedDataParallel(model_for(10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     start_epoch, steps = 0, 0
+    save_at = {int(step) for step in args.save_at.split(",") if step}
     if args.resume:
-        state = torch.load(f"{args.checkpoint}.{rank}", weights_only=False)
+        state = torch.load(f"{args.resume}.{rank}", weights_only=False)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])
@@ -94,13 +95,10 @@ def main() -> None:
                 F.cross_entropy(model(images), labels).backward()
                 optimizer.step()
                 count, steps = count + 1, steps + 1
-                if steps == args.stop_after:
+                if steps in save_at:  # mid-iteration, batches still in flight: what a periodic checkpoint sees
                     torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "loader": loader.state_dict(), "steps": steps}, f"{args.checkpoint}.{rank}")
-                    break
+                                "loader": loader.state_dict(), "steps": steps}, f"{args.checkpoint}-{steps}.{rank}")
             record["batches"].append(count)
-            if steps == args.stop_after:
-                break
         record["summary"] = loader.summary()
     record["weights"] = weights_digest(model.module)
     Path(f"{args.out}.{rank}").write_text(json.dumps(record))

@@ -1,6 +1,7 @@
 """A Lightning module fed by stoker.Loader from train_dataloader(), trained with Trainer(accelerator="cpu",
 devices=2, strategy="ddp") (Lightning starts rank 1 by running this script again). Each rank writes the sample ids
-it trained on, per epoch; `--save` writes Lightning's own checkpoint at the end, `--resume` continues from one."""
+it trained on, per epoch; `--save` writes Lightning's own checkpoint at the end of the first epoch, as ModelCheckpoint
+would, while training goes on; `--resume` continues from one."""
 
 from __future__ import annotations
 
@@ -40,6 +41,15 @@ class Module(L.LightningModule):
         self.loader.close()
 
 
+class SaveAfterFirstEpoch(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--data", required=True)
@@ -51,10 +61,8 @@ def main() -> None:
     torch.manual_seed(0)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=args.epochs, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+                        num_sanity_val_steps=0, callbacks=[SaveAfterFirstEpoch(args.save)] if args.save else [])
     trainer.fit(Module(args.data, args.out), ckpt_path=args.resume)
-    if args.save:
-        trainer.save_checkpoint(args.save)
 
 
 if __name__ == "__main__":

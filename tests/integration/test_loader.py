@@ -3,6 +3,7 @@ real image files: the same batches whatever the producers, disjoint ranks, exact
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import stoker
 from stoker.data import builtin_data
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
@@ -56,14 +58,23 @@ def images(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def straight(images, tmp_path_factory) -> list[dict]:
-    """Two epochs, one producer per rank, uninterrupted: what every other run is compared with."""
-    return launch(tmp_path_factory.mktemp("straight") / "record", "--data", str(images), "--producers", "1")
+def saved(tmp_path_factory) -> Path:
+    """Where the straight run writes its record and its checkpoints."""
+    return tmp_path_factory.mktemp("straight")
 
 
-@pytest.mark.parametrize("producers", ["3", "auto"])
-def test_same_batches_whatever_the_producers(images, straight, tmp_path, producers):
-    other = launch(tmp_path / "record", "--data", str(images), "--producers", producers)
+@pytest.fixture(scope="module")
+def straight(images, saved) -> list[dict]:
+    """Two epochs, one producer per rank, uninterrupted: what every other run is compared with. It writes the
+    checkpoints the resume tests start from as it trains on (after step 5, mid-epoch, and step 8, the end of epoch
+    0), so that its own batches also show that taking a state_dict() changes nothing."""
+    return launch(saved / "record", "--data", str(images), "--producers", "1", "--save-at", "5,8",
+                  "--checkpoint", str(saved / "checkpoint"))
+
+
+def test_same_batches_whatever_the_producers(images, straight, tmp_path):
+    """3 producers against 1; `auto` (producers forked while the loop runs) is one of the resumes below."""
+    other = launch(tmp_path / "record", "--data", str(images), "--producers", "3")
     for rank in range(2):
         assert other[rank]["hashes"] == straight[rank]["hashes"], f"rank {rank}: batches differ"
         assert other[rank]["weights"] == straight[rank]["weights"]
@@ -79,16 +90,14 @@ def test_ranks_disjoint_and_their_union_is_the_epoch(straight):
     assert straight[0]["summary"]["duplicate_samples"] == straight[0]["summary"]["missing_samples"] == 0
 
 
-@pytest.mark.parametrize("stop_after", [5, 8], ids=["mid-epoch", "epoch-boundary"])
-def test_resume_from_state_dict_is_exact(images, straight, tmp_path, stop_after):
-    checkpoint = str(tmp_path / "checkpoint")
-    first = launch(tmp_path / "first", "--data", str(images), "--producers", "2", "--stop-after", str(stop_after),
-                   "--checkpoint", checkpoint)
-    second = launch(tmp_path / "second", "--data", str(images), "--producers", "3", "--checkpoint", checkpoint,
-                    "--resume")
+@pytest.mark.parametrize("saved_at,producers", [(5, "auto"), (8, "2")], ids=["mid-epoch", "epoch-boundary"])
+def test_resume_from_state_dict_is_exact(images, straight, saved, tmp_path, saved_at, producers):
+    """Resumed with other producers than the run that saved (1): with `auto` too, whose count changes as it runs."""
+    resumed = launch(tmp_path / "resumed", "--data", str(images), "--producers", producers, "--resume",
+                     str(saved / f"checkpoint-{saved_at}"))
     for rank in range(2):
-        assert first[rank]["hashes"] + second[rank]["hashes"] == straight[rank]["hashes"]
-        assert second[rank]["weights"] == straight[rank]["weights"], f"rank {rank}: weights differ"
+        assert resumed[rank]["hashes"] == straight[rank]["hashes"][saved_at:], f"rank {rank}: batches differ"
+        assert resumed[rank]["weights"] == straight[rank]["weights"], f"rank {rank}: weights differ"
 
 
 def test_a_corrupt_file_keeps_ranks_in_step_and_is_listed(images, tmp_path):
@@ -105,7 +114,16 @@ def test_a_corrupt_file_keeps_ranks_in_step_and_is_listed(images, tmp_path):
     assert served == 119
 
 
-def test_user_dataset_same_bytes_with_1_and_3_producers(tmp_path):
-    one = launch(tmp_path / "one", "--data", "noisy", "--producers", "1", "--epochs", "1", world=1)
-    three = launch(tmp_path / "three", "--data", "noisy", "--producers", "3", "--epochs", "1", world=1)
-    assert one[0]["hashes"] == three[0]["hashes"]
+def test_user_dataset_same_bytes_with_1_and_3_producers():
+    """One rank, so in this process (no launch): the helper's NoisyDataset draws its own augmentation from Python's
+    random, NumPy's and torch's generators, which the producers seed per sample."""
+    from tests.helpers.loader_ddp import NoisyDataset
+
+    def batch_hashes(producers: int) -> list[str]:
+        with stoker.Loader(NoisyDataset(), batch_size=8, image_size=16, seed=3, producers=producers, device="cpu",
+                           max_producers=3) as loader:
+            return [hashlib.sha256(images.numpy().tobytes()).hexdigest() for images, _ in loader]
+
+    one = batch_hashes(1)
+    assert len(one) == 8  # ceil(60 / 8)
+    assert batch_hashes(3) == one
