@@ -306,8 +306,19 @@ class Replica:
             ema_figures = None if ema is None else {"loss": ema.loss, "accuracy": ema.accuracy, "top5": ema.top5}
             self.outbox.send(ValReport(message.epoch, result.loss, result.accuracy, result.count, result.top5,
                                        result.confusion, ema_figures))
-        if self.best is not None and result is not None:
-            self.best.offer(self.model, message.epoch + 1, result.accuracy)
+        if result is not None:
+            self._offer_best(message.epoch + 1, result.accuracy)
+
+    def _offer_best(self, epoch: int, accuracy: float) -> None:
+        """Rank 0 may write model_best.pt now; the others wait for it here, paced like a checkpoint: a slow disk
+        must not time out their next collective."""
+        work = self._rank_zero_work(f"best model after epoch {epoch}")
+        if self.setup.rank != 0:
+            work.wait("written")
+            return
+        if self.best is not None:
+            self.best.offer(self.model, epoch, accuracy)
+        work.post("written")
 
     def save(self, message: Save) -> None:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
