@@ -73,6 +73,7 @@ class Controller:
         self.cluster = cluster.from_environment(self.num_consumers)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
+        self.val_image_size = config.resolved_val_image_size
         if config.batch_size > len(self.data.train):
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
@@ -82,9 +83,11 @@ class Controller:
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
                                                    available_cores())
-        check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget)
+        check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget, self.val_image_size)
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
+        if self.val_image_size != self.image_size:
+            check_model(config.model, len(self.data.train.classes), self.val_image_size, "val_image_size")
         if config.init is not None and config.resume is None:
             check_init(config.init, config.model, len(self.data.train.classes))
         self.recipe = recipe_setup(config, len(self.data.train.classes), self.plan.steps_per_epoch,
@@ -259,7 +262,8 @@ class Controller:
         config = self.config
         self._engine = Engine(self.data.train, self.data.val, config.augment, config.seed, self.num_slots,
                               config.batch_size, self.image_size, self.counts, config.producer_timeout_s,
-                              config.max_bad_fraction, self.mailbox, self.stop, self.stats, self.metrics)
+                              config.max_bad_fraction, self.mailbox, self.stop, self.stats, self.metrics,
+                              val_image_size=self.val_image_size)
         self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.num_slots, self.data.val is not None,
                                    config.checkpoint_every, self.run_dir, self.cluster.first_rank, self.num_consumers)
         self.engine.follow(self.scheduler)
