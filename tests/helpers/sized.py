@@ -17,7 +17,7 @@ class RecordingCnn(nn.Module):
     def forward(self, images):
         with open(os.environ["STOKER_TEST_SHAPES"], "a") as record:
             mode = "train" if self.training else "eval"
-            record.write(f"{multiprocessing.current_process().name} {mode} {tuple(images.shape)}\n")
+            record.write(f"{multiprocessing.current_process().name}|{mode}|{tuple(images.shape)}\n")
         return self.body(images)
 
 
