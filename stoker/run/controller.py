@@ -45,8 +45,9 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
-from stoker.training.models import check_model
+from stoker.training.models import build_model, check_model
 from stoker.training.recipe import recipe_setup
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
@@ -90,6 +91,9 @@ class Controller:
             check_model(config.model, len(self.data.train.classes), self.val_image_size, "val_image_size")
         if config.init is not None and config.resume is None:
             check_init(config.init, config.model, len(self.data.train.classes))
+        if config.lr_head_multiplier != 1.0:
+            check_head_multiplier(build_model(config.model, len(self.data.train.classes)), config.model,
+                                  config.lr_head_multiplier)
         self.recipe = recipe_setup(config, len(self.data.train.classes), self.plan.steps_per_epoch,
                                    config.resume is not None)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())

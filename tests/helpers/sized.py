@@ -23,3 +23,9 @@ class RecordingCnn(nn.Module):
 
 def recording_cnn(num_classes: int) -> nn.Module:
     return RecordingCnn(num_classes)
+
+
+def conv_head(num_classes: int) -> nn.Module:
+    """A classifier whose head is a 1x1 convolution: no nn.Linear for --lr-head-multiplier to find."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Conv2d(8, num_classes, 1), nn.Flatten())

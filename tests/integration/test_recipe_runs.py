@@ -93,3 +93,14 @@ def test_validation_runs_at_val_image_size(textures, tmp_path):
     summary = read_summary(tmp_path / "run")
     assert (summary["image_size"], summary["val_image_size"]) == (16, 24)
     assert summary["val_accuracy"] is not None
+
+
+def test_recipe_settings_that_cannot_apply_stop_with_exit_2_naming_them(textures, tmp_path):
+    train, val = textures
+    common = ("train", "--data", str(train), "--val", str(val), "--quiet", "--devices", "cpu:1")
+    headless = run_cli(*common, "--model", "sized:conv_head", "--lr-head-multiplier", "3", "--out",
+                       str(tmp_path / "a"), check=False)
+    assert headless.returncode == 2 and "lr_head_multiplier=3.0" in headless.stderr, headless.stderr[-2000:]
+    tiny = run_cli(*common, "--val-image-size", "4", "--out", str(tmp_path / "b"), check=False)
+    assert tiny.returncode == 2 and "val_image_size='4'" in tiny.stderr, tiny.stderr[-2000:]
+    assert not (tmp_path / "a" / "summary.json").exists() and not (tmp_path / "b").exists()
