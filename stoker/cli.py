@@ -90,6 +90,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str, str]] = {
     "clip_grad_norm": ("clip the gradients' global norm to N (0: off)", "N", RECIPE),
     "no_decay_norm_bias": ("true | false: no weight decay on norm layers' weights and on biases", "BOOL", RECIPE),
     "random_erasing": ("random erasing probability per sample, on the device (0: off)", "P", RECIPE),
+    "val_image_size": ("validation resolution: short side resized, centre crop (default: --image-size; larger "
+                       "than training's helps, e.g. train 160, validate 224)", "PX", DATA),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 assert all(len(flag) == 3 and flag[2] in GROUPS for flag in TRAIN_FLAGS.values()), \

@@ -85,6 +85,8 @@ def measure(root: Path, pretrain_per_class: int, finetune_per_class: int, val_pe
             "median_epochs_to_target": {name: statistics.median(epochs_to(run[name], target, epochs)
                                                                 for run in runs)
                                         for name in ("finetuned", "scratch")},
+            "median_accuracy_per_epoch": {name: median_curve([run[name] for run in runs])
+                                          for name in ("finetuned", "scratch")},
             "settings": {**common, "pretrain_batch_size": 32, "finetune_batch_size": FINETUNE_BATCH,
                          "pretrain_per_class": pretrain_per_class,
                          "finetune_per_class": finetune_per_class, "val_per_class": val_per_class}}
@@ -110,10 +112,19 @@ def epochs_to(curve: list[float], target: float, epochs: int) -> int:
     return next((index + 1 for index, accuracy in enumerate(curve) if accuracy >= target), epochs + 1)
 
 
+def median_curve(curves: list[list[float]]) -> list[float]:
+    """Each epoch's median validation accuracy over the seeds: the figure that still compares when neither run
+    reaches the target."""
+    return [statistics.median(curve[epoch] for curve in curves) for epoch in range(min(map(len, curves)))]
+
+
 def table(figures: dict[str, Any]) -> str:
     lines = [f"epochs to {100 * figures['target']:.0f}% validation accuracy (median of {len(figures['runs'])} seeds;"
              f" {figures['epochs'] + 1} = not reached in {figures['epochs']})"]
     for name in ("finetuned", "scratch"):
         curves = "  ".join(" ".join(f"{100 * a:3.0f}" for a in run[name]) for run in figures["runs"])
         lines.append(f"{name:10s} {figures['median_epochs_to_target'][name]:4}   per epoch, each seed: {curves}")
+    for name in ("finetuned", "scratch"):
+        median = " ".join(f"{100 * a:3.0f}" for a in figures["median_accuracy_per_epoch"][name])
+        lines.append(f"{name:10s} median validation accuracy per epoch (%): {median}")
     return "\n".join(lines)

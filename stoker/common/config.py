@@ -40,6 +40,7 @@ MAY_CHANGE_ON_RESUME = frozenset({
     "epochs", "out", "resume", "devices", "producers", "min_producers", "initial_producers", "max_producers",
     "slots_per_consumer", "checkpoint_every", "check_replicas_every", "collective_timeout_s", "producer_timeout_s",
     "max_bad_fraction", "log_every_s", "report", "tensorboard",
+    "val_image_size",  # validation only reads the model: the training steps stay bitwise the same
 })
 
 
@@ -100,6 +101,9 @@ class TrainConfig:
     clip_grad_norm: float = Field(default=0.0, ge=0.0)
     no_decay_norm_bias: bool = True
     random_erasing: float = Field(default=0.0, ge=0.0, le=1.0)
+    # Validation's side (short side resized, centre crop) when it differs from training's: FFCV trains at 160-192
+    # and tests at 224-256 (Touvron et al. 2019, "Fixing the train-test resolution discrepancy"). None: image_size.
+    val_image_size: int | None = Field(default=None, ge=8, le=2048)
 
     @field_validator("devices")
     @classmethod
@@ -146,6 +150,10 @@ class TrainConfig:
         if self.image_size is not None:
             return self.image_size
         return BUILTIN_IMAGE_SIZE if self.data is None else DEFAULT_IMAGE_SIZE
+
+    @property
+    def resolved_val_image_size(self) -> int:
+        return self.resolved_image_size if self.val_image_size is None else self.val_image_size
 
     def replace(self, **changes: Any) -> TrainConfig:
         return make_config({**self.as_dict(), **changes})

@@ -74,9 +74,10 @@ class ProducerCounts:
         return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores or None)
 
 
-def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int) -> None:
+def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,
+                     val_image_size: int | None = None) -> None:
     """Before any process starts: a /dev/shm that cannot hold the ring is a user error, not a bus error."""
-    check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status).nbytes)
+    check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status, val_image_size).nbytes)
 
 
 class Engine:
@@ -85,7 +86,7 @@ class Engine:
     def __init__(self, train: SampleSource, val: SampleSource | None, augment: Any, seed: int, num_slots: int,
                  batch_size: int, image_size: int, counts: ProducerCounts, hang_timeout_s: float,
                  max_bad_fraction: float, mailbox: Mailbox, stop: Any, accounting: Accounting,
-                 events: EventLog) -> None:
+                 events: EventLog, val_image_size: int | None = None) -> None:
         self.num_slots = num_slots
         self.budget = budget = counts.budget
         self.autoscaler = counts.autoscaler()
@@ -112,7 +113,7 @@ class Engine:
         self.pool: ProducerPool | None = None
         self.closed = False
         sweep_dead_segments()
-        self.ring = SlotRing.create(num_slots, batch_size, image_size, budget)
+        self.ring = SlotRing.create(num_slots, batch_size, image_size, budget, val_image_size)
         self.assembler = Assembler(self.ring, parts_per_batch(batch_size, num_slots, budget))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stoker.pipeline.plan import Kind
 from stoker.pipeline.ring import SlotRing
 from stoker.pipeline.streams import DeviceOps, ops_for
 
@@ -54,24 +55,26 @@ class DeviceLoader:
         self.staging = [self._staging() for _ in range(num_staging)] if self.ops.asynchronous else []
         self.turn = 0
 
-    def take(self, slot: int | None, release: Callable[[int], None]
+    def take(self, slot: int | None, release: Callable[[int], None], kind: Kind = "train"
              ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """The batch in `slot` on the device; `release(slot)` is called as soon as the slot may be refilled."""
+        """The batch in `slot` on the device; `release(slot)` is called as soon as the slot may be refilled. `kind`
+        says which side the slot's images have (`--val-image-size`)."""
         if slot is None:
             return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
         count = int(self.ring.counts[slot])
         ids = self.ring.ids[slot, :count].copy()
+        pixels = self.ring.images_of(kind)[slot, :count]
         if not self.staging:
             labels = torch.from_numpy(self.ring.labels[slot, :count].copy())
-            images = self._normalize(torch.from_numpy(self.ring.images[slot, :count]))  # the copy out of the slot
+            images = self._normalize(torch.from_numpy(pixels))  # the copy out of the slot
             release(slot)
             return images, labels, ids
         stage = self._next_staging()
-        np.copyto(stage.host_images[:count].numpy(), self.ring.images[slot, :count])  # beats Tensor.copy_
+        np.copyto(_sized(stage.host_images, pixels.shape).numpy(), pixels)  # beats Tensor.copy_
         np.copyto(stage.host_labels[:count].numpy(), self.ring.labels[slot, :count])
         release(slot)
-        self._copy_to_device(stage, count)
-        images = self._normalize(stage.device_images[:count])
+        device_images = self._copy_to_device(stage, count, pixels.shape)
+        images = self._normalize(device_images)
         labels = stage.device_labels[:count].clone()
         self.ops.record(stage.used, self.ops.compute_stream())
         return images, labels, ids
@@ -86,18 +89,20 @@ class DeviceLoader:
             self.ops.synchronize(stage.copied)
         return stage
 
-    def _copy_to_device(self, stage: Staging, count: int) -> None:
+    def _copy_to_device(self, stage: Staging, count: int, shape: tuple[int, ...]) -> torch.Tensor:
         """On the side stream, after the compute that read the device buffer last time; the compute stream
-        waits for the copy's event, the host does not."""
+        waits for the copy's event, the host does not. Returns the device images, of `shape`."""
         ops, copy_stream = self.ops, self.ops.copy_stream()
         if stage.in_use:
             ops.wait(copy_stream, stage.used)
+        device_images = _sized(stage.device_images, shape)
         with ops.on(copy_stream):
-            ops.copy(stage.device_images[:count], stage.host_images[:count])
+            ops.copy(device_images, _sized(stage.host_images, shape))
             ops.copy(stage.device_labels[:count], stage.host_labels[:count])
         ops.record(stage.copied, copy_stream)
         ops.wait(ops.compute_stream(), stage.copied)
         stage.in_use = True
+        return device_images
 
     def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
         """uint8 NHWC -> float NCHW in the chosen memory format, (x - mean) / std: one conversion pass, in place
@@ -114,8 +119,14 @@ class DeviceLoader:
         return constant
 
     def _staging(self) -> Staging:
-        images_shape, batch = self.ring.images.shape[1:], self.ring.labels.shape[1]
+        """Buffers of a slot's bytes, flat: a training and a validation batch of other sides both fit."""
+        images_shape, batch = self.ring.pixels.shape[1:], self.ring.labels.shape[1]
         ops = self.ops
         return Staging(ops.pinned(images_shape, torch.uint8), ops.pinned((batch,), torch.int64),
                        ops.empty(images_shape, torch.uint8), ops.empty((batch,), torch.int64),
                        ops.new_event(), ops.new_event())
+
+
+def _sized(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first bytes of a flat staging buffer as a batch of `shape` (count, side, side, 3)."""
+    return flat[:int(np.prod(shape))].view(shape)

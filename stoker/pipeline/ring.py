@@ -44,11 +44,25 @@ class RingSpec:
     batch_size: int
     image_size: int
     num_status: int
+    val_image_size: int | None = None  # None: validation at `image_size` (`--val-image-size`)
+
+    @property
+    def val_size(self) -> int:
+        return self.image_size if self.val_image_size is None else self.val_image_size
+
+    @property
+    def slot_side(self) -> int:
+        """The side a slot is sized for: every slot may hold a training or a validation batch (the scheduler
+        hands out whichever slot is free), so each holds the larger of the two."""
+        return max(self.image_size, self.val_size)
+
+    def side(self, kind: str) -> int:
+        return self.val_size if kind == "val" else self.image_size
 
     def _layout(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
-        s, b, px = self.num_slots, self.batch_size, self.image_size
+        s, b, px = self.num_slots, self.batch_size, self.slot_side
         return [
-            ("images", (s, b, px, px, 3), np.dtype(np.uint8)),
+            ("pixels", (s, b * px * px * 3), np.dtype(np.uint8)),
             ("labels", (s, b), np.dtype(np.int64)),
             ("ids", (s, b), np.dtype(np.int64)),
             ("counts", (s,), np.dtype(np.int64)),
@@ -65,7 +79,10 @@ def _aligned(size: int) -> int:
 
 
 class SlotRing:
-    """Numpy views over the segment: `images[slot, i]` is sample i of the batch in `slot`."""
+    """Numpy views over the segment: `images[slot, i]` is sample i of the training batch in `slot`,
+    `val_images[slot, i]` of the validation batch (`images_of(kind)`). Both view the same bytes of each slot,
+    from its start, each with its own side: a training batch at 160 px and a validation batch at 224 px are each
+    contiguous in the slot, as one batch of one size is."""
 
     def __init__(self, spec: RingSpec, segment: shared_memory.SharedMemory, owner: bool) -> None:
         self.spec = spec
@@ -77,17 +94,31 @@ class SlotRing:
             size = int(np.prod(shape)) * dtype.itemsize
             setattr(self, name, np.ndarray(shape, dtype=dtype, buffer=segment.buf, offset=offset))
             offset += _aligned(size)
-        self.images: np.ndarray
+        self.images = self._images_at(spec.image_size)
+        self.val_images = self._images_at(spec.val_size)
+        self.pixels: np.ndarray
         self.labels: np.ndarray
         self.ids: np.ndarray
         self.counts: np.ndarray
         self.status: np.ndarray
 
+    def _images_at(self, side: int) -> np.ndarray:
+        """(slots, batch, side, side, 3) over `pixels`: C-contiguous within a slot, slots `pixels`' row apart."""
+        sample = side * side * 3
+        return np.lib.stride_tricks.as_strided(
+            self.pixels, shape=(self.spec.num_slots, self.spec.batch_size, side, side, 3),
+            strides=(self.pixels.strides[0], sample, side * 3, 3, 1), writeable=True)
+
+    def images_of(self, kind: str) -> np.ndarray:
+        """The view a batch of this kind ("train" or "val") is written and read through."""
+        return self.val_images if kind == "val" else self.images
+
     @classmethod
-    def create(cls, num_slots: int, batch_size: int, image_size: int, num_status: int) -> SlotRing:
+    def create(cls, num_slots: int, batch_size: int, image_size: int, num_status: int,
+               val_image_size: int | None = None) -> SlotRing:
         for _ in range(3):  # a start's sweep may take the segment between its creation and our lock: rare
             name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-            spec = RingSpec(name, num_slots, batch_size, image_size, num_status)
+            spec = RingSpec(name, num_slots, batch_size, image_size, num_status, val_image_size)
             check_shm_space(spec.nbytes)
             segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
             ring = cls(spec, segment, owner=True)
@@ -114,7 +145,7 @@ class SlotRing:
         segment, self._segment = self._segment, None
         if segment is None:
             return
-        for name, _, _ in self.spec._layout():
+        for name in [name for name, _, _ in self.spec._layout()] + ["images", "val_images"]:
             setattr(self, name, None)
         segment.close()
         if self._owner:

@@ -45,9 +45,10 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
 from stoker.training.model_file import BEST_MODEL_FILE, model_card
-from stoker.training.models import check_model
+from stoker.training.models import build_model, check_model
 from stoker.training.recipe import recipe_setup
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
@@ -74,6 +75,7 @@ class Controller:
         self.cluster = cluster.from_environment(self.num_consumers)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
+        self.val_image_size = config.resolved_val_image_size
         if config.batch_size > len(self.data.train):
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
@@ -83,11 +85,16 @@ class Controller:
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
                                                    available_cores())
-        check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget)
+        check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget, self.val_image_size)
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
+        if self.val_image_size != self.image_size:
+            check_model(config.model, len(self.data.train.classes), self.val_image_size, "val_image_size")
         if config.init is not None and config.resume is None:
             check_init(config.init, config.model, len(self.data.train.classes))
+        if config.lr_head_multiplier != 1.0:
+            check_head_multiplier(build_model(config.model, len(self.data.train.classes)), config.model,
+                                  config.lr_head_multiplier)
         self.recipe = recipe_setup(config, len(self.data.train.classes), self.plan.steps_per_epoch,
                                    config.resume is not None)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
@@ -260,7 +267,8 @@ class Controller:
         config = self.config
         self._engine = Engine(self.data.train, self.data.val, config.augment, config.seed, self.num_slots,
                               config.batch_size, self.image_size, self.counts, config.producer_timeout_s,
-                              config.max_bad_fraction, self.mailbox, self.stop, self.stats, self.metrics)
+                              config.max_bad_fraction, self.mailbox, self.stop, self.stats, self.metrics,
+                              val_image_size=self.val_image_size)
         self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.num_slots, self.data.val is not None,
                                    config.checkpoint_every, self.run_dir, self.cluster.first_rank, self.num_consumers)
         self.engine.follow(self.scheduler)
@@ -290,7 +298,8 @@ class Controller:
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  len(self.data.train.classes), self.plan.steps_per_epoch * self.config.epochs,
                                  self.resume_from, self.recipe,
-                                 model_card(self.config.model, self.data.train.classes, self.image_size),
+                                 # The validation side: what stoker.load's preprocess, eval and predict use.
+                                 model_card(self.config.model, self.data.train.classes, self.val_image_size),
                                  self.run_dir / BEST_MODEL_FILE)
         for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()

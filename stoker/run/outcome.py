@@ -51,6 +51,8 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         **val_summary(last_val, list(run.data.train.classes)),
         "model_ema": str(run.run_dir / "model_ema.pt") if status == "completed" and run.config.ema else None,
         "classes": list(run.data.train.classes),
+        "image_size": run.image_size,
+        "val_image_size": run.val_image_size,
         "start_step": run.start_at.global_step,
         "wall_s": round(time.monotonic() - run.started, 3),
     }

@@ -289,7 +289,7 @@ class Replica:
         self.recipe.clip([p for p in self.model.parameters() if p.grad is not None])
 
     def val_batch(self, batch: Batch) -> None:
-        images, labels, _ = self.loader.take(batch.slot, self._release)
+        images, labels, _ = self.loader.take(batch.slot, self._release, "val")
         if not len(labels):
             return
         self.model.eval()

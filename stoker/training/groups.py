@@ -52,3 +52,11 @@ def head_parameter_names(model: nn.Module) -> frozenset[str]:
         return frozenset()
     module = model.get_submodule(last)
     return frozenset(f"{last}.{name}" if last else name for name, _ in module.named_parameters(recurse=False))
+
+
+def check_head_multiplier(model: nn.Module, model_name: str, multiplier: float) -> None:
+    """Before any process starts: a multiplier for a head the model does not have would change nothing, silently."""
+    if multiplier != 1.0 and not head_parameter_names(model):
+        raise ValueError(f"lr_head_multiplier={multiplier}: model={model_name!r} has no nn.Linear layer, which is "
+                         "what the classifier head is taken to be (its last one); use 1, or end the model with an "
+                         "nn.Linear")

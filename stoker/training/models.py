@@ -152,15 +152,16 @@ def build_model(name: str, num_classes: int) -> nn.Module:
     return model
 
 
-def check_model(name: str, num_classes: int, image_size: int) -> None:
-    """Build the model once and run one tiny input through it, so a bad factory fails before processes start."""
+def check_model(name: str, num_classes: int, image_size: int, size_setting: str = "image_size") -> None:
+    """Build the model once and run one tiny input through it, so a bad factory fails before processes start;
+    `size_setting` names the setting the input's side comes from in the error."""
     model = build_model(name, num_classes)
     model.eval()
     with torch.no_grad():
         try:
             output = model(torch.zeros(1, 3, image_size, image_size))
         except Exception as error:
-            raise ValueError(f"model={name!r}: forward on a (1, 3, {image_size}, {image_size}) input failed: "
-                             f"{type(error).__name__}: {error}") from None
+            raise ValueError(f"model={name!r}: forward on a (1, 3, {image_size}, {image_size}) input "
+                             f"({size_setting}={image_size}) failed: {type(error).__name__}: {error}") from None
     if tuple(output.shape) != (1, num_classes):
         raise ValueError(f"model={name!r}: output shape {tuple(output.shape)}, expected (1, {num_classes})")

@@ -4,6 +4,7 @@ bitwise the uninterrupted one; and fine-tuning from --init pays."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import torch
@@ -74,3 +75,32 @@ def test_bad_init_stops_before_any_process_with_exit_2(textures, tmp_path):
     assert result.returncode == 2
     assert "missing: stem.0.weight" in result.stderr
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_validation_runs_at_val_image_size(textures, tmp_path):
+    """--image-size 16 --val-image-size 24 through `stoker train`: the consumer's model trains on 16 px batches
+    and validates on 24 px ones (the model writes down every input it sees); summary.json records both sides."""
+    shapes = tmp_path / "shapes.txt"
+    train, val = textures
+    run_cli("train", "--data", str(train), "--val", str(val), "--batch-size", "16", "--image-size", "16",
+            "--val-image-size", "24", "--model", "sized:recording_cnn", "--devices", "cpu:1", "--epochs", "1",
+            "--out", str(tmp_path / "run"), "--quiet", env={"STOKER_TEST_SHAPES": str(shapes)})
+    seen = [line.split("|") for line in shapes.read_text().splitlines()]
+    # The controller's own forwards (its model check, MainProcess) are left out: the consumer's are the test.
+    consumer = [(mode, ast.literal_eval(shape)) for process, mode, shape in seen if process != "MainProcess"]
+    assert {shape[1:] for mode, shape in consumer if mode == "train"} == {(3, 16, 16)}
+    assert {shape[1:] for mode, shape in consumer if mode == "eval"} == {(3, 24, 24)}
+    summary = read_summary(tmp_path / "run")
+    assert (summary["image_size"], summary["val_image_size"]) == (16, 24)
+    assert summary["val_accuracy"] is not None
+
+
+def test_recipe_settings_that_cannot_apply_stop_with_exit_2_naming_them(textures, tmp_path):
+    train, val = textures
+    common = ("train", "--data", str(train), "--val", str(val), "--quiet", "--devices", "cpu:1")
+    headless = run_cli(*common, "--model", "sized:conv_head", "--lr-head-multiplier", "3", "--out",
+                       str(tmp_path / "a"), check=False)
+    assert headless.returncode == 2 and "lr_head_multiplier=3.0" in headless.stderr, headless.stderr[-2000:]
+    tiny = run_cli(*common, "--val-image-size", "4", "--out", str(tmp_path / "b"), check=False)
+    assert tiny.returncode == 2 and "val_image_size='4'" in tiny.stderr, tiny.stderr[-2000:]
+    assert not (tmp_path / "a" / "summary.json").exists() and not (tmp_path / "b").exists()
