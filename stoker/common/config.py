@@ -44,6 +44,13 @@ MAY_CHANGE_ON_RESUME = frozenset({
 })
 
 
+# What a run did before a setting existed, where that is not the setting's default: a checkpoint written before
+# the setting was added is compared (on resume) with this, not with today's default.
+UNRECORDED_MEANT: dict[str, Any] = {
+    "no_decay_norm_bias": False,  # weight decay on every parameter, as every run did before the recipe
+}
+
+
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=False))
 class TrainConfig:
     # A new field changes the plan (a resume must keep its value) unless MAY_CHANGE_ON_RESUME above names it.
@@ -167,6 +174,7 @@ class TrainConfig:
 
 FIELD_NAMES = tuple(f.name for f in dataclasses.fields(TrainConfig))
 assert MAY_CHANGE_ON_RESUME <= set(FIELD_NAMES), "MAY_CHANGE_ON_RESUME names a setting that does not exist"
+assert set(UNRECORDED_MEANT) <= set(FIELD_NAMES), "UNRECORDED_MEANT names a setting that does not exist"
 
 
 RUN_CONFIG_FILE = "config.json"

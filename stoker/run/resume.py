@@ -10,11 +10,16 @@ setting added later is compared too unless it is declared.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
-from stoker.common.config import BUILTIN_IMAGE_SIZE, DEFAULT_IMAGE_SIZE, MAY_CHANGE_ON_RESUME, TrainConfig
+from stoker.common.config import (
+    BUILTIN_IMAGE_SIZE,
+    DEFAULT_IMAGE_SIZE,
+    MAY_CHANGE_ON_RESUME,
+    UNRECORDED_MEANT,
+    TrainConfig,
+)
 
 
 class ResumeError(ValueError):
@@ -45,11 +50,12 @@ def check_resumable(folder: Path, meta: dict[str, Any], config: TrainConfig, cla
 
 def setting_differences(recorded: Any, config: TrainConfig) -> list[str]:
     """'name: checkpoint X, now Y' for every plan-changing setting that differs. A setting the checkpoint does not
-    record (added to stoker after it was written) counts as its default then."""
+    record (added to stoker after it was written) counts as what runs did then: its default, or the value
+    `config.UNRECORDED_MEANT` names when the default changed what is trained."""
     if not isinstance(recorded, dict):
         return ["the checkpoint records no settings"]
     now = config.as_json()
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults = {**TrainConfig().as_json(), **UNRECORDED_MEANT}
     recorded = {**recorded, "image_size": _image_size(recorded)}
     now = {**now, "image_size": config.resolved_image_size}
     differences = []
