@@ -135,6 +135,10 @@ class TrainConfig:
         if self.overlap_averaging and self.outer_optimizer != "none":
             raise ValueError(f"overlap_averaging=true cannot be combined with outer_optimizer="
                              f"{self.outer_optimizer!r}: the outer step needs the average before training goes on")
+        if self.overlap_averaging and self.ema:
+            raise ValueError(f"ema={self.ema} cannot be combined with overlap_averaging=true: the EMA follows the "
+                             "averaged model, and overlapped replicas are averaged one window late (they differ "
+                             "when the EMA would be updated)")
         if self.max_producers is not None and self.max_producers < self.min_producers:
             raise ValueError(f"max_producers={self.max_producers} is below min_producers={self.min_producers}")
         for name in ("data", "val"):

@@ -49,3 +49,13 @@ def test_a_head_multiplier_for_a_model_without_a_linear_head_is_refused():
         check_head_multiplier(conv_head, "mine:conv", 3.0)
     check_head_multiplier(conv_head, "mine:conv", 1.0)  # the default asks nothing of the model
     check_head_multiplier(build_model("resnet8", 4), "resnet8", 3.0)
+
+
+def test_ema_with_overlapped_averaging_is_refused_naming_both():
+    """Overlapped replicas hold different weights when the EMA would be updated: 47 of 57 EMA tensors differed
+    between rank 0 and rank 1 before this was refused."""
+    from stoker.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"ema=0\.9 cannot be combined with overlap_averaging=true"):
+        make_config({"ema": 0.9, "overlap_averaging": True})
+    make_config({"ema": 0.9, "sync_every": 4})  # averaged every 4 steps: replicas agree at each EMA update
