@@ -173,7 +173,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from stoker.data.dataset import scan_image_folder
-    from stoker.pipeline.feed import MEAN, STD
+    from stoker.pipeline.feed import MEAN, STD, normalize
 
     index = scan_image_folder(args.data)
     if args.rank_feed == "dataloader_pillow":
@@ -188,12 +188,13 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
                                        persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
                                        drop_last=True, prefetch_factor=2 if workers else None)
     mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+    inv_std = 1 / (torch.tensor(STD).view(1, 3, 1, 1) * 255)
 
     def normalized() -> Any:
         for images, labels in _epochs(feed, sampler):
-            if images.dtype == torch.uint8:  # stoker's decoder: uint8 HWC, normalized here as the Loader does
-                images = (images.permute(0, 3, 1, 2).float() - mean) / std
+            if images.dtype == torch.uint8:  # stoker's decoder: uint8 NHWC, normalized here by the Loader's own
+                # code into the Loader's default memory format (channels_last), so only the feeds differ
+                images = normalize(images, mean, inv_std, torch.channels_last)
             yield images, labels
     return normalized(), lambda: None
 
