@@ -34,7 +34,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str, str]] = {
     "val_fraction": ("share of each class held out for validation when --val is not given", "F", DATA),
     "model": ("resnet8 | resnet14 | resnet20 | resnet18 | resnet50 | module:function", "NAME", RECIPE),
     "image_size": ("training resolution (default 32 on the built-in data, else 224)", "PX", DATA),
-    "augment": ("standard (random resized crop + flip) | noflip | none", "MODE", DATA),
+    "augment": ("standard (random resized crop + flip) | noflip | none | trivial (standard + TrivialAugment) | "
+                "randaug (standard + RandAugment, 2 ops at magnitude 9)", "MODE", RECIPE),
     "devices": ("auto (every visible GPU; without one, one CPU consumer, or two on more than 2 cores) | cpu:N | "
                 "cuda | cuda:0,1", "SPEC", DEVICES),
     "producers": ("auto (fork more when consumers wait) or a fixed count", "M", DEVICES),
@@ -46,7 +47,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str, str]] = {
     "epochs": ("passes over the training set", "E", RECIPE),
     "optimizer": ("sgd (with --momentum, --weight-decay) | adamw (--weight-decay)", "NAME", RECIPE),
     "lr": ("peak learning rate", "LR", RECIPE),
-    "schedule": ("learning rate over the run: cosine (decays to 0 at the last step) | constant", "NAME", RECIPE),
+    "schedule": ("learning rate over the run: cosine (decays to 0 at the last step) | step (x0.1 at 50%% and "
+                 "75%% of the steps) | constant", "NAME", RECIPE),
     "momentum": ("SGD momentum (--optimizer sgd)", "MU", RECIPE),
     "weight_decay": ("weight decay: SGD's (added to the gradient) or AdamW's (decoupled)", "WD", RECIPE),
     "sync_every": ("average replicas every H steps", "H", AVERAGING),
@@ -75,6 +77,19 @@ TRAIN_FLAGS: dict[str, tuple[str, str, str]] = {
     "channels_last": ("true | false: feed the model channels_last input or plain NCHW", "BOOL", EXPERT),
     "compile": ("true | false: torch.compile the model in each consumer", "BOOL", EXPERT),
     "deterministic": ("true | false: deterministic cuDNN algorithms, no TF32 (bitwise resume on GPUs)", "BOOL", EXPERT),
+    "init": ("start from this state_dict (plain or under 'state_dict'/'model'; loaded by name, a head of "
+             "another shape re-initialized)", "STATE_DICT", RECIPE),
+    "lr_head_multiplier": ("learning rate multiplier of the classifier head (fine-tuning with --init)", "X", RECIPE),
+    "warmup_epochs": ("linear warmup of the learning rate over E epochs, per step, then --schedule", "E", RECIPE),
+    "label_smoothing": ("label smoothing of the targets (0: off)", "S", RECIPE),
+    "mixup": ("mixup with Beta(A, A) mixing weights, on the device (0: off)", "A", RECIPE),
+    "cutmix": ("cutmix with Beta(A, A) box areas, on the device (0: off; with --mixup, one of the two per "
+               "batch)", "A", RECIPE),
+    "ema": ("keep an EMA of the weights with this decay (0: off), validated each epoch and saved as "
+            "model_ema.pt", "D", RECIPE),
+    "clip_grad_norm": ("clip the gradients' global norm to N (0: off)", "N", RECIPE),
+    "no_decay_norm_bias": ("true | false: no weight decay on norm layers' weights and on biases", "BOOL", RECIPE),
+    "random_erasing": ("random erasing probability per sample, on the device (0: off)", "P", RECIPE),
 }
 assert set(TRAIN_FLAGS) == set(FIELD_NAMES), "every setting needs a flag"
 assert all(len(flag) == 3 and flag[2] in GROUPS for flag in TRAIN_FLAGS.values()), \

@@ -18,7 +18,7 @@ import pydantic
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-Augment = Literal["standard", "noflip", "none"]
+Augment = Literal["standard", "noflip", "none", "trivial", "randaug"]
 
 BUILTIN_IMAGE_SIZE = 32
 DEFAULT_IMAGE_SIZE = 224
@@ -61,7 +61,7 @@ class TrainConfig:
     epochs: int = Field(default=10, ge=1)
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(default=0.05, gt=0.0)
-    schedule: Literal["cosine", "constant"] = "cosine"
+    schedule: Literal["cosine", "step", "constant"] = "cosine"
     momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(default=5e-4, ge=0.0)
     sync_every: int = Field(default=1, ge=1)
@@ -88,6 +88,18 @@ class TrainConfig:
     channels_last: bool = True
     compile: bool = False
     deterministic: bool = False
+    # The training recipe (stoker/training/recipe.py, schedule.py, ema.py, init.py); every switch off by default
+    # except no_decay_norm_bias, which SGD and AdamW recipes keep on (timm, torchvision's references).
+    init: Path | None = None
+    lr_head_multiplier: float = Field(default=1.0, gt=0.0)
+    warmup_epochs: float = Field(default=0.0, ge=0.0)
+    label_smoothing: float = Field(default=0.0, ge=0.0, lt=1.0)
+    mixup: float = Field(default=0.0, ge=0.0)
+    cutmix: float = Field(default=0.0, ge=0.0)
+    ema: float = Field(default=0.0, ge=0.0, lt=1.0)
+    clip_grad_norm: float = Field(default=0.0, ge=0.0)
+    no_decay_norm_bias: bool = True
+    random_erasing: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @field_validator("devices")
     @classmethod
@@ -121,6 +133,10 @@ class TrainConfig:
                                  "pattern (expected an ImageFolder root or WebDataset-layout shards)")
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
             raise ValueError("tensorboard=true needs the tensorboardX package: pip install 'stoker[tensorboard]'")
+        if self.init is not None and not self.init.is_file():
+            raise ValueError(f"init={str(self.init)!r} is not a file (expected a state_dict saved with torch.save)")
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"warmup_epochs={self.warmup_epochs} must be below epochs={self.epochs}")
         if self.resume is not None and not self.resume.is_dir():
             raise ValueError(f"resume={str(self.resume)!r} is not a run folder")
         return self

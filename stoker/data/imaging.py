@@ -23,7 +23,10 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-Augment = Literal["standard", "noflip", "none"]
+from stoker.data.policies import POLICIES, apply_policy
+
+Augment = Literal["standard", "noflip", "none", "trivial", "randaug"]
+FLIPPED = ("standard", "trivial", "randaug")  # the augmentations with a random horizontal flip
 
 # Pillow decodes only these; most Pillow CVEs are in formats it would otherwise auto-detect.
 PILLOW_FORMATS = ("JPEG", "PNG", "BMP", "WEBP", "TIFF", "PPM")
@@ -109,11 +112,18 @@ def choose_box(height: int, width: int, augment: Augment,
         return center_crop_box(height, width), False
     assert rng is not None, "a random crop needs a generator"
     box = random_resized_crop_box(height, width, rng)
-    return box, augment == "standard" and bool(rng.integers(0, 2))
+    return box, augment in FLIPPED and bool(rng.integers(0, 2))
 
 
 def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
-    """Decode `data`, crop and resize into `out` (H, W, 3 uint8). Raises UnusableImage for bad files."""
+    """Decode `data`, crop and resize into `out` (H, W, 3 uint8), then TrivialAugment or RandAugment where asked.
+    Raises UnusableImage for bad files."""
+    _crop_into(data, out, augment, rng)
+    if augment in POLICIES and rng is not None:  # after the crop's draws, from the same generator
+        apply_policy(out, augment, rng)
+
+
+def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
     if not data:
         raise UnusableImage("empty file")
     chunks = png_chunks(data) if data[:8] == PNG_MAGIC else None

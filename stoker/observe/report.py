@@ -237,7 +237,13 @@ def draw(runs: list[RunRecord], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, ((speed, split), (pipeline, learning)) = plt.subplots(2, 2, figsize=(12, 8))
+    confusion = runs[0].summary.get("val_confusion")  # the panel shows the first run's
+    columns = 3 if confusion else 2
+    figure, grid = plt.subplots(2, columns, figsize=(6 * columns, 8), squeeze=False)
+    (speed, split), (pipeline, learning) = grid[0][:2], grid[1][:2]
+    if confusion:
+        _draw_confusion(grid[0][2], confusion)
+        _draw_per_class(grid[1][2], runs[0].summary.get("val_per_class_accuracy") or {})
     producers, accuracy = pipeline.twinx(), learning.twinx()
     for index, run in enumerate(runs):
         colour = f"C{index}"
@@ -303,3 +309,33 @@ def _draw_learning(loss, accuracy, run: RunRecord, colour: str, label: str | Non
     loss.plot([e + 1 for e in losses], list(losses.values()), "o-", color=colour, label=label)
     val = run.events["val"]
     accuracy.plot([v["epoch"] + 1 for v in val], [v["accuracy"] for v in val], "s--", color=colour)
+
+
+def _draw_confusion(axes, confusion: dict[str, Any]) -> None:
+    """Up to 50 classes the matrix, each row as shares of its true class; beyond, the 20 most confused pairs."""
+    if confusion.get("matrix") is not None:
+        matrix = [[n / max(1, sum(row)) for n in row] for row in confusion["matrix"]]
+        image = axes.imshow(matrix, cmap="Blues", vmin=0, vmax=1)
+        classes = confusion["classes"]
+        ticks = range(len(classes))
+        small = len(classes) <= 20
+        axes.set_xticks(list(ticks), classes if small else [], rotation=90, fontsize=7)
+        axes.set_yticks(list(ticks), classes if small else [], fontsize=7)
+        axes.figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
+        axes.set(title="confusion matrix (last validation, row shares)", xlabel="predicted", ylabel="true")
+        return
+    pairs = list(reversed(confusion.get("most_confused") or []))
+    axes.barh([f"{p['true']} -> {p['predicted']}" for p in pairs], [p["count"] for p in pairs], color="C3")
+    axes.tick_params(axis="y", labelsize=7)
+    axes.set(title="20 most confused pairs (true -> predicted)", xlabel="validation samples")
+
+
+def _draw_per_class(axes, per_class: dict[str, float | None]) -> None:
+    if not per_class or len(per_class) > 50:
+        axes.axis("off")
+        return
+    names = list(per_class)
+    axes.barh(names, [per_class[n] or 0.0 for n in names], color="C0")
+    axes.invert_yaxis()
+    axes.tick_params(axis="y", labelsize=7)
+    axes.set(title="per-class accuracy (last validation)", xlabel="top-1", xlim=(0, 1))

@@ -67,6 +67,9 @@ class ValReport:
     loss: float
     accuracy: float
     count: int
+    top5: float | None = None
+    confusion: list[list[int]] | None = None  # [true class][predicted class]
+    ema: dict[str, float] | None = None  # the EMA model's loss, accuracy and top5 (with --ema)
 
 
 @dataclass(frozen=True)

@@ -84,3 +84,9 @@ def _permutation(seed: int, epoch: int, size: int) -> np.ndarray:
 def sample_rng(seed: int, kind: Kind, epoch: int, sample_id: int) -> np.random.Generator:
     """The augmentation draws of one sample in one epoch; independent of which batch or producer holds it."""
     return np.random.default_rng([seed, 0 if kind == "train" else 1, epoch, sample_id])
+
+
+def step_rng(seed: int, epoch: int, step: int, rank: int) -> np.random.Generator:
+    """The device-side draws of one rank's batch (mixup, cutmix, random erasing): the same whichever producers
+    built it, and on resume."""
+    return np.random.default_rng([seed, 2, epoch, step, rank])

@@ -45,7 +45,9 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.init import check_init
 from stoker.training.models import check_model
+from stoker.training.recipe import recipe_setup
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
 if TYPE_CHECKING:
@@ -83,6 +85,10 @@ class Controller:
         check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget)
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
+        if config.init is not None and config.resume is None:
+            check_init(config.init, config.model, len(self.data.train.classes))
+        self.recipe = recipe_setup(config, len(self.data.train.classes), self.plan.steps_per_epoch,
+                                   config.resume is not None)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
         # Held until run() ends: taken before the folder is looked at, so two starts cannot both find it free.
         self.run_lock = rundir.RunDirLock(self.run_dir, self.cluster.node)
@@ -282,7 +288,7 @@ class Controller:
                                                         self.config.collective_timeout_s)
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  len(self.data.train.classes), self.plan.steps_per_epoch * self.config.epochs,
-                                 self.resume_from)
+                                 self.resume_from, self.recipe)
         for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
@@ -371,7 +377,7 @@ class Controller:
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
-                               count=message.count)
+                               count=message.count, top5=message.top5, ema=message.ema)
             if self.show_progress:  # --quiet: no progress lines (the numbers are in metrics.jsonl and the ending)
                 log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
                          message.loss)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from stoker.observe.evaluation import val_summary
 from stoker.pipeline.engine import producer_fields
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         "replica_mismatch_steps": run.stats.mismatched_steps(),
         "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
         "model": str(run.run_dir / "model.pt") if status == "completed" else None,
+        **val_summary(last_val, list(run.data.train.classes)),
+        "model_ema": str(run.run_dir / "model_ema.pt") if status == "completed" and run.config.ema else None,
         "classes": list(run.data.train.classes),
         "start_step": run.start_at.global_step,
         "wall_s": round(time.monotonic() - run.started, 3),

@@ -10,11 +10,13 @@ from stoker.pipeline.ring import RingSpec
 from stoker.run.cluster import Cluster
 from stoker.training.averager import OuterSpec
 from stoker.training.consumer import ConsumerSetup
+from stoker.training.recipe import RecipeSetup
 from stoker.training.rendezvous import StoreAddress
 
 
 def consumer_setups(config: TrainConfig, devices: list[str], cluster: Cluster, store: StoreAddress, ring: RingSpec,
-                    num_classes: int, total_steps: int, resume_from: Path | None) -> list[ConsumerSetup]:
+                    num_classes: int, total_steps: int, resume_from: Path | None,
+                    recipe: RecipeSetup) -> list[ConsumerSetup]:
     """One per local device; local rank r is global rank `cluster.first_rank + r`."""
     threads = threads_per_consumer(devices)
     outer = None if config.outer_optimizer == "none" else OuterSpec(config.outer_optimizer, config.outer_lr,
@@ -27,5 +29,5 @@ def consumer_setups(config: TrainConfig, devices: list[str], cluster: Cluster, s
         overlap_averaging=config.overlap_averaging, average_in_backward=config.average_in_backward,
         seed=config.seed, num_threads=threads, collective_timeout_s=config.collective_timeout_s,
         check_replicas_every=config.check_replicas_every, resume_from=resume_from, precision=config.precision,
-        channels_last=config.channels_last, compile=config.compile, deterministic=config.deterministic)
+        channels_last=config.channels_last, compile=config.compile, deterministic=config.deterministic, recipe=recipe)
         for rank, device in enumerate(devices)]

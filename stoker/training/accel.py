@@ -13,6 +13,7 @@ import inspect
 import logging
 import multiprocessing
 import os
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, cast
 
@@ -52,12 +53,19 @@ class MixedPrecision:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=AUTOCAST_DTYPES[self.precision])
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                          before_step: Callable[[], None] | None = None) -> None:
+        """`before_step` sees the true gradients (unscaled under fp16): gradient clipping."""
         if self.scaler is None:
             loss.backward()
+            if before_step is not None:
+                before_step()
             optimizer.step()
             return
         self.scaler.scale(loss).backward()
+        if before_step is not None:
+            self.scaler.unscale_(optimizer)
+            before_step()
         self.scaler.step(optimizer)  # skipped when a gradient overflowed; the scale then shrinks
         self.scaler.update()
 

@@ -10,7 +10,6 @@ for input anyway.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import time
@@ -21,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from stoker.common import checkpoint, faults
 from stoker.common.devices import available_cores
@@ -42,13 +40,20 @@ from stoker.pipeline.messages import (
 from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.pipeline.streams import ops_for
 from stoker.training import accel, exchange, warmup
+from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
+from stoker.training.ema import ModelEma
+from stoker.training.evaluation import ValTotals
+from stoker.training.groups import head_parameter_names, parameter_groups
 from stoker.training.models import build_model
+from stoker.training.recipe import Recipe, RecipeSetup, RecipeSpec
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
+from stoker.training.schedule import LearningRate
 from stoker.training.timing import StepClock, StepMarks
 
 # On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
 REPORT_EVERY_ASYNC = 16
+EMA_MODEL_FILE = "model_ema.pt"  # beside model.pt, saved the same way
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,11 @@ class ConsumerSetup:
     channels_last: bool = True
     compile: bool = False
     deterministic: bool = False
+    recipe: RecipeSetup | None = None  # None: cross-entropy on the labels, nothing else
+
+    @property
+    def recipe_setup(self) -> RecipeSetup:
+        return self.recipe or RecipeSetup(RecipeSpec(self.num_classes, self.seed))
 
 
 class Stopped(Exception):
@@ -140,8 +150,12 @@ class Replica:
         self.store = _join_group(setup)
         self.host_group = exchange.host_group()
         self.model = build_model(setup.model, setup.num_classes).to(self.device)
-        # fp16's gradient scaler steps the whole model after unscaling: no group can step during backward.
-        in_backward = setup.average_in_backward and setup.precision != "fp16"
+        recipe = setup.recipe_setup
+        self.recipe = Recipe(recipe.spec)
+        self.learning_rate = LearningRate(setup.lr, setup.schedule, setup.total_steps, recipe.warmup_steps)  # type: ignore[arg-type]
+        # fp16's gradient scaler steps the whole model after unscaling, and clipping needs every gradient's
+        # norm first: no group can step during backward.
+        in_backward = setup.average_in_backward and setup.precision != "fp16" and not recipe.spec.clip_grad_norm
         self.averager = Averager(self.model, setup.sync_every, setup.world_size, setup.ring.batch_size,
                                  setup.outer, setup.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
@@ -157,6 +171,8 @@ class Replica:
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_DoneStep] = []
+        self.ema = ModelEma(build_model(setup.model, setup.num_classes).to(self.device), self.model,
+                            recipe.ema) if recipe.ema else None
         if setup.compile:  # before the first collective: a peer's compile must not time it out
             warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
                            int(ring.images.shape[2]), setup.num_classes, setup.channels_last)
@@ -164,11 +180,16 @@ class Replica:
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
+            if recipe.init is not None and setup.rank == 0:  # the broadcast below gives it to every replica
+                initial_weights.apply_init(initial_weights.plan_init(recipe.init, self.model), self.model)
             _broadcast_initial_state(self.averager)
             if self.averager.outer is not None:
                 self.averager.outer.reset_anchor()
+            if self.ema is not None:
+                self.ema = ModelEma(self.ema.model, self.model, recipe.ema)
         self.first_wait_s: float | None = None
-        self.val_totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        self.val_totals = ValTotals(setup.num_classes, self.device)
+        self.ema_val_totals = ValTotals(setup.num_classes, self.device) if self.ema is not None else None
 
     def serve(self, ready, stop) -> None:
         watch = ParentWatch()
@@ -203,15 +224,19 @@ class Replica:
             self._set_learning_rate(batch.global_step)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
+            images, targets = self.recipe.prepare(images, labels, batch.epoch, batch.step, self.setup.rank)
             with self.precision.autocast():
-                loss = F.cross_entropy(self.forward(images), labels)
+                loss = self.recipe.loss(self.forward(images), targets)
             # A simulated device's time comes before the gradients exist: averaging that starts during backward
             # must not hide behind it.
             faults.simulated_delay(faults.STEP_TIME_ENV)
-            self.precision.backward_and_step(loss, self.optimizer)
+            clip = self.recipe.spec.clip_grad_norm
+            self.precision.backward_and_step(loss, self.optimizer, self._clip if clip else None)
         self.clock.computed()
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaged = self.averager.end_step(batch.global_step) is not None
+        if averaged and self.ema is not None:  # the EMA of the averaged model: the same on every replica
+            self.ema.update(self.model, batch.global_step)
         digest = None
         every = self.setup.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
@@ -253,33 +278,31 @@ class Replica:
         self.outbox.send(SlotFree(slot))
 
     def _set_learning_rate(self, global_step: int) -> None:
-        lr = self.setup.lr
-        if self.setup.schedule == "cosine":
-            lr *= 0.5 * (1 + math.cos(math.pi * global_step / self.setup.total_steps))
+        lr = self.learning_rate.at(global_step)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
+
+    def _clip(self) -> None:
+        self.recipe.clip([p for p in self.model.parameters() if p.grad is not None])
 
     def val_batch(self, batch: Batch) -> None:
         images, labels, _ = self.loader.take(batch.slot, self._release)
         if not len(labels):
             return
         self.model.eval()
-        with torch.no_grad(), self.precision.autocast():
-            logits = self.forward(images)
-            loss_sum = F.cross_entropy(logits.float(), labels, reduction="sum")
-            correct = (logits.argmax(1) == labels).sum()
         # Summed on the device; read once, at the end of validation.
-        self.val_totals[0] += loss_sum
-        self.val_totals[1] += correct
-        self.val_totals[2] += len(labels)
+        with torch.no_grad(), self.precision.autocast():
+            self.val_totals.add(self.forward(images), labels)
+            if self.ema is not None and self.ema_val_totals is not None:
+                self.ema_val_totals.add(self.ema.model(images), labels)
 
     def val_end(self, message: ValEnd) -> None:
-        totals = self.val_totals.clone()
-        dist.all_reduce(totals)
-        loss_sum, correct, count = totals.tolist()
-        self.val_totals.zero_()
-        if self.setup.rank == 0 and count:
-            self.outbox.send(ValReport(message.epoch, loss_sum / count, correct / count, int(count)))
+        result = self.val_totals.reduce()
+        ema = self.ema_val_totals.reduce() if self.ema_val_totals is not None else None
+        if self.setup.rank == 0 and result is not None:
+            ema_figures = None if ema is None else {"loss": ema.loss, "accuracy": ema.accuracy, "top5": ema.top5}
+            self.outbox.send(ValReport(message.epoch, result.loss, result.accuracy, result.count, result.top5,
+                                       result.confusion, ema_figures))
 
     def save(self, message: Save) -> None:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
@@ -302,6 +325,8 @@ class Replica:
             state["outer"] = self.averager.outer.state_dict()
         if self.averager.delayed is not None:
             state["delayed"] = self.averager.delayed.state_dict()
+        if self.ema is not None:
+            state["ema"] = self.ema.state_dict()
         return state
 
     def _restore(self, folder: Path) -> None:
@@ -324,6 +349,8 @@ class Replica:
             self.averager.outer.load_state_dict(state["outer"])
         if self.averager.delayed is not None:
             self.averager.delayed.load_state_dict(state["delayed"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
 
     def _rank_zero_work(self, name: str) -> exchange.RankZeroWork:
         return exchange.RankZeroWork(self.store, name, exchange.allowance_s(self.setup.collective_timeout_s,
@@ -338,6 +365,8 @@ class Replica:
         digest = self.averager.digest()
         if self.setup.rank == 0:
             checkpoint.save_tensors(message.model_path, self.model.state_dict())
+            if self.ema is not None:
+                checkpoint.save_tensors(message.model_path.with_name(EMA_MODEL_FILE), self.ema.model.state_dict())
         self.outbox.send(Finished(self.setup.local_rank, digest, self.first_wait_s or 0.0,
                                   accel.memory_stats(self.device)))
 
@@ -369,10 +398,13 @@ def _next_message(ready, stop, watch: ParentWatch, when_idle):
 
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
+    recipe = setup.recipe_setup
+    head = head_parameter_names(model) if recipe.lr_head_multiplier != 1.0 else frozenset()
+    groups = parameter_groups(model, setup.weight_decay, recipe.no_decay_norm_bias, head, recipe.lr_head_multiplier)
     if setup.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=setup.lr, weight_decay=setup.weight_decay,
+        return torch.optim.AdamW(groups, lr=setup.lr, weight_decay=setup.weight_decay,
                                  **accel.fused_option(torch.optim.AdamW, device))
-    return torch.optim.SGD(model.parameters(), lr=setup.lr, momentum=setup.momentum,
+    return torch.optim.SGD(groups, lr=setup.lr, momentum=setup.momentum,
                            weight_decay=setup.weight_decay, **accel.fused_option(torch.optim.SGD, device))
 
 

@@ -80,7 +80,11 @@ def test_averaging_equals_training_on_the_concatenated_batches(textures, tmp_pat
     sys.path.insert(0, str(HELPERS))
     torch.manual_seed(seed)
     model = build_model("nobn:small_cnn", 10)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.0005)
+    # No weight decay on biases (the default --no-decay-norm-bias; nobn:small_cnn has no norm layers).
+    weights = [p for name, p in model.named_parameters() if not name.endswith("bias")]
+    biases = [p for name, p in model.named_parameters() if name.endswith("bias")]
+    optimizer = torch.optim.SGD([{"params": weights}, {"params": biases, "weight_decay": 0.0}], lr=0.05,
+                                momentum=0.9, weight_decay=0.0005)
     plan = EpochPlan(120, 40, batch, 2, seed)
     for step in range(plan.steps_per_epoch):
         images, labels = _concatenated_batch(train, plan, step, seed, size)

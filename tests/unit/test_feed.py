@@ -328,6 +328,8 @@ def _replica_on(ops: FakeOps, ring: SlotRing):
     from stoker.training.accel import MixedPrecision
     from stoker.training.averager import Averager
     from stoker.training.consumer import REPORT_EVERY_ASYNC, Replica
+    from stoker.training.recipe import Recipe, RecipeSpec
+    from stoker.training.schedule import LearningRate
 
     replica = Replica.__new__(Replica)
     replica.setup = SimpleNamespace(rank=0, local_rank=0, lr=0.01, schedule="constant", total_steps=100,
@@ -342,6 +344,8 @@ def _replica_on(ops: FakeOps, ring: SlotRing):
     replica.clock = StepClock(ops)
     replica.steady_report_every, replica.report_every = REPORT_EVERY_ASYNC, 1
     replica.unreported, replica.first_wait_s, replica.device = [], None, torch.device("cpu")
+    replica.learning_rate, replica.ema = LearningRate(0.01, "constant", 100), None
+    replica.recipe = Recipe(RecipeSpec(num_classes=30, seed=0))  # cross-entropy on the labels, nothing else
     return replica
 
 

@@ -1,0 +1,58 @@
+"""Validation totals of one model on one replica, summed on the device and all-reduced once per pass: the loss,
+top-1 and top-5 hits, and the confusion matrix (rows: true class, columns: predicted), from which per-class
+accuracy follows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+TOP_K = 5
+
+
+@dataclass(frozen=True)
+class ValResult:
+    loss: float
+    accuracy: float
+    top5: float
+    count: int
+    confusion: list[list[int]]  # [true][predicted]
+
+    @property
+    def per_class(self) -> list[float | None]:
+        """Each class's top-1 accuracy (None for a class absent from validation)."""
+        return [row[i] / sum(row) if sum(row) else None for i, row in enumerate(self.confusion)]
+
+
+class ValTotals:
+    def __init__(self, num_classes: int, device: torch.device) -> None:
+        self.num_classes = num_classes
+        self.sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, top-5 hits, count
+        self.confusion = torch.zeros(num_classes * num_classes, dtype=torch.int64, device=device)
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        logits = logits.float()
+        self.sums[0] += F.cross_entropy(logits, labels, reduction="sum")
+        k = min(TOP_K, self.num_classes)
+        self.sums[1] += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
+        self.sums[2] += len(labels)
+        self.confusion += torch.bincount(labels * self.num_classes + logits.argmax(1),
+                                         minlength=self.num_classes ** 2)
+
+    def reduce(self) -> ValResult | None:
+        """All replicas' totals (a collective: every rank calls it); None when validation held no sample."""
+        sums, confusion = self.sums.clone(), self.confusion.clone()
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+            dist.all_reduce(confusion)
+        self.sums.zero_()
+        self.confusion.zero_()
+        loss_sum, top5, count = sums.tolist()
+        if not count:
+            return None
+        matrix = confusion.view(self.num_classes, self.num_classes).tolist()
+        correct = sum(matrix[i][i] for i in range(self.num_classes))
+        return ValResult(loss_sum / count, correct / count, top5 / count, int(count), matrix)
