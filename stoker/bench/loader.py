@@ -7,7 +7,9 @@ a linear layer under DDP), 500x375 JPEGs, RandomResizedCrop 224 and flip. Three 
   dataloader_stoker  DataLoader whose workers decode with stoker's own `load_into` (uint8), normalized in the loop
 DataLoader runs with persistent workers, pinned memory where there is a GPU to pin for, and the worker count per
 rank that was fastest in a sweep measured in the same run. Each repeat runs every feed once, one feed later each
-time (interleaved); medians of the repeats are reported, with the ratios to each DataLoader.
+time (interleaved); medians of the repeats are reported, with the ratios to each DataLoader. Beside the rate, the
+CPU time every process of the run (ranks, producers or workers) spent per sample over the timed steps: on a machine
+that others load, a feed's share of the cores moves from run to run, its CPU cost per sample much less.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -70,24 +73,30 @@ def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     sweep = [int(w) for w in args.workers.split(",")]
     best = {}
     for feed in ("dataloader_pillow", "dataloader_stoker"):  # each DataLoader's best worker count, measured here
-        rates = {w: launch(folder, feed, w, args) for w in sweep}
+        rates = {w: launch(folder, feed, w, args)[0] for w in sweep}
         best[feed] = max(rates, key=lambda w: rates[w])
         print(f"{feed}: workers per rank {rates} -> {best[feed]}", file=sys.stderr)
     runs: dict[str, list[float]] = {feed: [] for feed in FEEDS}
+    cpu: dict[str, list[float]] = {feed: [] for feed in FEEDS}
     for repeat in range(args.repeats):
         order = FEEDS[repeat % len(FEEDS):] + FEEDS[:repeat % len(FEEDS)]
         for feed in order:
-            runs[feed].append(launch(folder, feed, best.get(feed, 0), args))
+            rate, cpu_ms = launch(folder, feed, best.get(feed, 0), args)
+            runs[feed].append(rate)
+            cpu[feed].append(cpu_ms)
     medians = {feed: statistics.median(rates) for feed, rates in runs.items()}
+    cpu_medians = {feed: statistics.median(values) for feed, values in cpu.items()}
     return {"command": " ".join(sys.argv), "cores": os.cpu_count(), "ranks": args.ranks,
             "batch_size": args.batch_size, "image_size": args.image_size, "steps": args.steps,
             "best_workers": best, "samples_per_s": runs, "median_samples_per_s": medians,
+            "cpu_ms_per_sample": cpu, "median_cpu_ms_per_sample": cpu_medians, "load_average": os.getloadavg(),
             "loader_vs_dataloader_pillow": medians["loader"] / medians["dataloader_pillow"],
             "loader_vs_dataloader_stoker": medians["loader"] / medians["dataloader_stoker"]}
 
 
-def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> float:
-    """One run: `ranks` processes as torchrun starts them; samples per second over all ranks (rank 0's clock)."""
+def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> tuple[float, float]:
+    """One run: `ranks` processes as torchrun starts them; (samples per second over all ranks on rank 0's clock,
+    CPU milliseconds per sample of every process of the run over the timed steps)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -104,7 +113,9 @@ def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> f
         for process in processes:
             if process.wait(timeout=600) != 0:
                 raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
-        return json.loads(Path(f"{out}/0.json").read_text())["samples_per_s"]
+        records = [json.loads(Path(f"{out}/{rank}.json").read_text()) for rank in range(args.ranks)]
+        samples = args.steps * args.batch_size * args.ranks
+        return records[0]["samples_per_s"], 1000 * sum(r["cpu_s"] for r in records) / samples
 
 
 # ---- one rank ------------------------------------------------------------------------------------------------------
@@ -142,12 +153,13 @@ def rank_main(args: argparse.Namespace) -> int:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     batches, close = _feed(args)
     try:
-        timed_from = 0.0
+        timed_from = cpu_from = 0.0
         for step, (images, labels) in enumerate(batches):
             if step == args.warmup:
                 dist.barrier()
-                timed_from = time.perf_counter()
+                timed_from, cpu_from = time.perf_counter(), tree_cpu_s()
             if step == args.warmup + args.steps:
+                cpu_s = tree_cpu_s() - cpu_from
                 break
             optimizer.zero_grad()
             F.cross_entropy(model(images), labels).backward()
@@ -156,9 +168,43 @@ def rank_main(args: argparse.Namespace) -> int:
     finally:
         close()
     rate = args.steps * args.batch_size * dist.get_world_size() / seconds
-    Path(args.json).write_text(json.dumps({"samples_per_s": rate}))
+    Path(args.json).write_text(json.dumps({"samples_per_s": rate, "cpu_s": cpu_s}))
     dist.destroy_process_group()
     return 0
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds so far of this process and its descendants: the live ones from /proc, the ones already
+    reaped (a retired producer) from the kernel's count for waited-for children."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _descendants(os.getpid()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited since
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of proc(5))
+    return total
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -173,7 +219,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from stoker.data.dataset import scan_image_folder
-    from stoker.pipeline.feed import MEAN, STD
+    from stoker.pipeline.feed import MEAN, STD, normalize
 
     index = scan_image_folder(args.data)
     if args.rank_feed == "dataloader_pillow":
@@ -188,12 +234,13 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
                                        persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
                                        drop_last=True, prefetch_factor=2 if workers else None)
     mean = torch.tensor(MEAN).view(1, 3, 1, 1) * 255
-    std = torch.tensor(STD).view(1, 3, 1, 1) * 255
+    inv_std = 1 / (torch.tensor(STD).view(1, 3, 1, 1) * 255)
 
     def normalized() -> Any:
         for images, labels in _epochs(feed, sampler):
-            if images.dtype == torch.uint8:  # stoker's decoder: uint8 HWC, normalized here as the Loader does
-                images = (images.permute(0, 3, 1, 2).float() - mean) / std
+            if images.dtype == torch.uint8:  # stoker's decoder: uint8 NHWC, normalized here by the Loader's own
+                # code into the Loader's default memory format (channels_last), so only the feeds differ
+                images = normalize(images, mean, inv_std, torch.channels_last)
             yield images, labels
     return normalized(), lambda: None
 
@@ -213,6 +260,10 @@ def print_table(result: dict[str, Any]) -> None:
         runs = ", ".join(f"{r:.0f}" for r in result["samples_per_s"][feed])
         workers = result["best_workers"].get(feed)
         note = f" (best workers per rank: {workers})" if workers is not None else ""
-        print(f"  {feed:18s} {result['median_samples_per_s'][feed]:8.1f} samples/s  [{runs}]{note}")
+        print(f"  {feed:18s} {result['median_samples_per_s'][feed]:8.1f} samples/s  [{runs}]  "
+              f"{result['median_cpu_ms_per_sample'][feed]:.2f} CPU ms/sample{note}")
     print(f"  Loader / DataLoader (Pillow recipe):   {result['loader_vs_dataloader_pillow']:.2f}x")
     print(f"  Loader / DataLoader (stoker's decoder): {result['loader_vs_dataloader_stoker']:.2f}x")
+    cpu = result["median_cpu_ms_per_sample"]
+    print(f"  CPU per sample, DataLoader / Loader: Pillow recipe {cpu['dataloader_pillow'] / cpu['loader']:.2f}x, "
+          f"stoker's decoder {cpu['dataloader_stoker'] / cpu['loader']:.2f}x")

@@ -105,13 +105,7 @@ class DeviceLoader:
         return device_images
 
     def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
-        """uint8 NHWC -> float NCHW in the chosen memory format, (x - mean) / std: one conversion pass, in place
-        after it."""
-        count, height, width, channels = pixels.shape
-        images = torch.empty((count, channels, height, width), dtype=torch.float32, device=pixels.device,
-                             memory_format=self.memory_format)
-        images.copy_(pixels.permute(0, 3, 1, 2))
-        return images.sub_(self.mean).mul_(self.inv_std)
+        return normalize(pixels, self.mean, self.inv_std, self.memory_format)
 
     def _constant(self, values: tuple[float, ...], scale: float) -> torch.Tensor:
         constant = self.ops.empty((1, 3, 1, 1), torch.float32)
@@ -130,3 +124,24 @@ class DeviceLoader:
 def _sized(flat: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The first bytes of a flat staging buffer as a batch of `shape` (count, side, side, 3)."""
     return flat[:int(np.prod(shape))].view(shape)
+
+
+def normalize(pixels: torch.Tensor, mean: torch.Tensor, inv_std: torch.Tensor,
+              memory_format: torch.memory_format) -> torch.Tensor:
+    """uint8 NHWC -> float NCHW in `memory_format`, (x - mean) * (1 / std) with `mean` and `inv_std` shaped
+    (1, 3, 1, 1): one conversion pass, in place after it.
+
+    channels_last is NHWC in memory, where a (1, 3, 1, 1) constant broadcasts over an innermost dimension of 3,
+    which TensorIterator cannot vectorize on the CPU (measured: 2.5-3x slower than the same arithmetic on NCHW).
+    The same arithmetic on rows of W*C values, against the constants tiled W times, is contiguous and vectorized;
+    the results are bitwise the same (each element gets the same two IEEE operations)."""
+    count, height, width, channels = pixels.shape
+    images = torch.empty((count, channels, height, width), dtype=torch.float32, device=pixels.device,
+                         memory_format=memory_format)
+    if memory_format != torch.channels_last:
+        images.copy_(pixels.permute(0, 3, 1, 2))
+        return images.sub_(mean).mul_(inv_std)
+    rows = images.permute(0, 2, 3, 1).view(count * height, width * channels)  # the NHWC memory of `images`
+    rows.copy_(pixels.reshape(count * height, width * channels))
+    rows.sub_(mean.reshape(channels).repeat(width)).mul_(inv_std.reshape(channels).repeat(width))
+    return images

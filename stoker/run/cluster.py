@@ -188,3 +188,20 @@ class StopAgreement:
             return False
         self._next_poll = now + self.POLL_S
         return True
+
+
+def gather_accounting(cluster: Cluster, stats: Any, final_digests: dict[int, str]) -> str | None:
+    """Bring every machine's accounting (`observe.metrics.RunStats`) and replica digests to the first one:
+    exactly-once is checked over the union. Returns an error when a machine could not report."""
+    try:
+        parts = gather_to_leader(cluster, (stats.export(), final_digests))
+        for other_stats, digests in (parts or [])[1:]:
+            stats.merge(other_stats)
+            final_digests.update(digests)
+    except RuntimeError as error:  # a machine stopped before the end: its peers' collective says so
+        log.error("could not gather the other machines' accounting: %s", error)
+        return f"a machine stopped before reporting its accounting ({error})"
+    except (ValueError, TypeError, KeyError) as error:  # a machine sent accounting of another shape
+        log.error("another machine's accounting could not be merged: %s", error)
+        return f"a machine sent accounting that could not be merged ({type(error).__name__}: {error})"
+    return None

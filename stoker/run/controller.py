@@ -1,6 +1,6 @@
 """The controller: validates, indexes the data, owns the slot ring and the queues, runs the processes, decides
-when to fork or retire producers, commits checkpoints and writes the run summary. It never touches pixels or
-gradients.
+when to fork or retire producers, has checkpoints committed (`checkpoints.py`) and writes the run summary. It never
+touches pixels or gradients.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
-from stoker.observe.summary import ACCOUNTING_FILE, Ledger, exactly_once_breach, read_accounting
+from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
 from stoker.pipeline.autoscale import StepStamp, Window, static_budget
 from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
@@ -40,6 +40,7 @@ from stoker.pipeline.pool import check_hang_timeout
 from stoker.pipeline.scheduler import Scheduler
 from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
 from stoker.run import cluster, resume, rundir
+from stoker.run.checkpoints import Checkpoints
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import run_summary
@@ -47,7 +48,6 @@ from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
-from stoker.training.model_file import BEST_MODEL_FILE, model_card
 from stoker.training.models import build_model, check_model
 from stoker.training.recipe import recipe_setup
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
@@ -58,7 +58,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SCALE_WINDOW_S = 1.0
-KEEP_CHECKPOINTS = 3
 
 
 class Controller:
@@ -163,10 +162,9 @@ class Controller:
         self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
         if self.resume_from is not None:  # the folder other machines receive is never opened there
             self.ledger.resume(self.resume_accounting, self.run_dir, self.stats)
-        self.pending_saves: dict[int, dict[int, dict[str, str]]] = {}
-        self.last_checkpoint: Path | None = None
-        self.commits = checkpoint.BackgroundCommits()
-        self.commit_failure: str | None = None  # a commit that failed while closing
+        self.checkpoints = Checkpoints(self.run_dir, self.config, self.cluster, self.num_consumers,
+                                       self.plan.steps_per_epoch, list(self.data.train.classes),
+                                       self._sample_counts(), self.ledger)
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
@@ -215,10 +213,10 @@ class Controller:
         finally:
             self.lifecycle.closing()
             self.close()
-        if self.commit_failure and status != "failed":
-            status, error = "failed", self.commit_failure
+        if self.checkpoints.failure and status != "failed":
+            status, error = "failed", self.checkpoints.failure
         if self.cluster.multi and status != "failed" and not forced:
-            error = self._gather_machines()
+            error = cluster.gather_accounting(self.cluster, self.stats, self.final_digests)
             status = "failed" if error else status
         summary = self.summary(status, error)
         if breach := exactly_once_breach(summary):
@@ -232,22 +230,6 @@ class Controller:
                 with self.lifecycle.reporting():
                     self._write_report()
         return summary
-
-    def _gather_machines(self) -> str | None:
-        """Bring every machine's accounting to the first one: exactly-once is checked over the union. Returns
-        an error when a machine could not report."""
-        try:
-            parts = cluster.gather_to_leader(self.cluster, (self.stats.export(), self.final_digests))
-            for stats, digests in (parts or [])[1:]:
-                self.stats.merge(stats)
-                self.final_digests.update(digests)
-        except RuntimeError as error:  # a machine stopped before the end: its peers' collective says so
-            log.error("could not gather the other machines' accounting: %s", error)
-            return f"a machine stopped before reporting its accounting ({error})"
-        except (ValueError, TypeError, KeyError) as error:  # a machine sent accounting of another shape
-            log.error("another machine's accounting could not be merged: %s", error)
-            return f"a machine sent accounting that could not be merged ({type(error).__name__}: {error})"
-        return None
 
     def _write_report(self) -> None:
         from stoker.observe.report import write_report
@@ -296,11 +278,8 @@ class Controller:
             self.agreement = cluster.StopAgreement.join(self.cluster, self.store, store,
                                                         self.config.collective_timeout_s)
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
-                                 len(self.data.train.classes), self.plan.steps_per_epoch * self.config.epochs,
-                                 self.resume_from, self.recipe,
-                                 # The validation side: what stoker.load's preprocess, eval and predict use.
-                                 model_card(self.config.model, self.data.train.classes, self.val_image_size),
-                                 self.run_dir / BEST_MODEL_FILE)
+                                 self.data.train.classes, self.plan.steps_per_epoch * self.config.epochs,
+                                 self.resume_from, self.recipe, self.run_dir)
         for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
@@ -317,7 +296,7 @@ class Controller:
             self._deliver(window)
             self._handle_messages(window)
             self._check_processes()
-            self._record_commits()
+            self.checkpoints.record_commits(self.metrics)
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
                 self._close_window(window, time.monotonic() - window_started)
                 window_started, window = time.monotonic(), WindowTotals()
@@ -364,7 +343,7 @@ class Controller:
             folder = checkpoint.checkpoint_dir(self.run_dir, position.global_step, temporary=True)
             for ready in self.ready_queues:
                 ready.put(Save(folder, position.global_step))
-            self.pending_saves[position.global_step] = {}
+            self.checkpoints.expect(position.global_step)
         for ready in self.ready_queues:
             ready.put(Finish(self.run_dir / "model.pt"))
 
@@ -394,7 +373,7 @@ class Controller:
                 log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
                          message.loss)
         elif isinstance(message, Saved):
-            self._saved(message)
+            self.checkpoints.saved(message, self.stats)
         elif isinstance(message, Finished):
             self.finished[message.rank] = message
             self.final_digests[self.cluster.first_rank + message.rank] = message.digest
@@ -412,41 +391,6 @@ class Controller:
             self.metrics.write("replica_check", global_step=report.global_step, identical=identical)
             if not identical:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
-
-    def _saved(self, message: Saved) -> None:
-        parts = self.pending_saves.setdefault(message.global_step, {})
-        parts[message.rank] = message.files
-        if len(parts) < self.num_consumers:
-            return
-        del self.pending_saves[message.global_step]
-        self.ledger.checkpointed(message.global_step)
-        if not self.cluster.leader:
-            return  # the first machine's rank 0 wrote every replica's state
-        files = {name: digest for rank_files in parts.values() for name, digest in rank_files.items()}
-        steps = self.plan.steps_per_epoch
-        position = Position(message.global_step // steps, message.global_step % steps, message.global_step)
-        meta = {"position": position.__dict__, "files": files, "num_consumers": self.cluster.world,
-                "config": self.config.as_json(), "classes": list(self.data.train.classes),
-                "samples": self._sample_counts()}
-        final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
-        temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
-        extra = {}
-        if not self.cluster.multi:  # several machines: the others' accounting reaches this one only at the end
-            extra[ACCOUNTING_FILE] = self.ledger.snapshot(self.stats, message.global_step)
-        self.commits.submit(temporary, final, meta, extra, KEEP_CHECKPOINTS)
-
-    def _finish_commits(self) -> None:
-        try:
-            self._record_commits(wait=True)
-        except OSError as error:
-            log.error("could not commit the last checkpoint: %s", error)
-            self.commit_failure = str(error)
-        self.commits.close()
-
-    def _record_commits(self, wait: bool = False) -> None:
-        for final in self.commits.committed(wait):
-            self.last_checkpoint = final
-            self.metrics.write("checkpoint", path=final, step=checkpoint.step_of(final))
 
     def _check_processes(self) -> None:
         for rank, process in enumerate(self.consumers):
@@ -543,7 +487,7 @@ class Controller:
         self.mailbox.close()
         if self._engine is not None:
             self._engine.close()
-        self._finish_commits()
+        self.checkpoints.close(self.metrics)
         checkpoint.discard_incomplete(self.run_dir)
         if self.local_store is not None:
             self.local_store.close()

@@ -50,6 +50,7 @@ AUGMENTS = ("standard", "noflip", "none")
 DEFAULT_IMAGE_SIZE = 224
 BUILTIN_IMAGE_SIZE = 32
 MIN_SLOTS = 4  # the trainer's slots_per_consumer
+OPEN_ENDED = 1 << 40  # the scheduler's last epoch: the ring, not the epoch, bounds what is built ahead
 STATE_VERSION = 1
 
 
@@ -114,6 +115,41 @@ class _Events:
             self.log.close()
 
 
+class _LookaheadBooks:
+    """The exactly-once books as the engine sees them (`engine.Accounting`). The scheduler runs on past the epoch
+    being iterated, so producers build the next epoch's first batches while this one ends; what is scheduled for a
+    later epoch is held here and enters the books only when the loop starts that epoch (a loop that stops after
+    its last epoch, or jumps with set_epoch, has not missed the batches built ahead for it)."""
+
+    def __init__(self, stats: RunStats) -> None:
+        self.stats = stats
+        self.skipped = stats.skipped
+        self.epoch = 0  # the epoch being iterated
+        self._held: dict[int, list[tuple[str, Any]]] = {}
+
+    def expect(self, epoch: int, sample_ids: np.ndarray) -> None:
+        self._book(epoch, "expect", sample_ids)
+
+    def record_skipped(self, epoch: int | None, skipped: dict[int, Skipped]) -> None:
+        self._book(epoch, "record_skipped", skipped)
+
+    def _book(self, epoch: int | None, entry: str, value: Any) -> None:
+        if epoch is not None and epoch > self.epoch:
+            self._held.setdefault(epoch, []).append((entry, value))
+        else:
+            getattr(self.stats, entry)(epoch, value)
+
+    def enter(self, epoch: int, built_ahead: bool) -> None:
+        """The loop starts `epoch`: what was scheduled for it ahead counts now (`built_ahead`), or is dropped with
+        the batches built ahead (the engine follows a new scheduler)."""
+        self.epoch = epoch
+        held = self._held.pop(epoch, []) if built_ahead else []
+        if not built_ahead:
+            self._held = {}
+        for entry, value in held:
+            getattr(self.stats, entry)(epoch, value)
+
+
 @dataclass
 class _Window:
     """What the loop did since the last autoscaling decision."""
@@ -164,6 +200,7 @@ class Loader:
         for item in self.refused:
             self.stats.skipped.setdefault(item.path, item.reason)
         self._iterating = False
+        self._built_ahead: Position | None = None  # where the engine's scheduler goes on, once an epoch ends whole
         self.closed = False
 
     # ---- what DataLoader users call ------------------------------------------------------------------------------
@@ -197,6 +234,7 @@ class Loader:
         self._check_state(state)
         self.epoch = int(state["epoch"])
         self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
+        self._built_ahead = None
         for item in state.get("skipped", []):
             self.stats.skipped.setdefault(item["path"], item["reason"])
 
@@ -259,9 +297,10 @@ class Loader:
         self.events = _Events(self.metrics_file)
         self.stats.steps_per_epoch, self.stats.first_rank = self.plan.steps_per_epoch, rank
         augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
+        self._books = _LookaheadBooks(self.stats)
         self._engine = Engine(self.source, None, augment, self.seed, self.num_slots, self.batch_size,
                               self.image_size, counts, self.producer_timeout_s, self.max_bad_fraction, self.mailbox,
-                              self.stop, self.stats, self.events)
+                              self.stop, self._books, self.events)
         # With the loader, at garbage collection, or at the interpreter's exit; never after a fork's copy of it.
         self._finalizer = weakref.finalize(self, _shut_down, self._engine, self.stop, self.mailbox, self.events,
                                            os.getpid())
@@ -292,16 +331,21 @@ class Loader:
     # ---- an epoch -----------------------------------------------------------------------------------------------
 
     def _begin_epoch(self, epoch: int, first_step: int) -> None:
-        """A scheduler for this epoch from `first_step`; what an abandoned iteration still had built is dropped."""
+        """Go on with the batches built ahead when the loop asks for where the last epoch left off (the next
+        epoch, as DataLoader users loop); otherwise a scheduler from `first_step` of `epoch`, and what an abandoned
+        iteration or the look-ahead had built is dropped."""
         engine = self._require_engine()
         self._iterating = False
-        self._drain()
         steps = self.plan.steps_per_epoch
         start = Position(epoch, first_step, epoch * steps + first_step)
-        assert self.info is not None
-        scheduler = Scheduler(self.plan, epoch + 1, start, self.num_slots, False, 0, Path("."), self.info.rank, 1)
-        engine.follow(scheduler)
-        self._ready: deque[Batch] = deque()
+        built_ahead, self._built_ahead = self._built_ahead == start, None
+        if not built_ahead:
+            self._drain()
+            assert self.info is not None
+            engine.follow(Scheduler(self.plan, OPEN_ENDED, start, self.num_slots, False, 0, Path("."),
+                                    self.info.rank, 1))
+            self._ready: deque[Batch] = deque()
+        self._books.enter(epoch, built_ahead)
         self._position = start
         self._window = _Window(time.monotonic())
         self._last_return: float | None = None
@@ -328,6 +372,7 @@ class Loader:
                     # unless set_epoch says otherwise.
                     self._position = Position(epoch + 1, 0, 0)
                     self.epoch = epoch + 1
+                    self._built_ahead = Position(epoch + 1, 0, (epoch + 1) * steps)
                 self._last_return = time.perf_counter()
                 yield images, labels
         finally:

@@ -45,7 +45,7 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         "replicas_identical": bool(digests) and len(digests) == run.cluster.world
                               and run.stats.replicas_identical(digests),
         "replica_mismatch_steps": run.stats.mismatched_steps(),
-        "checkpoint": str(run.last_checkpoint) if run.last_checkpoint else None,
+        "checkpoint": str(run.checkpoints.last) if run.checkpoints.last else None,
         "model": str(run.run_dir / "model.pt") if status == "completed" else None,
         **best_model_fields(run.run_dir / BEST_MODEL_FILE),
         **val_summary(last_val, list(run.data.train.classes)),

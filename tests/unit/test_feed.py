@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.pipeline.feed import DeviceLoader
+from stoker.pipeline.feed import DeviceLoader, normalize
 from stoker.pipeline.ring import SlotRing
 from stoker.pipeline.streams import CpuOps
 from stoker.training.timing import StepClock
@@ -178,6 +178,16 @@ def test_batches_arrive_normalized_and_complete(ring):
     slots = [0, 1, 2, 0, 1, 2, 0]
     for slot, images in zip(slots, take_all(loader, ops, slots)):
         torch.testing.assert_close(images, expected_images(ring, slot))
+
+
+@pytest.mark.parametrize("memory_format", [torch.channels_last, torch.contiguous_format])
+def test_normalize_gives_torchvisions_values_in_the_memory_format_asked_for(memory_format):
+    """The fast channels_last path (rows of W*C values) against ToTensor + Normalize's definition."""
+    pixels = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, 7, 5, 3), dtype=np.uint8))
+    images = normalize(pixels, IMAGENET_MEAN * 255, 1 / (IMAGENET_STD * 255), memory_format)
+    expected = (pixels.permute(0, 3, 1, 2).float() / 255 - IMAGENET_MEAN) / IMAGENET_STD
+    torch.testing.assert_close(images, expected)
+    assert images.is_contiguous(memory_format=memory_format)
 
 
 def test_a_staging_buffer_is_rewritten_only_after_its_copy_completed(ring):
