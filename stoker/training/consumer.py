@@ -182,8 +182,8 @@ class Replica:
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
-            if recipe.init is not None and setup.rank == 0:  # the broadcast below gives it to every replica
-                initial_weights.apply_init(initial_weights.plan_init(recipe.init, self.model), self.model)
+            if recipe.init is not None:
+                self._load_init(recipe.init)
             _broadcast_initial_state(self.averager)
             if self.averager.outer is not None:
                 self.averager.outer.reset_anchor()
@@ -367,6 +367,17 @@ class Replica:
             self.averager.delayed.load_state_dict(state["delayed"])
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
+
+    def _load_init(self, path: Path) -> None:
+        """Rank 0 reads the --init file (the broadcast after it gives the weights to every replica); the others wait
+        on the store meanwhile, paced like a checkpoint file, not in the broadcast under the collective timeout: a
+        large file on a slow disk must not fail the run."""
+        work = self._rank_zero_work("--init")
+        if self.setup.rank != 0:
+            work.wait("loaded")
+            return
+        initial_weights.apply_init(initial_weights.plan_init(path, self.model), self.model)
+        work.post("loaded")
 
     def _rank_zero_work(self, name: str) -> exchange.RankZeroWork:
         return exchange.RankZeroWork(self.store, name, exchange.allowance_s(self.setup.collective_timeout_s,

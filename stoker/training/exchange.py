@@ -71,9 +71,10 @@ class RankZeroWork:
 
 
 def allowance_s(collective_timeout_s: float, model: torch.nn.Module) -> float:
-    """How long rank 0 may take for one file: a rank's file holds at most the model and two optimizer moments."""
+    """How long rank 0 may take for one file: a rank's file holds at most the model, its EMA and two optimizer
+    moments."""
     model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    return collective_timeout_s + 3 * model_bytes / SLOW_DISK_BYTES_PER_S
+    return collective_timeout_s + 4 * model_bytes / SLOW_DISK_BYTES_PER_S
 
 
 def host_group() -> dist.ProcessGroup | None:
