@@ -177,7 +177,7 @@ class Replica:
                             recipe.ema) if recipe.ema else None
         if setup.compile:  # before the first collective: a peer's compile must not time it out
             warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
-                           int(ring.images.shape[2]), setup.num_classes, setup.channels_last)
+                           setup.ring.image_size, setup.num_classes, setup.channels_last, setup.ring.val_size)
             warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
         if setup.resume_from is not None:
             self._restore(setup.resume_from)

@@ -26,9 +26,11 @@ POLL_S = 0.05
 
 
 def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], precision: MixedPrecision,
-            device: torch.device, batch_size: int, image_size: int, num_classes: int, channels_last: bool) -> None:
-    """Run the compiled `forward` (and its backward) in train and eval mode, batch dimension dynamic; the model's
-    parameters, buffers, gradients and the random state come out as they went in."""
+            device: torch.device, batch_size: int, image_size: int, num_classes: int, channels_last: bool,
+            val_image_size: int | None = None) -> None:
+    """Run the compiled `forward` (and its backward) in train and eval mode, batch dimension dynamic, and in eval
+    mode at `val_image_size` too (--val-image-size: validation's own shape); the model's parameters, buffers,
+    gradients and the random state come out as they went in."""
     saved = [tensor.detach().clone() for tensor in (*model.parameters(), *model.buffers())]
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -48,6 +50,11 @@ def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], p
             model.eval()
             with torch.no_grad(), precision.autocast():
                 forward(images)
+                if val_image_size not in (None, image_size):
+                    val_images = torch.zeros((size, 3, val_image_size, val_image_size), device=device).contiguous(
+                        memory_format=memory_format)
+                    torch._dynamo.maybe_mark_dynamic(val_images, 0)
+                    forward(val_images)
     finally:
         model.zero_grad(set_to_none=True)
         with torch.no_grad():

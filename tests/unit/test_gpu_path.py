@@ -110,8 +110,9 @@ def _count_compiles() -> tuple[list[int], object]:
 
 
 def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_it_was():
-    """After the warm-up, the full batch, a short last batch and validation (eval mode, either size) compile
-    nothing more: no rank compiles after the group's first collective."""
+    """After the warm-up, the full batch, a short last batch and validation (eval mode, either size, at the
+    training side and at --val-image-size's) compile nothing more: no rank compiles after the group's first
+    collective."""
     import torch._dynamo
 
     from stoker.training import accel, warmup
@@ -125,7 +126,7 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
     forward = accel.compiled(model, threads=1, backend=backend)
     precision = accel.MixedPrecision("fp32", torch.device("cpu"))
     rng = torch.get_rng_state()
-    warmup.warm_up(model, forward, precision, torch.device("cpu"), 8, 32, 10, channels_last=True)
+    warmup.warm_up(model, forward, precision, torch.device("cpu"), 8, 32, 10, channels_last=True, val_image_size=40)
     assert compiles[0] > 0
     assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *model.buffers())))
     assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
@@ -137,6 +138,7 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
         model.eval()
         with torch.no_grad():
             forward(images)
+            forward(torch.randn(size, 3, 40, 40).contiguous(memory_format=torch.channels_last))
     assert compiles[0] == after_warm_up
     torch._dynamo.reset()
 
