@@ -41,8 +41,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str, str]] = {
     "producers": ("auto (fork more when consumers wait) or a fixed count", "M", DEVICES),
     "min_producers": ("lower bound for --producers auto", "A", DEVICES),
     "initial_producers": ("where --producers auto starts (default: --min-producers)", "M", DEVICES),
-    "max_producers": ("upper bound for --producers auto (default: 3 per core, reached only while forks pay)", "B",
-                      DEVICES),
+    "max_producers": ("upper bound for --producers auto (default: 8 per core, at most 128, reached only while "
+                      "forks pay)", "B", DEVICES),
     "batch_size": ("samples per consumer per step", "B", RECIPE),
     "epochs": ("passes over the training set", "E", RECIPE),
     "optimizer": ("sgd (with --momentum, --weight-decay) | adamw (--weight-decay)", "NAME", RECIPE),

@@ -11,9 +11,11 @@ and it is retired; a consumer that does not wait never gets another producer. Qu
 producers idle retire one too.
 
 When the need is plain (consumers waiting much of a window while every producer is busy) the policy forks at once,
-from the first window of training, and by as many as the cores hold: a producer that spends its busy time waiting
-for reads uses little of a core. A jump that did not pay is retired whole. A count is judged on the steps that ended
-after its producers were all working, by each step's own end time, not by when its report arrived.
+from the first window of training, and by as many as the cores the consumers leave free hold: a producer that
+spends its busy time waiting for reads uses little of a core. Every fork is a trial, a start-up one too: it is
+judged against the rate before it (for a start-up fork, the rate of the window that showed the need) and a jump
+that did not pay is retired whole. A count is judged on the steps that ended after its producers were all working,
+by each step's own end time, not by when its report arrived.
 
 The policy holds no clock and touches no process: windows in, decisions out, so recorded measurements replay.
 """
@@ -44,7 +46,9 @@ KEEP_S = 10.0  # the rate at a count is measured over the steps that ended in it
 RETRY_WINDOWS = 10  # how long an unpaid count stays the limit; doubles after every fork that fails again
 GPU_FEED_CORES = 0.5  # a GPU consumer's feeding thread and NCCL's progress thread: part of a core, never zero
 OVERSUBSCRIBE = 8  # auto's default ceiling, in producers per core: reached only fork by measured fork (producers
-# that wait on storage use little of a core: 16 on 2 cores paid 3.5x over 4 with reads waiting 25 ms)
+# that wait on storage use little of a core: 16 on 2 cores paid 3.5x over 4 with reads waiting 25 ms) ...
+CEILING_MAX = 128  # ... and never more than this many: every producer is a process (about 30 MB of its own memory),
+# a status row in the ring and more parts per batch; 8 per core would be 512 on a 64-core host
 
 
 def static_budget(devices: list[str], cores: int) -> int:
@@ -57,7 +61,7 @@ def static_budget(devices: list[str], cores: int) -> int:
 
 def default_ceiling(budget: int, cores: int) -> int:
     """The most producers auto may run unless --max-producers says otherwise."""
-    return max(budget, OVERSUBSCRIBE * cores)
+    return max(budget, min(OVERSUBSCRIBE * cores, CEILING_MAX))
 
 
 @dataclass(frozen=True)
@@ -102,7 +106,7 @@ class Decision:
 class _Trial:
     producers: int  # the count before the fork
     added: int
-    rate_before: float | None  # None: forked at start-up on a plain need, with no rate of its own to compare
+    rate_before: float  # at start-up: the rate of the window that showed the plain need
     stall_before: float
 
 
@@ -126,12 +130,10 @@ def plain_need(window: Window) -> bool:
 
 
 class Autoscaler:
-    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0,
-                 cores: int | None = None) -> None:
+    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0) -> None:
         self.minimum = minimum
-        self.budget = budget  # what fits the free cores: shown, not a limit
+        self.budget = budget  # the cores the consumers leave free: not a limit on the count, but on a jump's CPU work
         self.ceiling = max(budget, ceiling or budget)
-        self.cores = cores or budget  # what a jump may fill with producers' own CPU work
         self.limit = self.ceiling  # lowered to a count whose fork did not pay, until `_hold` runs out
         self._hold = 0
         self._retry_windows = RETRY_WINDOWS
@@ -164,17 +166,21 @@ class Autoscaler:
             self._restart_count(window.working_since + SETTLE_S)
         if self._startup > 0:
             self._startup -= 1
-            if plain_need(window) and window.producers < self.limit:
-                # Even with the ring's batches drained, consumers waited most of the window: fork now.
-                return self._fork(window, None, window.stall, f"consumers wait from the start: {summary}",
+            rate = self._window_rate(window)
+            if plain_need(window) and window.producers < self.limit and self._trial is None and rate > 0:
+                # Even with the ring's batches drained, consumers waited most of the window: fork now. That wait
+                # says the ring is empty, so start-up ends here and the windows after measure the fork like any
+                # other: a second jump waits for this one's verdict, which then names the jump that did not pay.
+                # (A window without steps has no rate to judge the fork against: the next one forks.)
+                self._startup = 0
+                measurement["rate_at_count"] = round(rate, 2)
+                return self._fork(window, rate, window.stall, f"consumers wait from the start: {summary}",
                                   measurement)
             return Decision(0, "start-up: the batches the ring held before training began are being drained; "
                                f"{summary}", measurement=measurement)
         self._add_steps(window, previous)
         rate = _rate(self._steps)
         measurement["rate_at_count"] = round(rate, 2)
-        if self._trial is not None and self._trial.rate_before is None:
-            self._trial = None  # a start-up fork on a plain need: nothing to compare with, the count is measured
         if self._trial is not None:
             if not self._measured(self._trial.added > 1):
                 return Decision(0, f"measuring the fork to {window.producers}; {summary}", measurement=measurement)
@@ -201,6 +207,13 @@ class Autoscaler:
         self._steps = [s for s in [*self._steps, *counted] if s.ended_s >= self._clock - KEEP_S - 1.0]
         self._step_count += steps
 
+    def _window_rate(self, window: Window) -> float:
+        """The rate of the window's steps that ran at the current count (none stamped: its totals). Steps fed
+        by the ring's start-up batches can only raise it, so a start-up fork judged against it is kept only if it
+        paid."""
+        counted = [s for s in window.stamps if s.ended_s >= self._count_from]
+        return _rate(counted) if counted else window.rate
+
     def _measured(self, jump: bool) -> bool:
         windows, steps = (1, JUMP_MEASURE_STEPS) if jump else (MEASURE_WINDOWS, MEASURE_STEPS)
         return len(self._stalls) >= windows and self._step_count >= steps
@@ -209,7 +222,7 @@ class Autoscaler:
         """A fork has been measured: keep it if the rate rose enough, else retire what it added and hold the
         count."""
         trial, self._trial = self._trial, None
-        assert trial is not None and trial.rate_before is not None, "judged only while a measured fork is on trial"
+        assert trial is not None, "judged only while a fork is on trial"
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else math.inf
         needed = required_gain(trial.producers, trial.stall_before, trial.added)
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))
@@ -233,17 +246,17 @@ class Autoscaler:
 
     def jump_target(self, window: Window) -> int:
         """On a plain need: the count whose input would end the wait if input grew with the count, at most
-        JUMP_MAX times this one, and no more than the cores can run (a producer that waits for reads uses
-        little of one); else one more."""
+        JUMP_MAX times this one, and no more than the cores the consumers leave free can run (a producer that waits
+        for reads uses little of one; a busy consumer's core is not the producers' to fill); else one more."""
         p = window.producers
         if not plain_need(window):
             return p + 1
         ends_wait = math.ceil(p / max(0.05, 1 - window.stall))
         cores_each = window.utilization * (1 - window.read_share)
-        fits = math.floor(self.cores / cores_each) if cores_each > 0 else ends_wait
+        fits = math.floor(self.budget / cores_each) if cores_each > 0 else ends_wait
         return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, fits))
 
-    def _fork(self, window: Window, rate: float | None, stall: float, why: str,
+    def _fork(self, window: Window, rate: float, stall: float, why: str,
               measurement: dict[str, Any]) -> Decision:
         target = self.jump_target(window)
         past = " (past the free cores: consumers wait, so they leave theirs idle)" if target > self.budget else ""

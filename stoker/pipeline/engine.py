@@ -71,7 +71,7 @@ class ProducerCounts:
     def autoscaler(self) -> Autoscaler | None:
         if not self.auto:
             return None
-        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores or None)
+        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS)
 
 
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,

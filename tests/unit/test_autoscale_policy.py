@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from stoker.pipeline.autoscale import RETRY_WINDOWS, Autoscaler, StepStamp, Window, required_gain, static_budget
+from stoker.pipeline.engine import ProducerCounts
 
 
 def window(producers: int, stall: float, samples_per_s: float, queue_fill: float = 0.1,
@@ -162,37 +163,37 @@ def test_a_plain_need_at_start_up_forks_at_once_and_jumps_as_far_as_the_cores_al
     # Consumers wait most of the first window with every producer busy. Producers that wait on reads 95% of their
     # busy time (STOKER_READ_LATENCY_MS=25 on 500x375 JPEGs) leave the cores free: jump x4; producers decoding
     # 2000x1500 JPEGs (reads 1%) fill a core each: on 2 cores, one more.
-    reading = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2, cores=2)
+    reading = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
     fork = reading.decide(stamped(1, 1.0, [(0.2, 0.01), (0.9, 0.7)], stall=0.7, read_share=0.95))
     assert fork.change == 3 and fork.measurement["target"] == 4
-    decoding = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2, cores=2)
+    decoding = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
     fork = decoding.decide(stamped(1, 1.0, [(0.2, 0.01), (0.9, 0.7)], stall=0.7, read_share=0.01))
     assert fork.change == 1
     # Not plain (consumers wait a little): no fork before a measurement.
-    calm = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2, cores=2)
+    calm = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
     assert calm.decide(stamped(1, 1.0, [(0.5, 0.1), (0.9, 0.1)], stall=0.2, read_share=0.95)).change == 0
 
 
 def test_a_jump_that_did_not_pay_is_retired_whole_in_one_decision():
-    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, cores=2)
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16)
     # Plain: one window of two steps measures 4 producers (a jump must bring a lot: the noise of a few steps is
-    # small beside it); 4 -> 16, x4, less than what ends an 80% wait if input grew with the count (20).
+    # small beside it); 4 -> 10: busy 97% of the time, 10% of it on their own CPU work, the free core holds 10.
     fork = scaler.decide(stamped(4, 2.0, [(1.5, 0.25), (2.0, 0.25)], stall=0.8, read_share=0.9))
-    assert fork.change == 12
-    scaler.forked(12, now=2.2)
-    same = [stamped(16, t, [(t - 0.5, 0.25), (t, 0.25)], stall=0.8, read_share=0.9) for t in (3.0, 4.0)]
+    assert fork.change == 6
+    scaler.forked(6, now=2.2)
+    same = [stamped(10, t, [(t - 0.5, 0.25), (t, 0.25)], stall=0.8, read_share=0.9) for t in (3.0, 4.0)]
     decisions = [scaler.decide(w) for w in same]
-    assert decisions[-1].change == -12 and decisions[-1].retire_newest, decisions
+    assert decisions[-1].change == -6 and decisions[-1].retire_newest, decisions
     assert scaler.limit == 4
 
 
 def test_the_count_is_measured_from_when_its_new_producers_work():
     # Forked producers import for seconds on a loaded machine; the steps until the last of them works ran at the
     # old count's rate, and must not make the fork look unpaid.
-    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, cores=2)
-    assert scaler.decide(stamped(4, 2.0, [(1.5, 0.25), (2.0, 0.25)], stall=0.8, read_share=0.9)).change == 12
-    scaler.forked(12, now=2.1)
-    slow_start = Window(stall=0.8, queue_fill=0.05, utilization=0.3, producers=16, samples=64, steps=2, train_s=0.5,
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16)
+    assert scaler.decide(stamped(4, 2.0, [(1.5, 0.25), (2.0, 0.25)], stall=0.8, read_share=0.9)).change == 6
+    scaler.forked(6, now=2.1)
+    slow_start = Window(stall=0.8, queue_fill=0.05, utilization=0.3, producers=10, samples=64, steps=2, train_s=0.5,
                         ended_s=3.0, stamps=(StepStamp(2.8, 32, 0.25), StepStamp(3.0, 32, 0.25)), starting=9)
     assert scaler.decide(slow_start).change == 0 and "starting" in scaler.decide(slow_start).reason
     working = replace(slow_start, ended_s=6.0, starting=0, working_since=5.0, utilization=0.95,
@@ -201,3 +202,66 @@ def test_the_count_is_measured_from_when_its_new_producers_work():
     fast = [StepStamp(6.0 + 0.06 * i, 32, 0.06) for i in range(1, 9)]
     kept = scaler.decide(replace(working, ended_s=7.0, stall=0.1, stamps=tuple(fast)))
     assert kept.change >= 0 and kept.measurement["gain"] > 1, kept
+
+
+def read_bound(producers: int, samples_per_s: float) -> Window:
+    """A window of consumers waiting on producers that spend 95% of their busy time reading (the review's)."""
+    return replace(window(producers, 0.7, samples_per_s), read_share=0.95)
+
+
+def test_a_start_up_jump_that_slowed_training_is_retired_whole():
+    # The review's replay: storage whose bandwidth is saturated; forking from 1 halves the rate (100 -> 50).
+    # Before the fix the start-up fork was never judged and a second start-up jump followed: +3, +10, +2, -2,
+    # and 14 producers held "at the most that paid" at half the speed of one.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
+    fork = scaler.decide(read_bound(1, 100.0))
+    assert fork.change == 3  # 1 -> ceil(1 / (1 - 0.7)) = 4
+    second, verdict = scaler.decide(read_bound(4, 50.0)), scaler.decide(read_bound(4, 50.0))
+    assert second.change == 0, second.reason  # the second start-up window waits for the first jump's verdict
+    assert verdict.change == -3 and verdict.retire_newest and "did not pay" in verdict.reason, verdict.reason
+    assert verdict.measurement["rate_before"] == 100.0 and verdict.measurement["gain"] == -0.5
+    assert scaler.limit == 1
+    held = feed(scaler, [read_bound(1, 100.0)] * (RETRY_WINDOWS - 1))
+    assert set(held) == {0}  # one is the most that paid while the hold lasts
+
+
+def test_a_start_up_jump_that_paid_is_kept_and_the_next_is_judged_against_its_rate():
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
+    assert scaler.decide(read_bound(1, 100.0)).change == 3
+    settle, paid = scaler.decide(read_bound(4, 250.0)), scaler.decide(read_bound(4, 300.0))
+    assert settle.change == 0
+    # 100 -> 300 paid (needed: a quarter of what 3 more add if proportional, capped by half of ending a 70%
+    # wait); consumers still wait plainly: jump again, to ceil(4 / 0.3) = 14.
+    assert paid.measurement["gain"] == 2.0 and paid.change == 10, paid.reason
+    assert feed(scaler, [read_bound(14, 320.0)]) == [0]
+    unpaid = scaler.decide(read_bound(14, 310.0))  # +3%: it needed a quarter of 10 / 4 (62.5%)
+    assert unpaid.change == -10 and unpaid.measurement["rate_before"] == 300.0, unpaid.reason
+    assert scaler.limit == 4
+
+
+def test_a_jump_fills_only_the_cores_the_consumers_leave_free():
+    # 2 cores, one CPU consumer: one core is free. Producers busy all the time, a quarter of it their own CPU
+    # work (reads the rest), so the free core holds 4 of them: from 2, the jump stops at 4, not at the 8 that
+    # both cores (the consumer's too) would hold, nor at the x4 cap (8) or what ends an 80% wait (10).
+    counts = ProducerCounts.from_settings("auto", 1, None, None, fits=static_budget(["cpu"], cores=2), cores=2)
+    scaler = counts.autoscaler()
+    assert scaler is not None
+    need = replace(window(2, 0.8, 100.0, utilization=1.0), read_share=0.75)
+    assert scaler.jump_target(need) == 4
+
+
+def test_the_default_ceiling_on_a_64_core_host():
+    # 8 GPUs leave 60 cores free; 8 producers per core would be 512 processes, the cap keeps it at 128.
+    gpus = [f"cuda:{i}" for i in range(8)]
+    counts = ProducerCounts.from_settings("auto", 1, None, None, fits=static_budget(gpus, cores=64), cores=64)
+    assert counts.budget == 128
+    small = ProducerCounts.from_settings("auto", 1, None, None, fits=static_budget(["cpu"], cores=2), cores=2)
+    assert small.budget == 16  # 8 per core on the 2-core machine, as measured there
+
+
+def test_a_start_up_window_without_steps_forks_nothing_it_could_not_judge():
+    # A GPU consumer reports its steps in groups: a window may carry none, and a fork from it would have no rate
+    # before it to be judged against.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
+    assert scaler.decide(replace(read_bound(1, 0.0), steps=0, train_s=0.0)).change == 0
+    assert scaler.decide(read_bound(1, 100.0)).change == 3
