@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from stoker.common.archive import ArchiveError, check_torch_archive
 from stoker.common.checkpoint import save_tensors
 from stoker.data.imaging import CENTER_CROP_FRACTION
 from stoker.pipeline.feed import MEAN, STD
@@ -130,20 +131,10 @@ def _load(path: Path) -> Any:
 
 
 def _check_archive(path: Path) -> None:
-    """torch.load does not check the CRC-32 torch.save writes for each record: changed tensor bytes (or class
-    names) would load without a word; zipfile checks them."""
-    with open(path, "rb") as handle:
-        head = handle.read(4)
-    if head != b"PK\x03\x04":
-        raise ModelFileError(f"{path}: not a model file (not the zip archive torch.save writes; it starts with "
-                             f"{head!r})")
     try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
-        raise ModelFileError(f"{path}: a damaged archive ({error})") from None
-    if damaged is not None:
-        raise ModelFileError(f"{path}: tampered or damaged: the checksum of its record {damaged!r} does not match")
+        check_torch_archive(path, "a model file")
+    except ArchiveError as error:
+        raise ModelFileError(f"{path}: {error}") from None
 
 
 def _card(path: Path, raw: Any) -> ModelCard:
