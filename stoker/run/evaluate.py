@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from stoker.common.devices import available_cores, resolve_devices
+from stoker.common.devices import available_cores, check_devices_form, resolve_devices
 from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
@@ -44,6 +44,10 @@ class Feed:
     producers: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        try:
+            check_devices_form(self.devices)
+        except ValueError as error:
+            raise ValueError(f"devices={self.devices!r}: {error}") from None
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size!r}: expected an integer >= 1")
         if self.producers != "auto" and (not isinstance(self.producers, int) or self.producers < 1):
