@@ -282,7 +282,7 @@ def test_model_best_is_replaced_only_by_a_better_validation_also_after_a_resume(
     path = tmp_path / "model_best.pt"
     card = model_card("resnet8", CLASSES, 32)
     model = build_model("resnet8", len(CLASSES))
-    best = _BestModel(path, card)
+    best = _BestModel(path, card, resumed=False)
     for epoch, accuracy in ((1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)):  # a tie keeps the earlier epoch
         with torch.no_grad():
             model.head.bias.fill_(epoch)
@@ -290,15 +290,28 @@ def test_model_best_is_replaced_only_by_a_better_validation_also_after_a_resume(
     card_2, state = read_model(path)
     assert (card_2.kind, card_2.epoch, card_2.val_accuracy) == ("best", 2, 0.7)
     assert torch.equal(state["head.bias"], torch.full((3,), 2.0))
-    resumed = _BestModel(path, card)  # a resumed run's rank 0 starts from what the file records
+    resumed = _BestModel(path, card, resumed=True)  # a resumed run's rank 0 starts from what the file records
     resumed.offer(model, 5, 0.65)
     assert read_model(path)[0].epoch == 2
     resumed.offer(model, 6, 0.75)
     assert read_model(path)[0].epoch == 6
     path.write_bytes(b"damaged")
     with caplog.at_level(logging.WARNING):
-        assert _BestModel(path, card).accuracy is None  # replaced at the next validation, with a warning
+        assert _BestModel(path, card, resumed=True).accuracy is None  # replaced next, with a warning
     assert "model_best.pt: not a model file" in caplog.text
+
+
+def test_a_new_run_replaces_a_stale_model_best_at_its_first_validation(tmp_path):
+    from stoker.training.consumer import _BestModel
+
+    path = tmp_path / "model_best.pt"
+    card = model_card("resnet8", CLASSES, 32)
+    model = build_model("resnet8", len(CLASSES))
+    _BestModel(path, card, resumed=False).offer(model, 7, 0.9)  # an earlier run's, left in the folder
+    fresh = _BestModel(path, card, resumed=False)
+    assert fresh.accuracy is None
+    fresh.offer(model, 1, 0.5)
+    assert (read_model(path)[0].epoch, read_model(path)[0].val_accuracy) == (1, 0.5)
 
 
 def test_the_ending_says_which_epoch_model_best_is_from(tmp_path):
