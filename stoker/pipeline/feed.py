@@ -27,6 +27,26 @@ STD = (0.229, 0.224, 0.225)
 NUM_STAGING = 2  # one being copied to the device while the host fills the other
 
 
+def normalization_constants(mean: tuple[float, ...], std: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, 3, 1, 1) float32 on the CPU: 255 mean and 1 / (255 std), computed once, here, for the feed and for
+    `stoker.load`'s preprocess alike (the same bits wherever they are copied to)."""
+    scaled_std = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1) * 255
+    return torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1) * 255, 1 / scaled_std
+
+
+def normalize_pixels(pixels: torch.Tensor, mean_255: torch.Tensor, inv_std_255: torch.Tensor,
+                     memory_format: torch.memory_format, device: torch.device | None = None,
+                     non_blocking: bool = False) -> torch.Tensor:
+    """uint8 (B, 3, H, W) (any strides: an NHWC slot permuted) -> float32 (x - 255 mean) * (1 / (255 std)) on
+    `device`, in `memory_format`: one conversion pass, in place after it. The feed and `stoker.load`'s
+    preprocess both call this, so a file gives validation's tensor to the bit."""
+    count, channels, height, width = pixels.shape
+    images = torch.empty((count, channels, height, width), dtype=torch.float32, device=device or pixels.device,
+                         memory_format=memory_format)
+    images.copy_(pixels, non_blocking=non_blocking)
+    return images.sub_(mean_255).mul_(inv_std_255)
+
+
 @dataclass
 class Staging:
     """One pinned host buffer and its device twin, with the events that say when each may be rewritten."""
@@ -50,8 +70,7 @@ class DeviceLoader:
         self.ring = ring
         self.ops = ops or ops_for(device)
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self.mean = self._constant(MEAN, 255)
-        self.inv_std = 1 / self._constant(STD, 255)
+        self.mean, self.inv_std = (self._on_device(c) for c in normalization_constants(MEAN, STD))
         self.staging = [self._staging() for _ in range(num_staging)] if self.ops.asynchronous else []
         self.turn = 0
 
@@ -105,18 +124,13 @@ class DeviceLoader:
         return device_images
 
     def _normalize(self, pixels: torch.Tensor) -> torch.Tensor:
-        """uint8 NHWC -> float NCHW in the chosen memory format, (x - mean) / std: one conversion pass, in place
-        after it."""
-        count, height, width, channels = pixels.shape
-        images = torch.empty((count, channels, height, width), dtype=torch.float32, device=pixels.device,
-                             memory_format=self.memory_format)
-        images.copy_(pixels.permute(0, 3, 1, 2))
-        return images.sub_(self.mean).mul_(self.inv_std)
+        """uint8 NHWC -> float NCHW in the chosen memory format, (x - mean) / std."""
+        return normalize_pixels(pixels.permute(0, 3, 1, 2), self.mean, self.inv_std, self.memory_format)
 
-    def _constant(self, values: tuple[float, ...], scale: float) -> torch.Tensor:
-        constant = self.ops.empty((1, 3, 1, 1), torch.float32)
-        constant.copy_(torch.tensor(values).view(1, 3, 1, 1) * scale)
-        return constant
+    def _on_device(self, constant: torch.Tensor) -> torch.Tensor:
+        on_device = self.ops.empty((1, 3, 1, 1), torch.float32)
+        on_device.copy_(constant)
+        return on_device
 
     def _staging(self) -> Staging:
         """Buffers of a slot's bytes, flat: a training and a validation batch of other sides both fit."""

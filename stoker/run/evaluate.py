@@ -25,7 +25,7 @@ from stoker.common.devices import available_cores, check_devices_form, resolve_d
 from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
-from stoker.observe.evaluation import confusion_summary, per_class_accuracy
+from stoker.observe.evaluation import per_class_accuracy, whole_confusion
 from stoker.run.inference import LoadedModel, load, normalize
 from stoker.run.loader import Loader
 from stoker.training.evaluation import ValTotals
@@ -139,7 +139,7 @@ def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any
         "loss": result.loss if result else None, "top1": result.accuracy if result else None,
         "top5": result.top5 if result else None,
         "per_class": per_class_accuracy(result.confusion, list(loaded.classes)) if result else None,
-        "confusion": confusion_summary(result.confusion, list(loaded.classes)) if result else None,
+        "confusion": whole_confusion(result.confusion, list(loaded.classes)) if result else None,
         "skipped_files": [{"path": p, "reason": r} for p, r in {**refused, **skipped}.items()],
     }
 

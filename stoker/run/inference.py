@@ -33,6 +33,7 @@ from stoker.data.imaging import (
     resize_box_into,
     to_rgb_array,
 )
+from stoker.pipeline.feed import normalization_constants, normalize_pixels
 from stoker.training.model_file import ModelCard, ModelFileError, read_model
 from stoker.training.model_source import check_recorded_module
 from stoker.training.models import build_model
@@ -143,16 +144,12 @@ def rebuild(card: ModelCard, path: Path) -> nn.Module:
 
 def normalize(pixels: torch.Tensor, card: ModelCard, device: torch.device | None = None,
               memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """uint8 (B, 3, H, W) (any strides) -> float32 (x - 255 mean) * (1 / (255 std)): the consumer's feed's own
-    operations in the same order (`DeviceLoader._normalize`), so the result is the same to the bit."""
+    """uint8 (B, 3, H, W) (any strides) -> float32 (x - 255 mean) * (1 / (255 std)) with the card's mean and std:
+    the consumer's feed's own function (`feed.normalize_pixels`), so the result is the same to the bit."""
     device = device or pixels.device
-    mean = torch.tensor(card.mean).view(1, 3, 1, 1) * 255
-    inv_std = 1 / (torch.tensor(card.std).view(1, 3, 1, 1) * 255)
-    count, channels, height, width = pixels.shape
-    images = torch.empty((count, channels, height, width), dtype=torch.float32, device=device,
-                         memory_format=memory_format)
-    images.copy_(pixels, non_blocking=True)
-    return images.sub_(mean.to(device)).mul_(inv_std.to(device))
+    mean_255, inv_std_255 = normalization_constants(card.mean, card.std)
+    return normalize_pixels(pixels, mean_255.to(device), inv_std_255.to(device), memory_format, device,
+                            non_blocking=True)
 
 
 def _read(image: Any) -> tuple[str, bytes]:
