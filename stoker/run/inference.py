@@ -35,7 +35,7 @@ from stoker.data.imaging import (
 )
 from stoker.pipeline.feed import normalization_constants, normalize_pixels
 from stoker.training.model_file import ModelCard, ModelFileError, read_model
-from stoker.training.model_source import check_recorded_module
+from stoker.training.model_source import check_recorded_module, import_verified
 from stoker.training.models import build_model
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def rebuild(card: ModelCard, path: Path) -> nn.Module:
     model file must not choose what code runs."""
     try:
         if ":" in card.model:
-            check_recorded_module(card.model, card.module_sha256, path)
+            import_verified(check_recorded_module(card.model, card.module_sha256, path))
         return build_model(card.model, card.num_classes)
     except ValueError as error:
         where = f"; it was trained from {card.module_file}: run from its folder or put that on PYTHONPATH" \

@@ -3,8 +3,8 @@
 A model file names its model as `--model` took it. For `module:function`, importing the module runs whatever
 file the import path finds first (the working directory comes first, as in training): a folder holding a
 model.pt and a helper.py of the same name would run that helper on `stoker.load`. So the module is located with
-`importlib` finders (which read directory entries, never code), its files are hashed, and the import happens
-only when the hash equals the one recorded at training time. Training and loading use the same function.
+`importlib` finders (which read directory entries, never code), its files are hashed, and the import runs those very
+bytes, only when their hash equals the one recorded at training time. Training and loading use the same function.
 """
 
 from __future__ import annotations
@@ -18,9 +18,23 @@ from pathlib import Path
 
 
 @dataclass(frozen=True)
+class Level:
+    """One name of a dotted module path: `pkg`, then `pkg.net`."""
+
+    name: str
+    file: Path | None  # None: a namespace package (a folder, no code)
+    data: bytes  # the bytes hashed, which import_verified runs
+    is_package: bool
+
+
+@dataclass(frozen=True)
 class ModuleSource:
-    files: tuple[Path, ...]  # what importing the module executes: each package's __init__.py, then the module
+    levels: tuple[Level, ...]
     sha256: str
+
+    @property
+    def files(self) -> tuple[Path, ...]:  # what importing the module executes: each __init__.py, then the module
+        return tuple(level.file for level in self.levels if level.file is not None)
 
     @property
     def file(self) -> Path:
@@ -37,7 +51,7 @@ def locate_module(module_name: str) -> ModuleSource:
     """The files importing `module_name` would execute, located without executing any of them; ValueError when
     a level is not a plain source or extension file found on the import path."""
     put_working_directory_on_path()
-    files: list[Path] = []
+    levels: list[Level] = []
     parts = module_name.split(".")
     search: list[str] | None = None
     for depth in range(1, len(parts) + 1):
@@ -47,27 +61,61 @@ def locate_module(module_name: str) -> ModuleSource:
             importlib.machinery.PathFinder.find_spec(name, search)
         if spec is None:
             raise ValueError(f"module {module_name!r}: {name!r} is not found on the import path")
+        is_package = spec.submodule_search_locations is not None
         if spec.has_location and spec.origin:
-            files.append(Path(spec.origin).resolve())
-        elif depth == len(parts) or spec.submodule_search_locations is None:
+            path = Path(spec.origin).resolve()
+            levels.append(Level(name, path, path.read_bytes(), is_package))
+        elif depth == len(parts) or not is_package:
             raise ValueError(f"module {module_name!r}: {name!r} is not a file on the import path "
                              f"(origin {spec.origin!r})")
+        else:
+            levels.append(Level(name, None, b"", True))
         search = list(spec.submodule_search_locations or [])
-    return ModuleSource(tuple(files), files_sha256(files))
+    return ModuleSource(tuple(levels), contents_sha256([level.data for level in levels if level.file]))
 
 
-def files_sha256(files: list[Path]) -> str:
+def contents_sha256(contents: list[bytes]) -> str:
     """SHA-256 of the file's bytes for one file (what `sha256sum` prints); of the files' digests in import
     order for a package's module (so that no bytes can move from one file to the next unseen)."""
-    if len(files) == 1:
-        return hashlib.sha256(files[0].read_bytes()).hexdigest()
+    if len(contents) == 1:
+        return hashlib.sha256(contents[0]).hexdigest()
     combined = hashlib.sha256()
-    for path in files:
-        combined.update(hashlib.sha256(path.read_bytes()).digest())
+    for data in contents:
+        combined.update(hashlib.sha256(data).digest())
     return combined.hexdigest()
 
 
-def check_recorded_module(model: str, recorded_sha256: str | None, model_file: Path) -> None:
+def import_verified(source: ModuleSource) -> None:
+    """Import the module by running exactly the source bytes that were hashed: the import system would run a
+    __pycache__ .pyc instead while the source's mtime and size match the ones it records, and a planted .pyc
+    can match them. An extension module (.so) is imported as usual (it has no cache)."""
+    for level in source.levels:
+        if level.name in sys.modules:
+            continue
+        if level.file is None or level.file.suffix != ".py":
+            importlib.import_module(level.name)
+            continue
+        _run_as_module(level)
+
+
+def _run_as_module(level: Level) -> None:
+    assert level.file is not None
+    locations = [str(level.file.parent)] if level.is_package else None
+    spec = importlib.util.spec_from_file_location(level.name, level.file, submodule_search_locations=locations)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[level.name] = module
+    try:
+        exec(compile(level.data, str(level.file), "exec"), module.__dict__)  # noqa: S102 (the bytes just verified)
+    except BaseException:
+        del sys.modules[level.name]
+        raise
+    parent, _, child = level.name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], child, module)
+
+
+def check_recorded_module(model: str, recorded_sha256: str | None, model_file: Path) -> ModuleSource:
     """Before importing the module a model file names: its files hash to what training recorded, or a
     ValueError naming the module's file and what to do instead (the caller prefixes the model file)."""
     module_name = model.split(":", 1)[0]
@@ -84,3 +132,4 @@ def check_recorded_module(model: str, recorded_sha256: str | None, model_file: P
         raise ValueError(f"module {module_name!r} would load {source.file}, which differs from "
                          f"the file the model was trained with (SHA-256 {source.sha256[:12]}... vs recorded "
                          f"{recorded_sha256[:12]}...); it is not imported; {advice}")
+    return source

@@ -123,6 +123,27 @@ def test_a_model_file_beside_a_planted_module_runs_no_code(tmp_path, monkeypatch
     assert loaded.classes == CLASSES and not (tmp_path / "ran").exists()
 
 
+def test_a_planted_pyc_beside_the_verified_module_does_not_run(tmp_path, monkeypatch):
+    """Python runs __pycache__/M.cpython-*.pyc instead of M.py while the mtime and size it records match the
+    source's: a .pyc forged with those runs other code than the bytes that were hashed."""
+    import importlib.util
+    from importlib._bootstrap_external import _code_to_timestamp_pyc
+
+    source = tmp_path / "pyc_model.py"
+    source.write_text((HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved_model(tmp_path / "user.pt", name="pyc_model:small_cnn")
+    monkeypatch.delitem(sys.modules, "pyc_model")
+    forged = compile(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n" + source.read_text(), str(source), "exec")
+    stat = source.stat()
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    cached.parent.mkdir(exist_ok=True)
+    cached.write_bytes(_code_to_timestamp_pyc(forged, int(stat.st_mtime), stat.st_size))
+    stoker.load(tmp_path / "user.pt")
+    assert not (tmp_path / "ran").exists()
+    monkeypatch.delitem(sys.modules, "pyc_model")
+
+
 def test_the_recorded_digest_is_sha256_of_the_module_file_and_a_package_module_is_located_unrun(tmp_path,
                                                                                                monkeypatch):
     import hashlib
@@ -135,13 +156,21 @@ def test_the_recorded_digest_is_sha256_of_the_module_file_and_a_package_module_i
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
-    (package / "net.py").write_text("")
+    (package / "net.py").write_text((HELPERS / "nobn.py").read_text())
     monkeypatch.syspath_prepend(str(tmp_path))
     source = locate_module("pkg.net")
     assert source.files == ((package / "__init__.py").resolve(), (package / "net.py").resolve())
     assert not (tmp_path / "ran").exists() and "pkg" not in sys.modules
     with pytest.raises(ValueError, match="'pkg.absent' is not found"):
         locate_module("pkg.absent")
+    model, _ = saved_model(tmp_path / "user.pt", name="pkg.net:small_cnn")  # imports pkg, as training does
+    for name in ("pkg", "pkg.net"):
+        monkeypatch.delitem(sys.modules, name)
+    x = torch.randn(1, 3, 32, 32)
+    assert torch.equal(stoker.load(tmp_path / "user.pt")(x), model.eval()(x))  # verified, then imported
+    assert sys.modules["pkg"].net is sys.modules["pkg.net"]
+    for name in ("pkg", "pkg.net"):
+        monkeypatch.delitem(sys.modules, name)
 
 
 def test_a_module_that_cannot_be_imported_names_the_file_and_where_it_was_trained_from(tmp_path, monkeypatch):
