@@ -35,7 +35,7 @@ from stoker.data.imaging import (
 )
 from stoker.pipeline.feed import normalization_constants, normalize_pixels
 from stoker.training.model_file import ModelCard, ModelFileError, read_model
-from stoker.training.model_source import check_recorded_module, import_verified
+from stoker.training.model_source import ModuleNotVerified, check_recorded_module, import_verified
 from stoker.training.models import build_model
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,8 @@ def rebuild(card: ModelCard, path: Path) -> nn.Module:
         if ":" in card.model:
             import_verified(check_recorded_module(card.model, card.module_sha256, path))
         return build_model(card.model, card.num_classes)
+    except ModuleNotVerified as error:  # found, so where it was trained from is no help
+        raise ModelFileError(f"{path}: cannot rebuild its model: {error}") from None
     except ValueError as error:
         where = f"; it was trained from {card.module_file}: run from its folder or put that on PYTHONPATH" \
             if card.module_file else ""

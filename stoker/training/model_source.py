@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+class ModuleNotVerified(ValueError):
+    """The module was found, but its files are not the ones training recorded (or none were recorded)."""
+
+
 @dataclass(frozen=True)
 class Level:
     """One name of a dotted module path: `pkg`, then `pkg.net`."""
@@ -126,10 +130,10 @@ def check_recorded_module(model: str, recorded_sha256: str | None, model_file: P
     except (ValueError, ImportError, OSError) as error:
         raise ValueError(f"{error} (so it cannot be checked before it is imported); {advice}") from None
     if recorded_sha256 is None:
-        raise ValueError(f"its card records no SHA-256 of module {module_name!r}, so "
+        raise ModuleNotVerified(f"its card records no SHA-256 of module {module_name!r}, so "
                          f"{source.file} is not imported (a model file must not choose what code runs); {advice}")
     if source.sha256 != recorded_sha256:
-        raise ValueError(f"module {module_name!r} would load {source.file}, which differs from "
+        raise ModuleNotVerified(f"module {module_name!r} would load {source.file}, which differs from "
                          f"the file the model was trained with (SHA-256 {source.sha256[:12]}... vs recorded "
                          f"{recorded_sha256[:12]}...); it is not imported; {advice}")
     return source
