@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from stoker.common.config import TrainConfig
     from stoker.run.inference import LoadedModel
     from stoker.run.loader import Loader
@@ -42,13 +45,15 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, **se
     return Controller(config, show_progress=show_progress).run()
 
 
-def load(source: str | Path, device: str = "cpu") -> LoadedModel:
+def load(source: str | Path, device: str = "cpu", model: Callable[..., nn.Module] | None = None) -> LoadedModel:
     """The model a run trained (RUN_DIR, or a model file: model.pt, model_best.pt, model_ema.pt) in eval mode on
     `device`, with `.classes` and `.preprocess(path or bytes or image)`: exactly the tensor validation gives that
-    file. A file stoker did not write, or one modified since, is a ValueError naming it."""
+    file. A file stoker did not write, or one modified since, is a ValueError naming it. A `module:function`
+    model is imported only while its file hashes to what training recorded; `model=function` builds it instead
+    (called as `function(num_classes=K)`)."""
     from stoker.run.inference import load as load_model
 
-    return load_model(source, device)
+    return load_model(source, device, model)
 
 
 def __getattr__(name: str) -> Any:

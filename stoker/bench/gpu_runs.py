@@ -72,11 +72,11 @@ def run_one(kind: str, folder: Path, model: str, settings: dict[str, Any]) -> di
 
 class _Step:
     """stoker's consumer step: the model with its state in the averager's flat buckets (NCHW weights), the input
-    normalized on the device by the consumer's own `DeviceLoader` code in the memory format asked for, the
+    normalized on the device by the consumer's own `feed.normalize_pixels` in the memory format asked for, the
     consumer's precision and its fused SGD; timed with the consumer's `StepClock` events."""
 
     def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
-        from stoker.pipeline.feed import DeviceLoader
+        from stoker.pipeline.feed import MEAN, STD, normalization_constants, normalize_pixels
         from stoker.pipeline.streams import ops_for
         from stoker.training import accel
         from stoker.training.averager import Averager
@@ -93,12 +93,11 @@ class _Step:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9,
                                          **accel.fused_option(torch.optim.SGD, self.device))
         self.ops = ops_for(self.device)
-        loader = DeviceLoader.__new__(DeviceLoader)  # only its normalization: the ring is not needed for that
-        loader.ops = self.ops
-        loader.memory_format = torch.channels_last if args.channels_last == "true" else torch.contiguous_format
-        loader.mean = loader._constant((0.485, 0.456, 0.406), 255)
-        loader.inv_std = 1 / loader._constant((0.229, 0.224, 0.225), 255)
-        self.normalize = loader._normalize
+        # the feed's own normalization (no ring needed for that)
+        memory_format = torch.channels_last if args.channels_last == "true" else torch.contiguous_format
+        mean_255, inv_std_255 = (c.to(self.device) for c in normalization_constants(MEAN, STD))
+        self.normalize: Callable[[torch.Tensor], torch.Tensor] = lambda pixels: normalize_pixels(
+            pixels, mean_255, inv_std_255, memory_format)
         self.clock = StepClock(self.ops)
         self.marks: list[Any] = []
 

@@ -219,7 +219,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from stoker.data.dataset import scan_image_folder
-    from stoker.pipeline.feed import MEAN, STD, normalize
+    from stoker.pipeline.feed import MEAN, STD, normalize_pixels
 
     index = scan_image_folder(args.data)
     if args.rank_feed == "dataloader_pillow":
@@ -240,7 +240,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
         for images, labels in _epochs(feed, sampler):
             if images.dtype == torch.uint8:  # stoker's decoder: uint8 NHWC, normalized here by the Loader's own
                 # code into the Loader's default memory format (channels_last), so only the feeds differ
-                images = normalize(images, mean, inv_std, torch.channels_last)
+                images = normalize_pixels(images, mean, inv_std, torch.channels_last)
             yield images, labels
     return normalized(), lambda: None
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +16,8 @@ from typing import Any, Literal
 import pydantic
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
+
+from stoker.common.devices import check_devices_form
 
 Augment = Literal["standard", "noflip", "none", "trivial", "randaug"]
 
@@ -26,9 +27,6 @@ DEFAULT_IMAGE_SIZE = 224
 
 class ConfigError(ValueError):
     """A setting the user gave is wrong; the message says which, what it was and what is allowed."""
-
-
-_DEVICES_PATTERN = re.compile(r"^(auto|cpu:[1-9][0-9]*|cuda|cuda:[0-9]+(,[0-9]+)*)$")
 
 
 # The settings `--resume` may change: they decide how the run is executed, watched or stopped, not which batches
@@ -115,9 +113,7 @@ class TrainConfig:
     @field_validator("devices")
     @classmethod
     def _devices_form(cls, value: str) -> str:
-        if not _DEVICES_PATTERN.match(value):
-            raise ValueError("expected 'auto', 'cpu:N', 'cuda' or 'cuda:I,J,...'")
-        return value
+        return check_devices_form(value)  # the same check as eval's and predict's --devices
 
     @field_validator("producers")
     @classmethod

@@ -7,6 +7,16 @@ import re
 import shutil
 import subprocess
 
+_DEVICES_PATTERN = re.compile(r"^(auto|cpu:[1-9][0-9]*|cuda|cuda:[0-9]+(,[0-9]+)*)$")
+
+
+def check_devices_form(spec: str) -> str:
+    """The form of a devices setting (train's `--devices`, eval's and predict's), before anything resolves it; the
+    caller names the setting."""
+    if not isinstance(spec, str) or not _DEVICES_PATTERN.match(spec):
+        raise ValueError("expected 'auto', 'cpu:N' (N >= 1), 'cuda' or 'cuda:I,J,...'")
+    return spec
+
 
 def resolve_devices(spec: str) -> list[str]:
     """One device string per consumer; asking for a GPU that is not there is a user error, raised here."""

@@ -1,5 +1,6 @@
 """The table `stoker eval` prints: the headline figures, each class's top-1, and the confusion matrix (its most
-confused pairs where the matrix is too wide for a terminal; the JSON holds the whole matrix)."""
+confused pairs where the matrix is too wide for a terminal; the JSON holds the whole matrix, whatever the number
+of classes: `observe.evaluation.whole_confusion`)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def eval_table(result: dict[str, Any]) -> str:
     if matrix is not None and len(matrix) <= MATRIX_COLUMNS:
         lines += _matrix_lines(matrix, [printable(c) for c in confusion["classes"]])
     else:
-        lines += _pair_lines(_pairs(confusion))
+        lines += _pair_lines(confusion["most_confused"])
     return "\n".join(lines)
 
 
@@ -45,15 +46,6 @@ def _matrix_lines(matrix: list[list[int]], classes: list[str]) -> list[str]:
     rows = [f"  {i:>{number}} {name:<{width}}" + "".join(f"{v:>{cell}}" for v in row)
             for i, (name, row) in enumerate(zip(classes, matrix))]
     return ["confusion (rows: true class; columns: predicted class, by number)", header, *rows]
-
-
-def _pairs(confusion: dict[str, Any]) -> list[dict[str, Any]]:
-    if "most_confused" in confusion:
-        return list(confusion["most_confused"])
-    classes, matrix = confusion["classes"], confusion["matrix"]
-    mistakes = [{"true": classes[t], "predicted": classes[p], "count": n}
-                for t, row in enumerate(matrix) for p, n in enumerate(row) if t != p and n]
-    return sorted(mistakes, key=lambda m: -m["count"])
 
 
 def _pair_lines(pairs: list[dict[str, Any]]) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.pipeline.messages import ValReport
+from stoker.training.evaluation import per_class_accuracy as class_recall
 
 MATRIX_MAX_CLASSES = 50
 TOP_PAIRS = 20
@@ -27,8 +28,8 @@ def val_summary(report: ValReport | None, classes: list[str]) -> dict[str, Any]:
 
 
 def per_class_accuracy(confusion: list[list[int]], classes: list[str]) -> dict[str, float | None]:
-    """Each class's share of its validation samples predicted right (None: the class had none)."""
-    return {name: (row[i] / sum(row) if sum(row) else None) for i, (name, row) in enumerate(zip(classes, confusion))}
+    """Each class's share of its validation samples predicted right (None: the class had none), by name."""
+    return dict(zip(classes, class_recall(confusion), strict=True))
 
 
 def confusion_summary(confusion: list[list[int]], classes: list[str]) -> dict[str, Any]:
@@ -38,8 +39,15 @@ def confusion_summary(confusion: list[list[int]], classes: list[str]) -> dict[st
     return {"classes": None, "most_confused": most_confused_pairs(confusion, classes)}
 
 
+def whole_confusion(confusion: list[list[int]], classes: list[str]) -> dict[str, Any]:
+    """`stoker eval`'s JSON: the whole matrix whatever the number of classes (a file, not a terminal), and its most
+    confused pairs beside it."""
+    return {"classes": list(classes), "matrix": confusion, "most_confused": most_confused_pairs(confusion, classes)}
+
+
 def most_confused_pairs(confusion: list[list[int]], classes: list[str],
                         count: int = TOP_PAIRS) -> list[dict[str, Any]]:
+    """The `count` most frequent (true, predicted) mistakes, most first; ties by true class, then predicted."""
     mistakes = [(n, t, p) for t, row in enumerate(confusion) for p, n in enumerate(row) if t != p and n]
     mistakes.sort(key=lambda item: (-item[0], item[1], item[2]))
     return [{"true": classes[t], "predicted": classes[p], "count": n} for n, t, p in mistakes[:count]]

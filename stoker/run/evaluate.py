@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from stoker.common.devices import available_cores, resolve_devices
+from stoker.common.devices import available_cores, check_devices_form, resolve_devices
 from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
-from stoker.observe.evaluation import confusion_summary, per_class_accuracy
+from stoker.observe.evaluation import per_class_accuracy, whole_confusion
 from stoker.run.inference import LoadedModel, load, normalize
 from stoker.run.loader import Loader
 from stoker.training.evaluation import ValTotals
@@ -44,6 +44,10 @@ class Feed:
     producers: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
+        try:
+            check_devices_form(self.devices)
+        except ValueError as error:
+            raise ValueError(f"devices={self.devices!r}: {error}") from None
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size!r}: expected an integer >= 1")
         if self.producers != "auto" and (not isinstance(self.producers, int) or self.producers < 1):
@@ -76,7 +80,8 @@ class Replicas:
         """Logits of a uint8 NCHW batch, on the device that ran it."""
         device, model = self.devices[self.turn], self.models[self.turn]
         self.turn = (self.turn + 1) % len(self.devices)
-        images = normalize(pixels, self.loaded.card, device, torch.channels_last)  # as the trainer feeds its model
+        # NHWC again (the Loader hands out an NCHW view of it), channels_last as the trainer feeds its model
+        images = normalize(pixels.permute(0, 2, 3, 1), self.loaded.card, device, torch.channels_last)
         with torch.no_grad():
             return model(images)
 
@@ -135,7 +140,7 @@ def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any
         "loss": result.loss if result else None, "top1": result.accuracy if result else None,
         "top5": result.top5 if result else None,
         "per_class": per_class_accuracy(result.confusion, list(loaded.classes)) if result else None,
-        "confusion": confusion_summary(result.confusion, list(loaded.classes)) if result else None,
+        "confusion": whole_confusion(result.confusion, list(loaded.classes)) if result else None,
         "skipped_files": [{"path": p, "reason": r} for p, r in {**refused, **skipped}.items()],
     }
 

@@ -9,13 +9,14 @@
 centre square of 0.875 of the short side, resizes it with OpenCV as the producers do, and normalizes with the
 mean and std the model was trained with, in the same float32 operations as the consumer's feed: the same file
 gives the same tensor, bit for bit. A model of `--model module:function` is rebuilt by importing that module
-from the working directory or PYTHONPATH, as training did.
+from the working directory or PYTHONPATH, as training did, but only when the file the import would run hashes to
+the SHA-256 training recorded (else a ValueError; pass `model=function` to build it yourself).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,9 @@ from stoker.data.imaging import (
     resize_box_into,
     to_rgb_array,
 )
+from stoker.pipeline.feed import normalization_constants, normalize_pixels
 from stoker.training.model_file import ModelCard, ModelFileError, read_model
+from stoker.training.model_source import ModuleNotVerified, check_recorded_module, import_verified
 from stoker.training.models import build_model
 
 log = logging.getLogger(__name__)
@@ -66,7 +69,7 @@ class LoadedModel:
         array decoded, cropped, resized and normalized as validation does. A file stoker cannot use is a
         ValueError that names it and says why."""
         pixels = self.pixels(image)
-        return normalize(torch.from_numpy(pixels)[None].permute(0, 3, 1, 2), self.card)[0]
+        return normalize(torch.from_numpy(pixels)[None], self.card)[0]
 
     def pixels(self, image: ImageLike) -> np.ndarray:
         """(S, S, 3) uint8: what a producer writes into a batch slot for this image in validation."""
@@ -85,23 +88,32 @@ class LoadedModel:
         return out
 
 
-def load(source: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
+def load(source: str | Path, device: str | torch.device = "cpu",
+         model: Callable[..., nn.Module] | None = None) -> LoadedModel:
     """The model in RUN_DIR/model.pt (or the model file named), in eval mode on `device`. Raises ValueError
     (`ModelFileError`) naming the file when it is not a stoker model file, was modified, or does not fit its
-    model."""
+    model. `model`: the function that builds the architecture (called as `model(num_classes=K)`), instead of
+    the card's `module:function`, which is imported only while its file is the one training recorded."""
     path = model_path(Path(source))
     card, state = read_model(path)
     if card.crop_fraction != CENTER_CROP_FRACTION:
         raise ModelFileError(f"{path}: its card asks for a centre crop of {card.crop_fraction}; this stoker's "
                              f"validation crops {CENTER_CROP_FRACTION}")
-    model = rebuild(card, path)
+    network = rebuild(card, path) if model is None else _built_by(model, card, path)
     try:
-        model.load_state_dict(state)
+        network.load_state_dict(state)
     except RuntimeError as error:
         raise ModelFileError(f"{path}: its weights do not fit {card.model!r} with {card.num_classes} classes "
                              f"({str(error).splitlines()[0][:300]})") from None
     target = torch.device(device)
-    return LoadedModel(model.eval().to(target), card, path, target)
+    return LoadedModel(network.eval().to(target), card, path, target)
+
+
+def _built_by(factory: Callable[..., nn.Module], card: ModelCard, path: Path) -> nn.Module:
+    network = factory(num_classes=card.num_classes)
+    if not isinstance(network, nn.Module):
+        raise ModelFileError(f"{path}: model= returned {type(network).__name__}, expected a torch nn.Module")
+    return network
 
 
 def model_path(source: Path) -> Path:
@@ -118,45 +130,28 @@ def model_path(source: Path) -> Path:
 
 def rebuild(card: ModelCard, path: Path) -> nn.Module:
     """The architecture the card names, with its classes; a module:function is imported by name, never from a path
-    the file records (a model file must not choose what code runs)."""
+    the file records, and only after its file is found (without running it) to hash to what training recorded: a
+    model file must not choose what code runs."""
     try:
-        model = build_model(card.model, card.num_classes)
+        if ":" in card.model:
+            import_verified(check_recorded_module(card.model, card.module_sha256, path))
+        return build_model(card.model, card.num_classes)
+    except ModuleNotVerified as error:  # found, so where it was trained from is no help
+        raise ModelFileError(f"{path}: cannot rebuild its model: {error}") from None
     except ValueError as error:
         where = f"; it was trained from {card.module_file}: run from its folder or put that on PYTHONPATH" \
             if card.module_file else ""
         raise ModelFileError(f"{path}: cannot rebuild its model: {error}{where}") from None
-    _warn_if_module_changed(card)
-    return model
-
-
-def _warn_if_module_changed(card: ModelCard) -> None:
-    if card.module_sha256 is None:
-        return
-    import sys
-
-    module = sys.modules.get(card.model.split(":", 1)[0])
-    current = getattr(module, "__file__", None)
-    try:
-        digest = hashlib.sha256(Path(current).read_bytes()).hexdigest() if current else None
-    except OSError:
-        digest = None
-    if digest is not None and digest != card.module_sha256:
-        log.warning("model %s: %s differs from the file it was trained with (%s): the weights may not fit what it "
-                    "builds now", card.model, current, card.module_file)
 
 
 def normalize(pixels: torch.Tensor, card: ModelCard, device: torch.device | None = None,
               memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """uint8 (B, 3, H, W) (any strides) -> float32 (x - 255 mean) * (1 / (255 std)): the consumer's feed's own
-    operations in the same order (`DeviceLoader._normalize`), so the result is the same to the bit."""
+    """uint8 (B, H, W, 3) -> float32 NCHW (x - 255 mean) * (1 / (255 std)) with the card's mean and std:
+    the consumer's feed's own function (`feed.normalize_pixels`), so the result is the same to the bit."""
     device = device or pixels.device
-    mean = torch.tensor(card.mean).view(1, 3, 1, 1) * 255
-    inv_std = 1 / (torch.tensor(card.std).view(1, 3, 1, 1) * 255)
-    count, channels, height, width = pixels.shape
-    images = torch.empty((count, channels, height, width), dtype=torch.float32, device=device,
-                         memory_format=memory_format)
-    images.copy_(pixels, non_blocking=True)
-    return images.sub_(mean.to(device)).mul_(inv_std.to(device))
+    mean_255, inv_std_255 = normalization_constants(card.mean, card.std)
+    return normalize_pixels(pixels, mean_255.to(device), inv_std_255.to(device), memory_format, device,
+                            non_blocking=True)
 
 
 def _read(image: Any) -> tuple[str, bytes]:

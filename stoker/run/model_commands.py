@@ -63,6 +63,22 @@ def _producers(text: str) -> int | str:
     return "auto" if text == "auto" else _positive(text)
 
 
+def _check_settings(args: argparse.Namespace) -> None:
+    """The settings that do not need the model or the images, checked before either is read: a bad one used to
+    end in an IndexError from the device list, or (--json) in FileNotFoundError after the whole evaluation."""
+    from stoker.common.devices import check_devices_form
+
+    if args.devices != "cpu":
+        try:
+            check_devices_form(args.devices)
+        except ValueError as error:
+            raise ValueError(f"devices={args.devices!r}: {error} (or 'cpu': one CPU replica)") from None
+    json_file = getattr(args, "json", None)
+    if json_file is not None and str(json_file) != "-" and not json_file.parent.is_dir():
+        raise ValueError(f"json={str(json_file)!r}: the folder {str(json_file.parent)!r} does not exist "
+                         "(expected a file in an existing folder, or '-' for stdout)")
+
+
 def _feed(args: argparse.Namespace) -> Any:
     from stoker.run.evaluate import Feed
 
@@ -72,9 +88,9 @@ def _feed(args: argparse.Namespace) -> Any:
 
 def eval_command(args: argparse.Namespace) -> int:
     def run() -> None:
+        _check_settings(args)  # before torch is imported
         from stoker.observe.eval_report import eval_table
         from stoker.run.evaluate import evaluate
-
         result = evaluate(args.model, args.data, _feed(args))
         to_stdout = args.json is not None and str(args.json) == "-"
         print(eval_table(result), file=sys.stderr if to_stdout else sys.stdout)
@@ -89,6 +105,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def predict_command(args: argparse.Namespace) -> int:
     def run() -> None:
+        _check_settings(args)  # before torch is imported
         from stoker.run.evaluate import predict, prediction_rows
 
         k, predictions = predict(args.model, args.images, args.top_k, _feed(args))

@@ -192,7 +192,8 @@ class Replica:
         self.first_wait_s: float | None = None
         self.val_totals = ValTotals(setup.num_classes, self.device)
         self.ema_val_totals = ValTotals(setup.num_classes, self.device) if self.ema is not None else None
-        self.best = _BestModel(setup.best_model, setup.model_card) if setup.rank == 0 else None
+        self.best = _BestModel(setup.best_model, setup.model_card, setup.resume_from is not None) \
+            if setup.rank == 0 else None
 
     def serve(self, ready, stop) -> None:
         watch = ParentWatch()
@@ -409,11 +410,12 @@ def _save_model(path: Path, model: torch.nn.Module, card: model_file.ModelCard |
 
 class _BestModel:
     """model_best.pt: rewritten (atomically) whenever validation beats the best accuracy so far; a resumed run
-    starts from the accuracy the file records, so a worse epoch after a resume does not replace it."""
+    starts from the accuracy the file records, so a worse epoch after a resume does not replace it. A new run
+    ignores a model_best.pt left in its folder (not one of its own: its first validation replaces it)."""
 
-    def __init__(self, path: Path | None, card: model_file.ModelCard | None) -> None:
+    def __init__(self, path: Path | None, card: model_file.ModelCard | None, resumed: bool) -> None:
         self.path, self.card = path, card
-        self.accuracy = model_file.recorded_accuracy(path) if path is not None else None
+        self.accuracy = model_file.recorded_accuracy(path) if path is not None and resumed else None
 
     def offer(self, model: torch.nn.Module, epoch: int, accuracy: float) -> None:
         if self.path is None or self.card is None or (self.accuracy is not None and accuracy <= self.accuracy):

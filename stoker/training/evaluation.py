@@ -23,8 +23,13 @@ class ValResult:
 
     @property
     def per_class(self) -> list[float | None]:
-        """Each class's top-1 accuracy (None for a class absent from validation)."""
-        return [row[i] / sum(row) if sum(row) else None for i, row in enumerate(self.confusion)]
+        return per_class_accuracy(self.confusion)
+
+
+def per_class_accuracy(confusion: list[list[int]]) -> list[float | None]:
+    """Each class's top-1 accuracy, its recall: the share of its samples predicted right (None for a class absent
+    from validation). The one formula: summary.json's and `stoker eval`'s per class use it too."""
+    return [row[i] / sum(row) if sum(row) else None for i, row in enumerate(confusion)]
 
 
 class ValTotals:

@@ -1,6 +1,7 @@
 """`--init`: start from pretrained weights (a torchvision or timm state_dict, or an earlier stoker model.pt).
 
-The file is loaded with `torch.load(weights_only=True)` (a pickle cannot run code), plain or under a
+The file must be the zip archive torch.save writes (whole: its CRCs are checked, stoker.common.archive), and is
+loaded with `torch.load(weights_only=True)` (a pickle cannot run code), plain or under a
 `state_dict` or `model` key. Keys are matched by name after removing the wrapper prefix that makes the most of
 them match (`module.` of DDP, `_orig_mod.` of torch.compile, `model.` of Lightning). A classifier head of another
 shape (other classes) is re-initialized and named in the log; any other missing or unexpected key, or a shape
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from stoker.common.archive import ArchiveError, check_torch_archive
 from stoker.training.groups import head_parameter_names
 
 log = logging.getLogger(__name__)
@@ -59,17 +61,10 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_archive(path: Path) -> None:
-    """torch.load does not check the CRC-32 that torch.save writes for each record, so changed tensor bytes load
-    without a word; zipfile checks them."""
-    if not zipfile.is_zipfile(path):
-        return  # the legacy format, or not torch at all: torch.load says which
     try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, ValueError) as error:
-        raise InitError(f"init={str(path)!r}: a damaged archive ({error})") from None
-    if damaged is not None:
-        raise InitError(f"init={str(path)!r}: tampered or damaged: the checksum of {damaged!r} does not match")
+        check_torch_archive(path, "a state_dict file")
+    except ArchiveError as error:
+        raise InitError(f"init={str(path)!r}: {error}") from None
 
 
 def plan_init(path: Path, model: nn.Module) -> InitPlan:

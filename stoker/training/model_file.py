@@ -10,10 +10,8 @@ stoker's own decode on 400 digits (issue 25): the preprocessing is part of the m
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import pickle
-import sys
 import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,9 +19,11 @@ from typing import Any, Literal
 
 import torch
 
+from stoker.common.archive import ArchiveError, check_torch_archive
 from stoker.common.checkpoint import save_tensors
 from stoker.data.imaging import CENTER_CROP_FRACTION
 from stoker.pipeline.feed import MEAN, STD
+from stoker.training.model_source import locate_module
 
 FORMAT_KEY = "stoker_model"  # its value is the format's version
 FORMAT_VERSION = 1
@@ -47,8 +47,8 @@ class ModelCard:
     mean: tuple[float, float, float] = MEAN
     std: tuple[float, float, float] = STD
     crop_fraction: float = CENTER_CROP_FRACTION
-    # A module:function model: the module's file and SHA-256 when it was trained (rebuilding imports it by name,
-    # as training did; a changed file is worth a warning, not silence).
+    # A module:function model: the module's file and SHA-256 when it was trained; stoker.load imports the module
+    # only while its files still hash to this (model_source.check_recorded_module).
     module_file: str | None = None
     module_sha256: str | None = None
     kind: Kind = "final"
@@ -76,14 +76,13 @@ def model_card(model: str, classes: tuple[str, ...] | list[str], image_size: int
 def _module_source(model: str) -> tuple[str | None, str | None]:
     if ":" not in model:
         return None, None
-    module = sys.modules.get(model.split(":", 1)[0])  # imported already: the run checked the model first
-    path = getattr(module, "__file__", None)
-    if path is None:
+    try:  # the same function stoker.load checks the module with before importing it
+        source = locate_module(model.split(":", 1)[0])
+    except (ValueError, ImportError, OSError) as error:
+        log.warning("model %s: its module's files cannot be hashed (%s): stoker.load will need model=", model,
+                    error)
         return None, None
-    try:
-        return str(Path(path).resolve()), hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
-        return str(path), None
+    return str(source.file), source.sha256
 
 
 def save_model(path: Path, state_dict: dict[str, torch.Tensor], card: ModelCard) -> None:
@@ -132,20 +131,10 @@ def _load(path: Path) -> Any:
 
 
 def _check_archive(path: Path) -> None:
-    """torch.load does not check the CRC-32 torch.save writes for each record: changed tensor bytes (or class
-    names) would load without a word; zipfile checks them."""
-    with open(path, "rb") as handle:
-        head = handle.read(4)
-    if head != b"PK\x03\x04":
-        raise ModelFileError(f"{path}: not a model file (not the zip archive torch.save writes; it starts with "
-                             f"{head!r})")
     try:
-        with zipfile.ZipFile(path) as archive:
-            damaged = archive.testzip()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
-        raise ModelFileError(f"{path}: a damaged archive ({error})") from None
-    if damaged is not None:
-        raise ModelFileError(f"{path}: tampered or damaged: the checksum of its record {damaged!r} does not match")
+        check_torch_archive(path, "a model file")
+    except ArchiveError as error:
+        raise ModelFileError(f"{path}: {error}") from None
 
 
 def _card(path: Path, raw: Any) -> ModelCard:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from stoker.training.model_source import put_working_directory_on_path
 
 
 class BasicBlock(nn.Module):
@@ -120,8 +120,7 @@ def resolve_factory(name: str) -> Callable[..., nn.Module]:
     if ":" not in name:
         raise ValueError(f"model={name!r}: expected one of {sorted(BUILTIN)} or 'module:function'")
     module_name, function_name = name.split(":", 1)
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    put_working_directory_on_path()
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:

@@ -54,6 +54,29 @@ def test_matrix_up_to_50_classes_then_the_20_most_confused_pairs() -> None:
     json.dumps(large)  # it goes into summary.json
 
 
+def test_eval_json_holds_the_whole_matrix_beyond_50_classes_and_its_table_the_same_pairs() -> None:
+    from stoker.observe.eval_report import PAIRS_SHOWN, eval_table
+    from stoker.observe.evaluation import whole_confusion
+
+    rng = np.random.default_rng(1)
+    matrix = rng.integers(0, 4, (60, 60))  # many ties: the order among equal counts is the test
+    names = [f"k{i}" for i in range(60)]
+    confusion = whole_confusion(matrix.tolist(), names)
+    assert confusion["matrix"] == matrix.tolist() and confusion["classes"] == names
+    json.dumps(confusion)
+    true, predicted = np.nonzero((matrix > 0) & ~np.eye(60, dtype=bool))
+    counts = matrix[true, predicted]
+    order = np.lexsort((predicted, true, -counts))[:20]  # most first; ties by true class, then predicted
+    assert [(p["true"], p["predicted"], p["count"]) for p in confusion["most_confused"]] == \
+        [(names[t], names[q], int(n)) for t, q, n in zip(true[order], predicted[order], counts[order])]
+    result = {"model": "m.pt", "architecture": "resnet8", "num_classes": 60, "image_size": 32, "data": "d",
+              "count": int(matrix.sum()), "loss": 1.0, "top1": 0.5, "top5": 0.9, "skipped_files": [],
+              "per_class": per_class_accuracy(matrix.tolist(), names), "confusion": confusion}
+    shown = eval_table(result).split("most confused (true -> predicted: images)\n")[1].splitlines()
+    assert shown == [f"  {p['true']} -> {p['predicted']}: {p['count']}"
+                     for p in confusion["most_confused"][:PAIRS_SHOWN]]
+
+
 def test_report_draws_the_confusion_panel(tmp_path) -> None:
     from stoker.observe.report import RunRecord, draw
 

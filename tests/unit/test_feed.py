@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.pipeline.feed import DeviceLoader, normalize
+from stoker.pipeline.feed import DeviceLoader, normalize_pixels
 from stoker.pipeline.ring import SlotRing
 from stoker.pipeline.streams import CpuOps
 from stoker.training.timing import StepClock
@@ -184,7 +184,7 @@ def test_batches_arrive_normalized_and_complete(ring):
 def test_normalize_gives_torchvisions_values_in_the_memory_format_asked_for(memory_format):
     """The fast channels_last path (rows of W*C values) against ToTensor + Normalize's definition."""
     pixels = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (3, 7, 5, 3), dtype=np.uint8))
-    images = normalize(pixels, IMAGENET_MEAN * 255, 1 / (IMAGENET_STD * 255), memory_format)
+    images = normalize_pixels(pixels, IMAGENET_MEAN * 255, 1 / (IMAGENET_STD * 255), memory_format)
     expected = (pixels.permute(0, 3, 1, 2).float() / 255 - IMAGENET_MEAN) / IMAGENET_STD
     torch.testing.assert_close(images, expected)
     assert images.is_contiguous(memory_format=memory_format)

@@ -52,8 +52,22 @@ def test_not_a_state_dict(tmp_path: Path) -> None:
         plan_init(path, build_model("resnet8", 10))
     text = tmp_path / "notes.txt"
     text.write_text("not a checkpoint at all")
-    with pytest.raises(InitError, match="not a state_dict torch can load"):
+    with pytest.raises(InitError, match="not a state_dict file \\(not the zip archive torch.save writes"):
         plan_init(text, build_model("resnet8", 10))
+
+
+@pytest.mark.parametrize("content", ["hello\n", "abc"])  # torch's legacy reader: KeyError 101, IndexError
+def test_a_file_that_is_not_an_archive_is_one_line_naming_it_and_exit_2(textures, tmp_path, capsys, content):
+    from stoker.cli import main
+
+    train, val = textures
+    path = tmp_path / "t.txt"
+    path.write_text(content)
+    code = main(["train", "--data", str(train), "--val", str(val), "--init", str(path), "--devices", "cpu:1",
+                 "--out", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("stoker: error: ") and f"init={str(path)!r}: not a state_dict file" in lines[0]
 
 
 def test_tampered_file_is_refused(tmp_path: Path) -> None:

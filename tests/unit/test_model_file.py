@@ -75,19 +75,102 @@ def test_a_module_function_model_is_rebuilt_from_its_recorded_spec(tmp_path, mon
     assert torch.equal(loaded(x), model.eval()(x))
 
 
-def test_a_module_changed_since_training_is_loaded_with_a_warning(tmp_path, monkeypatch, caplog):
+def test_a_module_changed_since_training_is_refused_before_it_runs(tmp_path, monkeypatch):
     (tmp_path / "changing_model.py").write_text((HELPERS / "nobn.py").read_text())
     monkeypatch.syspath_prepend(str(tmp_path))
     saved_model(tmp_path / "user.pt", name="changing_model:small_cnn")
-    with caplog.at_level(logging.WARNING):
-        stoker.load(tmp_path / "user.pt")
-    assert "differs from the file it was trained with" not in caplog.text
-    with open(tmp_path / "changing_model.py", "a") as module:
-        module.write("# edited after training\n")
-    with caplog.at_level(logging.WARNING):
-        stoker.load(tmp_path / "user.pt")
-    assert "changing_model.py differs from the file it was trained with" in caplog.text
     monkeypatch.delitem(sys.modules, "changing_model")
+    stoker.load(tmp_path / "user.pt")  # unchanged: imported
+    monkeypatch.delitem(sys.modules, "changing_model")
+    marker = tmp_path / "ran"
+    with open(tmp_path / "changing_model.py", "a") as module:
+        module.write(f"open({str(marker)!r}, 'w').close()  # edited after training\n")
+    with pytest.raises(ValueError, match=r"user.pt: cannot rebuild its model: module 'changing_model' would "
+                                         r"load .*changing_model.py, which differs from the file the model was "
+                                         r"trained with.*model="):
+        stoker.load(tmp_path / "user.pt")
+    assert not marker.exists() and "changing_model" not in sys.modules
+
+
+def _planted_model_file(folder: Path, module_sha256: str | None) -> Path:
+    """What the reviewer built: a folder holding a model.pt whose card names helper:f, and a helper.py that
+    leaves a marker when it runs."""
+    (folder / "helper.py").write_text(f"open({str(folder / 'ran')!r}, 'w').close()\n"
+                                      "from nobn import small_cnn as f\n")
+    torch.manual_seed(0)
+    sys.path.insert(0, str(HELPERS))
+    try:
+        state = build_model("nobn:small_cnn", len(CLASSES)).state_dict()
+    finally:
+        sys.path.remove(str(HELPERS))
+    card = ModelCard("helper:f", CLASSES, 32, module_file="/elsewhere/helper.py", module_sha256=module_sha256)
+    save_model(folder / "model.pt", state, card)
+    return folder / "model.pt"
+
+
+@pytest.mark.parametrize("recorded", [None, "0" * 64])  # no digest; a digest of some other file
+def test_a_model_file_beside_a_planted_module_runs_no_code(tmp_path, monkeypatch, recorded):
+    _planted_model_file(tmp_path, recorded)
+    monkeypatch.chdir(tmp_path)  # the working directory comes first on the import path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(ValueError, match=r"model.pt: .*helper.py.*stoker.load\(.*model=your_function\)"):
+        stoker.load("model.pt")
+    assert not (tmp_path / "ran").exists() and "helper" not in sys.modules
+    monkeypatch.syspath_prepend(str(HELPERS))
+    from nobn import small_cnn  # the caller's own builder: the card's module is not looked at
+
+    loaded = stoker.load("model.pt", model=small_cnn)
+    assert loaded.classes == CLASSES and not (tmp_path / "ran").exists()
+
+
+def test_a_planted_pyc_beside_the_verified_module_does_not_run(tmp_path, monkeypatch):
+    """Python runs __pycache__/M.cpython-*.pyc instead of M.py while the mtime and size it records match the
+    source's: a .pyc forged with those runs other code than the bytes that were hashed."""
+    import importlib.util
+    from importlib._bootstrap_external import _code_to_timestamp_pyc
+
+    source = tmp_path / "pyc_model.py"
+    source.write_text((HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved_model(tmp_path / "user.pt", name="pyc_model:small_cnn")
+    monkeypatch.delitem(sys.modules, "pyc_model")
+    forged = compile(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n" + source.read_text(), str(source), "exec")
+    stat = source.stat()
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    cached.parent.mkdir(exist_ok=True)
+    cached.write_bytes(_code_to_timestamp_pyc(forged, int(stat.st_mtime), stat.st_size))
+    stoker.load(tmp_path / "user.pt")
+    assert not (tmp_path / "ran").exists()
+    monkeypatch.delitem(sys.modules, "pyc_model")
+
+
+def test_the_recorded_digest_is_sha256_of_the_module_file_and_a_package_module_is_located_unrun(tmp_path,
+                                                                                               monkeypatch):
+    import hashlib
+
+    from stoker.training.model_source import locate_module
+
+    monkeypatch.syspath_prepend(str(HELPERS))
+    card = model_card("nobn:small_cnn", CLASSES, 32)
+    assert card.module_sha256 == hashlib.sha256((HELPERS / "nobn.py").read_bytes()).hexdigest()
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    (package / "net.py").write_text((HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = locate_module("pkg.net")
+    assert source.files == ((package / "__init__.py").resolve(), (package / "net.py").resolve())
+    assert not (tmp_path / "ran").exists() and "pkg" not in sys.modules
+    with pytest.raises(ValueError, match="'pkg.absent' is not found"):
+        locate_module("pkg.absent")
+    model, _ = saved_model(tmp_path / "user.pt", name="pkg.net:small_cnn")  # imports pkg, as training does
+    for name in ("pkg", "pkg.net"):
+        monkeypatch.delitem(sys.modules, name)
+    x = torch.randn(1, 3, 32, 32)
+    assert torch.equal(stoker.load(tmp_path / "user.pt")(x), model.eval()(x))  # verified, then imported
+    assert sys.modules["pkg"].net is sys.modules["pkg.net"]
+    for name in ("pkg", "pkg.net"):
+        monkeypatch.delitem(sys.modules, name)
 
 
 def test_a_module_that_cannot_be_imported_names_the_file_and_where_it_was_trained_from(tmp_path, monkeypatch):
@@ -228,7 +311,7 @@ def test_model_best_is_replaced_only_by_a_better_validation_also_after_a_resume(
     path = tmp_path / "model_best.pt"
     card = model_card("resnet8", CLASSES, 32)
     model = build_model("resnet8", len(CLASSES))
-    best = _BestModel(path, card)
+    best = _BestModel(path, card, resumed=False)
     for epoch, accuracy in ((1, 0.5), (2, 0.7), (3, 0.7), (4, 0.6)):  # a tie keeps the earlier epoch
         with torch.no_grad():
             model.head.bias.fill_(epoch)
@@ -236,15 +319,28 @@ def test_model_best_is_replaced_only_by_a_better_validation_also_after_a_resume(
     card_2, state = read_model(path)
     assert (card_2.kind, card_2.epoch, card_2.val_accuracy) == ("best", 2, 0.7)
     assert torch.equal(state["head.bias"], torch.full((3,), 2.0))
-    resumed = _BestModel(path, card)  # a resumed run's rank 0 starts from what the file records
+    resumed = _BestModel(path, card, resumed=True)  # a resumed run's rank 0 starts from what the file records
     resumed.offer(model, 5, 0.65)
     assert read_model(path)[0].epoch == 2
     resumed.offer(model, 6, 0.75)
     assert read_model(path)[0].epoch == 6
     path.write_bytes(b"damaged")
     with caplog.at_level(logging.WARNING):
-        assert _BestModel(path, card).accuracy is None  # replaced at the next validation, with a warning
+        assert _BestModel(path, card, resumed=True).accuracy is None  # replaced next, with a warning
     assert "model_best.pt: not a model file" in caplog.text
+
+
+def test_a_new_run_replaces_a_stale_model_best_at_its_first_validation(tmp_path):
+    from stoker.training.consumer import _BestModel
+
+    path = tmp_path / "model_best.pt"
+    card = model_card("resnet8", CLASSES, 32)
+    model = build_model("resnet8", len(CLASSES))
+    _BestModel(path, card, resumed=False).offer(model, 7, 0.9)  # an earlier run's, left in the folder
+    fresh = _BestModel(path, card, resumed=False)
+    assert fresh.accuracy is None
+    fresh.offer(model, 1, 0.5)
+    assert (read_model(path)[0].epoch, read_model(path)[0].val_accuracy) == (1, 0.5)
 
 
 def test_the_ending_says_which_epoch_model_best_is_from(tmp_path):
