@@ -122,7 +122,7 @@ def test_report_is_drawn_at_the_end_and_redrawn_and_compared_on_demand(slow_inpu
     png = run_dir / "report.png"
     assert png.read_bytes()[:8] == PNG_MAGIC
     width, height = struct.unpack(">II", png.read_bytes()[16:24])
-    assert (width, height) == (1080, 720)
+    assert (width, height) == (1620, 720)  # three columns: the run validated, so the confusion panel is drawn
     assert "input-bound" in (run_dir / "report.txt").read_text()
     png.unlink()
     redraw = run_cli("report", str(run_dir))
