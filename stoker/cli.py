@@ -87,7 +87,8 @@ TRAIN_FLAGS: dict[str, tuple[str, str, str]] = {
                "batch)", "A", RECIPE),
     "ema": ("keep an EMA of the weights with this decay (0: off), validated each epoch and saved as "
             "model_ema.pt", "D", RECIPE),
-    "clip_grad_norm": ("clip the gradients' global norm to N (0: off)", "N", RECIPE),
+    "clip_grad_norm": ("clip each replica's gradient norm to N before the replicas are averaged (0: off)", "N",
+                       RECIPE),
     "no_decay_norm_bias": ("true | false: no weight decay on norm layers' weights and on biases", "BOOL", RECIPE),
     "random_erasing": ("random erasing probability per sample, on the device (0: off)", "P", RECIPE),
     "val_image_size": ("validation resolution: short side resized, centre crop (default: --image-size; larger "
