@@ -23,7 +23,7 @@ from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, plain_need
 from stoker.pipeline.parts import Assembler, parts_per_batch
-from stoker.pipeline.pool import ProducerPool
+from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
 from stoker.pipeline.producer import ProducerFailed, ProducerSetup, SampleSource, Task, TaskDone
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.pipeline.scheduler import Scheduler
@@ -81,12 +81,14 @@ def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_statu
 
 
 class Engine:
-    """Creates the ring and starts `counts.initial` producers."""
+    """Creates the ring and starts `counts.initial` producers, each holding at most `max_in_flight` tasks. Batches
+    are split into parts for `MAX_IN_FLIGHT` places per producer of the budget (`parts.py`); a deeper queue lets a
+    producer hold more of them, as far as the ring's free slots allow."""
 
     def __init__(self, train: SampleSource, val: SampleSource | None, augment: Any, seed: int, num_slots: int,
                  batch_size: int, image_size: int, counts: ProducerCounts, hang_timeout_s: float,
                  max_bad_fraction: float, mailbox: Mailbox, stop: Any, accounting: Accounting,
-                 events: EventLog, val_image_size: int | None = None) -> None:
+                 events: EventLog, val_image_size: int | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.num_slots = num_slots
         self.budget = budget = counts.budget
         self.autoscaler = counts.autoscaler()
@@ -114,11 +116,11 @@ class Engine:
         self.closed = False
         sweep_dead_segments()
         self.ring = SlotRing.create(num_slots, batch_size, image_size, budget, val_image_size)
-        self.assembler = Assembler(self.ring, parts_per_batch(batch_size, num_slots, budget))
+        self.assembler = Assembler(self.ring, parts_per_batch(batch_size, num_slots, budget, MAX_IN_FLIGHT))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
             setup = ProducerSetup(self.ring.spec, train, val, augment, seed)
-            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget, hang_timeout_s)
+            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget, hang_timeout_s, max_in_flight)
             for _ in range(counts.initial):
                 self.pool.grow()
         except BaseException:

@@ -10,8 +10,9 @@ slot holds its samples contiguously, in plan order, as a batch built whole would
 that part, not its batch.
 
 The number of parts is sized from the producer ceiling: enough parts in flight that every producer can hold
-`MAX_IN_FLIGHT` tasks, never parts smaller than `MIN_PART_SAMPLES` (each part is a message each way), and one part
-(the batch built whole, as before) where the slots already give every producer work.
+`max_in_flight` tasks (the engine sizes them for the pool's default `MAX_IN_FLIGHT`), never parts smaller than
+`MIN_PART_SAMPLES` (each part is a message each way), and one part (the batch built whole, as before) where the
+slots already give every producer work.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from stoker.pipeline.pool import MAX_IN_FLIGHT
 from stoker.pipeline.producer import Task
 from stoker.pipeline.ring import SlotRing
 from stoker.pipeline.scheduler import Issue
@@ -28,9 +28,9 @@ from stoker.pipeline.scheduler import Issue
 MIN_PART_SAMPLES = 4
 
 
-def parts_per_batch(batch_size: int, num_slots: int, max_producers: int) -> int:
-    """Parts per batch so that the slots hold a task for each of `MAX_IN_FLIGHT` places of every producer."""
-    wanted = -(-MAX_IN_FLIGHT * max_producers // max(1, num_slots))
+def parts_per_batch(batch_size: int, num_slots: int, max_producers: int, max_in_flight: int) -> int:
+    """Parts per batch so that the slots hold a task for each of the `max_in_flight` places of every producer."""
+    wanted = -(-max_in_flight * max_producers // max(1, num_slots))
     return max(1, min(wanted, batch_size // MIN_PART_SAMPLES))
 
 

@@ -1,11 +1,12 @@
 """The producer processes: start, feed, watch, replace, retire.
 
-Each producer has its own task queue with at most `MAX_IN_FLIGHT` tasks, so the pool always knows which tasks a
-producer holds: when one dies or hangs, exactly those are re-issued. A producer killed from outside (SIGKILL,
-SIGTERM) gets its work re-issued as it was; one that crashed (a segfault, an abort) or hung on a file gets the
-file it was decoding skipped and listed, so the same file cannot take down its replacement. The kernel's OOM
-killer also sends SIGKILL: a batch whose producers are killed from outside twice on the same file (the status row
-names the file each was decoding) gets that file skipped too, instead of being re-issued until the pool gives up.
+Each producer has its own task queue with at most `max_in_flight` tasks (`MAX_IN_FLIGHT` unless the driver says
+otherwise), so the pool always knows which tasks a producer holds: when one dies or hangs, exactly those (however
+many) are re-issued. A producer killed from outside (SIGKILL, SIGTERM) gets its work re-issued as it was; one
+that crashed (a segfault, an abort) or hung on a file gets the file it was decoding skipped and listed, so the
+same file cannot take down its replacement. The kernel's OOM killer also sends SIGKILL: a batch whose producers
+are killed from outside twice on the same file (the status row names the file each was decoding) gets that file
+skipped too, instead of being re-issued until the pool gives up.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from stoker.pipeline.ring import SlotRing
 
 log = logging.getLogger(__name__)
 
-MAX_IN_FLIGHT = 2  # one being built, one waiting: a producer never idles between tasks
+# One being built, one waiting: a producer never idles between tasks while its driver reads completions as they come
+# (the controller). A driver that reads them only now and then (the Loader, inside next()) asks for more.
+MAX_IN_FLIGHT = 2
 RETIRED_REPORTS_GRACE_S = 5.0
 # A crash loop (every new producer dies at once) ends the run; losses spread over a long run never do.
 MAX_LOSSES_WITHOUT_PROGRESS = 8
@@ -67,8 +70,10 @@ def check_hang_timeout(producer_timeout_s: float, collective_timeout_s: float, w
 
 class ProducerPool:
     def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int,
-                 hang_timeout_s: float) -> None:
+                 hang_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+        assert max_in_flight >= 1, max_in_flight
         self.setup = setup
+        self.max_in_flight = max_in_flight  # tasks a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
         self.mailbox = mailbox
         self.stop = stop
@@ -96,7 +101,7 @@ class ProducerPool:
             return None
         producer = min(free)
         self.ring.status[producer] = (STATUS_IDLE, 0, time.monotonic_ns())
-        tasks = CONTEXT.Queue(MAX_IN_FLIGHT + 1)
+        tasks = CONTEXT.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         process = start(producer_main, (producer, self.setup, tasks, outbox, self.stop),
                         f"stoker producer {producer}")
@@ -118,7 +123,7 @@ class ProducerPool:
         return True
 
     def can_take(self) -> bool:
-        return any(len(h.in_flight) < MAX_IN_FLIGHT for h in self.active)
+        return any(len(h.in_flight) < self.max_in_flight for h in self.active)
 
     def assign(self, task: Task) -> None:
         task = self._skip_known_killers(task)

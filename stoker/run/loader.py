@@ -38,7 +38,9 @@ from stoker.pipeline.autoscale import Window, static_budget
 from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space, producer_fields
 from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.messages import Batch, StepReport
+from stoker.pipeline.parts import parts_per_batch
 from stoker.pipeline.plan import EpochPlan
+from stoker.pipeline.pool import MAX_IN_FLIGHT
 from stoker.pipeline.scheduler import Scheduler
 from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
 from stoker.pipeline.streams import ops_for
@@ -50,6 +52,10 @@ AUGMENTS = ("standard", "noflip", "none")
 DEFAULT_IMAGE_SIZE = 224
 BUILTIN_IMAGE_SIZE = 32
 MIN_SLOTS = 4  # the trainer's slots_per_consumer
+# Whole batches each producer may hold. The Loader reads completions and hands out work only inside next(): while the
+# user's loop trains or waits in DDP's all_reduce, a producer holding one batch (the engine's MAX_IN_FLIGHT parts)
+# runs dry; DataLoader's workers keep 2 batches each queued whatever the loop does.
+QUEUED_BATCHES = 2
 OPEN_ENDED = 1 << 40  # the scheduler's last epoch: the ring, not the epoch, bounds what is built ahead
 STATE_VERSION = 1
 
@@ -289,6 +295,7 @@ class Loader:
         counts = ProducerCounts.from_settings(self.producers, self.min_producers, None, self.max_producers,
                                               static_budget(trains_on, cores), cores)
         self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
+        parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)  # as the engine splits
         check_ring_space(self.num_slots, self.batch_size, self.image_size, counts.budget)
         name_semaphores_for_sweeping()  # before the first one: what a kill -9 of the user's process leaves is swept
         sweep_dead_semaphores()
@@ -300,7 +307,7 @@ class Loader:
         self._books = _LookaheadBooks(self.stats)
         self._engine = Engine(self.source, None, augment, self.seed, self.num_slots, self.batch_size,
                               self.image_size, counts, self.producer_timeout_s, self.max_bad_fraction, self.mailbox,
-                              self.stop, self._books, self.events)
+                              self.stop, self._books, self.events, max_in_flight=QUEUED_BATCHES * parts)
         # With the loader, at garbage collection, or at the interpreter's exit; never after a fork's copy of it.
         self._finalizer = weakref.finalize(self, _shut_down, self._engine, self.stop, self.mailbox, self.events,
                                            os.getpid())

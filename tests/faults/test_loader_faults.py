@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import stoker
 from stoker.pipeline.ring import sweep_dead_segments
@@ -31,6 +32,37 @@ def test_producer_killed_mid_epoch_every_sample_still_once(textures):
     assert sorted(seen) == list(range(120))
     assert summary["duplicate_samples"] == summary["missing_samples"] == 0
     assert summary["epoch_accounting"][0]["consumed"] == 120
+
+
+def _epoch_killing_the_fullest_producer(train: Path, kill_at: int | None) -> tuple[list[torch.Tensor], list[int],
+                                                                                     dict, list[int]]:
+    images, seen, held = [], [], []
+    with stoker.Loader(train, batch_size=8, image_size=32, producers="auto", max_producers=4, device="cpu",
+                       seed=5) as loader:
+        for step, (batch, _) in enumerate(loader):
+            images.append(batch.clone())
+            seen.extend(loader.batch_ids.tolist())
+            if step == kill_at:
+                # Right after next() returned: the loop trains now, and nothing reads the producers' reports.
+                victim = max(loader._engine.pool.active, key=lambda h: len(h.in_flight))
+                held = [t.end - t.first for t in victim.in_flight.values()]
+                os.kill(victim.process.pid, signal.SIGKILL)
+        summary = loader.summary()
+    return images, seen, summary, held
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_killed_holding_two_batches_has_all_of_them_rebuilt(textures):
+    """Between next() calls a producer holds two whole batches (as DataLoader's workers keep prefetch_factor=2),
+    not one, so it does not run dry while the loop trains; killed then, every part it held is built again: the
+    epoch has the same bytes as an undisturbed loader's, every sample once."""
+    train, _ = textures
+    undisturbed, _, _, _ = _epoch_killing_the_fullest_producer(train, None)
+    images, seen, summary, held = _epoch_killing_the_fullest_producer(train, 1)
+    assert sum(held) == 2 * 8 and len(held) > 2  # two batches of 8, in more tasks than the trainer's two
+    assert sorted(seen) == list(range(120))
+    assert summary["duplicate_samples"] == summary["missing_samples"] == 0
+    assert len(images) == len(undisturbed) and all(torch.equal(a, b) for a, b in zip(images, undisturbed))
 
 
 def _start_user_loop(train: Path) -> subprocess.Popen:

@@ -128,9 +128,11 @@ def test_full_parts_need_no_compaction_and_set_the_count(ring):
 
 
 def test_parts_are_sized_from_the_producer_ceiling():
-    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=1) == 1  # the slots give each producer work
-    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4) == 2
-    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=16) == 8
-    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=64) == 8  # never under 4 samples a part
-    assert parts_per_batch(batch_size=3, num_slots=4, max_producers=64) == 1
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=1, max_in_flight=2) == 1  # slots suffice
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4, max_in_flight=2) == 2
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=16, max_in_flight=2) == 8
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=64, max_in_flight=2) == 8  # never under 4 a part
+    assert parts_per_batch(batch_size=3, num_slots=4, max_producers=64, max_in_flight=2) == 1
+    # A queue of 4 places per producer needs twice the parts to fill from the same slots.
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4, max_in_flight=4) == 4
     assert part_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty part
