@@ -164,14 +164,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 240, check: bo
     return result
 
 
-def assert_same_weights(run_a: Path, run_b: Path) -> None:
-    """The two runs' model.pt hold bitwise the same tensors."""
+def assert_same_weights(run_a: Path, run_b: Path, file: str = "model.pt") -> None:
+    """The two runs' model files (`file`: model.pt, model_ema.pt, ...) hold bitwise the same tensors."""
     import torch  # here: a test that needs no torch does not pay for its import
 
-    a = torch.load(run_a / "model.pt", weights_only=True)["state_dict"]
-    b = torch.load(run_b / "model.pt", weights_only=True)["state_dict"]
+    a, b = (torch.load(run / file, weights_only=True)["state_dict"] for run in (run_a, run_b))
+    assert a.keys() == b.keys(), file
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(a[name], b[name]), (file, name)
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -10,11 +10,10 @@ import pickle
 import time
 
 import pytest
-import torch
 
 from stoker.common import checkpoint
 from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR, live_segments
-from tests.conftest import read_summary, run_cli, stoker_processes, wait_for_no_trace
+from tests.conftest import assert_same_weights, read_summary, run_cli, stoker_processes, wait_for_no_trace
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -179,10 +178,7 @@ def test_interrupt_checkpoints_and_resume_is_bitwise_exact_across_an_epoch_bound
         assert resumed[key] == whole[key], key
     assert [(s["start_step"], s["end_step"], s["status"]) for s in resumed["segments"]] == [
         (0, stopped_at, "interrupted"), (stopped_at, 16, "completed")]
-    a = torch.load(straight / "model.pt", weights_only=True)["state_dict"]
-    b = torch.load(split / "model.pt", weights_only=True)["state_dict"]
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(straight, split)
 
 
 class _Exploit:

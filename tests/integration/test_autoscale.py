@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from tests.conftest import read_summary, run_cli
+from tests.conftest import assert_same_weights, read_summary, run_cli
 
 pytestmark = pytest.mark.timeout(240)
 SLOW_INPUT = {"STOKER_READ_LATENCY_MS": "60", "STOKER_STEP_TIME_MS": "50"}  # ~16 img/s per producer, 130 needed
@@ -41,9 +40,7 @@ def test_slow_input_adds_producers_past_the_free_cores_while_consumers_wait(text
 
     fixed = run(textures, tmp_path / "fixed", "--epochs", "14", "--producers", "3", env={})  # fast input
     assert fixed["producers_max"] == 3
-    a = torch.load(tmp_path / "auto" / "model.pt", weights_only=True)["state_dict"]
-    b = torch.load(tmp_path / "fixed" / "model.pt", weights_only=True)["state_dict"]
-    assert all(torch.equal(a[k], b[k]) for k in a)  # neither scaling decisions nor timing change the results
+    assert_same_weights(tmp_path / "auto", tmp_path / "fixed")  # neither scaling decisions nor timing change them
 
 
 def test_over_provisioned_producers_are_retired(textures, tmp_path):

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-from tests.conftest import cuda_device_count, read_summary, run_cli
+from tests.conftest import assert_same_weights, cuda_device_count, read_summary, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -43,10 +42,7 @@ def test_deterministic_resume_on_a_gpu_is_bitwise_exact(textures, tmp_path):
                     check=False)
     assert result.returncode == 130
     run_cli("train", "--resume", str(split), "--devices", "cuda:0", "--quiet")
-    a = torch.load(straight / "model.pt", weights_only=True)["state_dict"]
-    b = torch.load(split / "model.pt", weights_only=True)["state_dict"]
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(straight, split)
 
 
 def test_bf16_channels_last_compiled_training_reports_gpu_memory(textures, tmp_path):

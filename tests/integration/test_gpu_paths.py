@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import cuda_device_count, read_summary, run_cli
+from tests.conftest import assert_same_weights, cuda_device_count, read_summary, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 two_gpus = pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
@@ -170,10 +170,7 @@ def test_two_gpus_resume_is_exact(textures, tmp_path):
                     env={"STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=5;"}, check=False)
     assert result.returncode == 130
     run_cli("train", "--resume", str(split), "--devices", "cuda:0,1", "--quiet")
-    a = torch.load(straight / "model.pt", weights_only=True)["state_dict"]
-    b = torch.load(split / "model.pt", weights_only=True)["state_dict"]
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert_same_weights(straight, split)
 
 
 @two_gpus

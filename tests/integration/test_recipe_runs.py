@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from stoker.training.models import build_model
-from tests.conftest import read_summary, run_cli
+from tests.conftest import assert_same_weights, read_summary, run_cli
 
 EVERY_SWITCH = ("--augment", "trivial", "--mixup", "0.2", "--cutmix", "1.0", "--label-smoothing", "0.1",
                 "--ema", "0.9", "--clip-grad-norm", "1.0", "--random-erasing", "0.5", "--warmup-epochs", "0.5",
@@ -33,13 +33,6 @@ def _train(textures, out: Path, *extra: str, env: dict | None = None, check: boo
                    *EVERY_SWITCH, *extra, env=env, check=check)
 
 
-def _same(file_a: Path, file_b: Path) -> None:
-    a, b = (torch.load(f, weights_only=True)["state_dict"] for f in (file_a, file_b))
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), (file_a.name, name)
-
-
 def test_every_switch_same_weights_whatever_the_producers_and_across_a_resume(textures, tmp_path):
     """1 producer straight through against 3 producers interrupted and resumed: bitwise the same model and EMA
     (either difference alone would break it); replicas and their EMAs identical."""
@@ -55,8 +48,8 @@ def test_every_switch_same_weights_whatever_the_producers_and_across_a_resume(te
     assert summary["replica_mismatch_steps"] == []
     assert summary["ema_val_accuracy"] is not None and summary["val_top5_accuracy"] is not None
     assert 2 < read_summary(split)["start_step"] < 8  # the resumed part trained steps of its own
-    _same(straight / "model.pt", split / "model.pt")
-    _same(straight / "model_ema.pt", split / "model_ema.pt")
+    assert_same_weights(straight, split)
+    assert_same_weights(straight, split, "model_ema.pt")
     last = sorted((straight / "checkpoints").glob("step_*"))[-1]
     ema_0 = torch.load(last / "rank_0.pt", weights_only=True)["ema"]
     ema_1 = torch.load(last / "rank_1.pt", weights_only=True)["ema"]
