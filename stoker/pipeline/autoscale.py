@@ -36,6 +36,7 @@ JUMP_MAX = 4  # a plain need multiplies the count by at most this (a jump that d
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
 SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
+PACED_WAIT = 0.1  # a step that waited this share of its time for its batch ran at the producers' pace
 SETTLE_S = 0.5  # after a change: steps that end within this ran on batches built before it
 STARTUP_WINDOWS = 2  # the ring is full when training starts: its first seconds measure the ring, not the producers
 MEASURE_WINDOWS = 2  # windows at one count that make its rate ...
@@ -72,6 +73,7 @@ class StepStamp:
     ended_s: float  # time.monotonic() in the consumer when the step ended: one clock for the machine's processes
     samples: int
     train_s: float  # its time in the training step, input wait included
+    wait_s: float = 0.0  # of train_s, waiting for its batch
 
 
 @dataclass(frozen=True)
@@ -208,11 +210,22 @@ class Autoscaler:
         self._step_count += steps
 
     def _window_rate(self, window: Window) -> float:
-        """The rate of the window's steps that ran at the current count (none stamped: its totals). Steps fed
-        by the ring's start-up batches can only raise it, so a start-up fork judged against it is kept only if it
-        paid."""
-        counted = [s for s in window.stamps if s.ended_s >= self._count_from]
-        return _rate(counted) if counted else window.rate
+        """The producers' pace in the window: the rate of its steps that ran at the current count and waited
+        for their batch (none stamped: its totals). Steps served at once from batches the ring held before
+        training began ran at the ring's pace: counted, they made a start-up jump that quadrupled the rate look
+        unpaid (measured: 195 samples/s "before" for one producer's 37)."""
+        return _rate(self._paced(window)) if window.stamps else window.rate
+
+    def _paced(self, window: Window) -> list[StepStamp]:
+        """The window's steps at the current count that waited for their batch: they ran at the producers' pace.
+        Steps served at once from batches the ring held before training began ran at the ring's."""
+        return [s for s in window.stamps if s.ended_s >= self._count_from and s.wait_s >= PACED_WAIT * s.train_s]
+
+    def _paced_stall(self, window: Window) -> float:
+        """The share of their time the paced steps waited (no stamps: the window's own stall)."""
+        paced = self._paced(window)
+        train_s = sum(s.train_s for s in paced)
+        return sum(s.wait_s for s in paced) / train_s if train_s > 0 else window.stall
 
     def _measured(self, jump: bool) -> bool:
         windows, steps = (1, JUMP_MEASURE_STEPS) if jump else (MEASURE_WINDOWS, MEASURE_STEPS)
@@ -239,10 +252,21 @@ class Autoscaler:
         if window.producers >= self.limit:
             held = "the most that paid" if self.limit < self.ceiling else "the ceiling"
             return Decision(0, f"at {held} ({self.limit} producers); {summary}", measurement=measurement)
-        if not self._measured(plain_need(window) and self.jump_target(window) > window.producers + 1):
+        if plain_need(window):
+            # Consumers waited most of the window with every producer busy: no measurement is needed to see that
+            # more producers are wanted (a count restarted by a refused fork, or the first window after start-up,
+            # once waited 2 windows and 8 steps here). Unmeasured, the fork is judged against this window's rate.
+            base, stall = ((rate, self._mean_stall()) if self._measured(jump=True)
+                           else (self._window_rate(window), window.stall))
+            if base > 0:
+                measurement["rate_at_count"] = round(base, 2)
+                return self._fork(window, base, stall, f"consumers wait: {summary}", measurement)
+        if not self._measured(jump=False):
             return Decision(0, f"measuring {window.producers} producers; {summary}", measurement=measurement)
-        stall = sum(self._stalls) / len(self._stalls)
-        return self._fork(window, rate, stall, f"consumers wait: {summary}", measurement)
+        return self._fork(window, rate, self._mean_stall(), f"consumers wait: {summary}", measurement)
+
+    def _mean_stall(self) -> float:
+        return sum(self._stalls) / len(self._stalls) if self._stalls else 0.0
 
     def jump_target(self, window: Window) -> int:
         """On a plain need: the count whose input would end the wait if input grew with the count, at most
@@ -251,7 +275,7 @@ class Autoscaler:
         p = window.producers
         if not plain_need(window):
             return p + 1
-        ends_wait = math.ceil(p / max(0.05, 1 - window.stall))
+        ends_wait = math.ceil(p / max(0.05, 1 - max(window.stall, self._paced_stall(window))))
         cores_each = window.utilization * (1 - window.read_share)
         fits = math.floor(self.budget / cores_each) if cores_each > 0 else ends_wait
         return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, fits))

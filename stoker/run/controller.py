@@ -432,7 +432,7 @@ class Controller:
             stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
             producers=self.split.producers, samples=window.samples, steps=window.steps,
             train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / n,
-            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n) for s in window.stamps)))
+            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n) for s in window.stamps)))
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary

@@ -29,18 +29,21 @@ THREE = [window(3, 0.50, 321.0), window(3, 0.54, 316.0)]
 
 
 def test_grows_past_the_cores_the_consumers_leave_free_while_they_wait_and_forks_pay():
+    # The consumer waits a third of the time: one window is not a measurement, two are.
     scaler = Autoscaler(minimum=1, budget=1, ceiling=6)  # 2 cores, one of them for the CPU consumer
-    assert feed(scaler, ONE[:1]) == [0]  # one window is not a measurement
-    fork = scaler.decide(ONE[1])
+    assert feed(scaler, [window(1, 0.33, 240.0), window(1, 0.33, 244.0)]) == [0, 1]
+    # It waits 86% of the time with the producer 97% busy: the need is plain, fork at once.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
+    fork = scaler.decide(ONE[0])
     assert fork.change == 1 and "past the free cores" in fork.reason
-    assert fork.measurement["rate_at_count"] == 177.0
+    assert fork.measurement["rate_at_count"] == 175.0
     assert feed(scaler, [window(2, 0.9, 40.0)]) == [0]  # the new producer is starting: not judged
     assert feed(scaler, TWO) == [0, 1]  # 177 -> 320 paid, consumers still wait: fork again
 
 
 def test_a_fork_that_did_not_pay_is_retired_newest_first_and_tried_again_later():
     scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
-    feed(scaler, [*ONE, window(2, 0.9, 40.0), *TWO, window(3, 0.9, 100.0)])
+    assert feed(scaler, [ONE[0], window(2, 0.9, 40.0), *TWO, window(3, 0.9, 100.0)]) == [1, 0, 0, 1, 0]
     retire = scaler.decide(THREE[0])
     assert retire.change == 0  # one window at three is not a measurement
     retire = scaler.decide(THREE[1])
@@ -57,10 +60,9 @@ def test_a_fork_the_pool_refused_is_not_judged_and_is_asked_again():
     # At the count limit a retiring producer keeps its row until it exits: the pool cannot fork yet. No producer
     # started, so no measurement may retire one (a real producer) or hold the count down as if it had not paid.
     scaler = Autoscaler(minimum=1, budget=1, ceiling=6)
-    assert scaler.decide(ONE[0]).change == 0
-    assert scaler.decide(ONE[1]).change == 1
+    assert scaler.decide(ONE[0]).change == 1
     scaler.fork_refused()
-    assert feed(scaler, ONE) == [0, 1]  # still one producer and waiting: measured again, asked again
+    assert feed(scaler, ONE[1:]) == [1]  # still one producer and plainly waiting: asked again at once
     scaler.fork_refused()
     for measured in ONE * 4:  # the retiring producer is slow to exit: every fork is refused
         decision = scaler.decide(measured)
@@ -116,17 +118,17 @@ def test_the_ring_drained_at_start_up_is_not_taken_for_the_producers_rate():
     # producers'; a fork judged against that rate never looks as if it paid (seen: 193 "before" against 121).
     drained = [window(1, 0.30, 400.0), window(1, 0.35, 300.0)]  # waiting, but not plainly
     scaler = Autoscaler(minimum=1, budget=1, ceiling=6, startup_windows=2)
-    assert feed(scaler, [*drained, ONE[0]]) == [0, 0, 0]
-    fork = scaler.decide(ONE[1])
-    assert fork.change == 1 and fork.measurement["rate_at_count"] == 177.0
-    assert feed(scaler, [window(2, 0.9, 40.0), *TWO]) == [0, 0, 1]  # so 177 -> 320 pays
+    assert feed(scaler, drained) == [0, 0]
+    fork = scaler.decide(ONE[0])  # the first window past start-up, and the need is plain
+    assert fork.change == 1 and fork.measurement["rate_at_count"] == 175.0
+    assert feed(scaler, [window(2, 0.9, 40.0), *TWO]) == [0, 0, 1]  # so 175 -> 320 pays
 
 
 def stamped(producers: int, ended_s: float, steps: list[tuple[float, float]], stall: float = 0.9,
             utilization: float = 0.97, read_share: float = 0.0) -> Window:
     """A window closed at `ended_s` whose reports carry each step's own end time: (ended_s, seconds) of steps of
     32 samples (one consumer)."""
-    stamps = tuple(StepStamp(end, 32, seconds) for end, seconds in steps)
+    stamps = tuple(StepStamp(end, 32, seconds, stall * seconds) for end, seconds in steps)
     return Window(stall=stall, queue_fill=0.05, utilization=utilization, producers=producers,
                   samples=32 * len(steps), steps=len(steps), train_s=sum(s for _, s in steps), ended_s=ended_s,
                   stamps=stamps, read_share=read_share)
@@ -172,6 +174,25 @@ def test_a_plain_need_at_start_up_forks_at_once_and_jumps_as_far_as_the_cores_al
     # Not plain (consumers wait a little): no fork before a measurement.
     calm = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
     assert calm.decide(stamped(1, 1.0, [(0.5, 0.1), (0.9, 0.1)], stall=0.2, read_share=0.95)).change == 0
+
+
+def test_a_start_up_jump_is_judged_against_the_producers_pace_not_the_rings():
+    # Recorded (issue 23's latency workload, one producer): training starts on 3 batches the ring held, served at
+    # once, then each step waits 0.85 s for the one producer. The window read 195 samples/s; the producer's pace
+    # was 37. The jump to 4 brought 150: judged against 195, it was retired (-23%) and the run stayed at 1. The
+    # window's stall (55%) also counts the ring's steps: the producer's steps waited 99% of their time, so the jump
+    # goes to 4 (x4, the most), not to the 3 that would end a 55% wait.
+    ring = [StepStamp(3.01, 32, 0.006), StepStamp(3.02, 32, 0.002), StepStamp(3.03, 32, 0.002, 0.0001)]
+    paced = [StepStamp(4.0, 32, 0.86, 0.85)]
+    first = Window(stall=0.55, queue_fill=0.1, utilization=1.0, producers=1, samples=128, steps=4, train_s=0.99,
+                   ended_s=4.3, stamps=(*ring, *paced), read_share=0.95)
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
+    fork = scaler.decide(first)
+    assert fork.change == 3 and abs(fork.measurement["rate_at_count"] - 32 / 0.86) < 0.01, fork.measurement
+    scaler.forked(3, now=4.35)
+    kept = scaler.decide(stamped(4, 5.3, [(4.7, 0.2), (4.9, 0.2), (5.1, 0.2), (5.3, 0.2)], stall=0.5,
+                                 read_share=0.95))
+    assert kept.change >= 0 and abs(kept.measurement["gain"] - (160 / (32 / 0.86) - 1)) < 0.01, kept.reason
 
 
 def test_a_jump_that_did_not_pay_is_retired_whole_in_one_decision():
