@@ -29,6 +29,7 @@ class TimeSplit:
     producer_ceiling: int | None = None  # --max-producers (or auto's default); None: the budget is the ceiling
     host: float = 0.0  # on GPUs: the device idle while the consumer was not waiting for a batch
     producer_read_share: float | None = None  # of the producers' busy time, reading files; None: not measured
+    producer_slot_bound: float | None = None  # share of their time producers idled while a batch waited for a slot
 
 
 @dataclass(frozen=True)
@@ -57,30 +58,37 @@ def diagnose(split: TimeSplit) -> Verdict:
 
 
 def _producer_advice(split: TimeSplit) -> str:
-    """What limits input, from the producers' own figures: idle producers lack work (more cores would idle too);
-    busy ones wait on storage only when reading files is most of their busy time (a cache-warm folder reads in
-    microseconds and its producers are busy decoding)."""
-    if split.producer_utilization < BUSY_PRODUCERS:
-        return (f"producers idle {1 - split.producer_utilization:.0%} of the time while consumers wait: they lack "
-                "work, not cores or storage (the batches in flight are the limit, or new producers were still "
-                "starting); raise --slots-per-consumer")
+    """What limits input, from the producers' own figures: producers idle while batches waited for a free slot
+    lack work (more cores would idle too); busy ones wait on storage only when reading files is most of their busy
+    time (a cache-warm folder reads in microseconds and its producers are busy decoding). Producers idle for another
+    reason (starting: imports; the run's first and last batches) are judged by what they did when busy."""
+    idle = 1 - split.producer_utilization
+    slot_bound = split.producer_slot_bound
+    if idle > 1 - BUSY_PRODUCERS and (slot_bound is None or slot_bound >= idle / 2):
+        held = "" if slot_bound is None else f", {slot_bound:.0%} of it while a batch waited for a free slot"
+        return (f"producers idle {idle:.0%} of the time while consumers wait{held}: they lack work, not cores or "
+                "storage (the batches in flight are the limit); raise --slots-per-consumer")
+    busy = f"busy {split.producer_utilization:.0%}"
+    if idle > 1 - BUSY_PRODUCERS:
+        busy += " (idle while starting, not for want of slots)"
     reading = split.producer_read_share
     if reading is not None and reading >= SLOW_READS:
         at_most = split.producers >= (split.producer_ceiling or split.producer_budget)
         more = "raise --producers, or --max-producers under auto" if at_most else "--producers auto adds them"
-        return (f"producers busy {split.producer_utilization:.0%}, {reading:.0%} of it reading files: reading is "
-                f"slow (storage or network); more producers overlap the reads ({more}), or copy the data to a "
-                "local disk")
+        return (f"producers {busy}, {reading:.0%} of it reading files: reading is slow (storage or network); more "
+                f"producers overlap the reads ({more}), or copy the data to a local disk")
+    if idle > 1 - BUSY_PRODUCERS:
+        return f"producers {busy}: neither slots nor storage held them; a longer run measures them better"
     if split.producers >= split.producer_budget and (split.producer_ceiling or 0) > split.producer_budget:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
-        return (f"producers held at {split.producer_budget} (busy {split.producer_utilization:.0%}; the ceiling is "
-                f"{split.producer_ceiling}) because one more did not raise the rate: the cores are the limit, not "
-                "the producer count; lower --image-size, or give the run more cores")
+        return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "
+                "because one more did not raise the rate: the cores are the limit, not the producer count; lower "
+                "--image-size, or give the run more cores")
     if split.producers >= split.producer_budget:
-        return (f"producers at budget ({split.producers}/{split.producer_budget}, busy "
-                f"{split.producer_utilization:.0%}): give them more cores (--max-producers) or lower --image-size")
-    return (f"{split.producers} producers busy {split.producer_utilization:.0%}, below the budget of "
-            f"{split.producer_budget}: --producers auto adds more, or raise --producers")
+        return (f"producers at budget ({split.producers}/{split.producer_budget}, {busy}): give them more cores "
+                "(--max-producers) or lower --image-size")
+    return (f"{split.producers} producers {busy}, below the budget of {split.producer_budget}: --producers auto "
+            "adds more, or raise --producers")
 
 
 def suggest_sync_every(averaging: float, sync_every: int) -> int:

@@ -107,6 +107,10 @@ class Engine:
         self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
         self.producer_reading = (0.0, 0.0)  # (producer-seconds reading files, busy producer-seconds) over the run
         self.window_read_share = 0.0
+        # Producer-seconds per producer spent idle while a batch waited for a free slot (from training on): the
+        # verdict's evidence that the slots, not the producers, are the limit.
+        self.slot_bound_s = 0.0
+        self._slot_bound: tuple[float, float] | None = None  # (since, the share of producers idle then)
         self.last_window = (0.0, 0.0, 0.0, 0.0)  # the latest window's (busy, seconds, reading, busy producer-s)
         self.training = False  # a window with training steps has been seen: run totals count from then on
         # How fast auto answers: when a window first showed a plain need, and when the first fork came.
@@ -148,16 +152,28 @@ class Engine:
         """Give producers the next parts of batches, as far as slots and their queues allow: the parts of one
         batch go to as many producers as are free (`parts.py`)."""
         assert self.pool is not None and self.scheduler is not None
+        idle_for_a_slot = 0.0
         while self.pool.can_take():
             if not self.pending_parts:
                 issued = self.scheduler.issue_one()
                 if issued is None:
+                    idle_for_a_slot = self.pool.idle_share() if self.scheduler.waits_for_slot() else 0.0
                     break
                 self.slot_owner[issued.slot] = issued.rank
                 if issued.work.kind == "train":
                     self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
                 self.pending_parts.extend(self.assembler.split(issued))
             self._assign(self.pending_parts.popleft())
+        self._note_slot_bound(idle_for_a_slot)
+
+    def _note_slot_bound(self, idle_share: float) -> None:
+        """The state holds until the next dispatch: only a finished part or a taken batch, each followed by one,
+        can change it."""
+        now = time.monotonic()
+        if self._slot_bound is not None and self.training:
+            since, share = self._slot_bound
+            self.slot_bound_s += (now - since) * share
+        self._slot_bound = (now, idle_share) if idle_share > 0 else None
 
     def _assign(self, task: Task) -> None:
         assert self.pool is not None
@@ -320,7 +336,13 @@ class Engine:
         count of now against the limit of now, how busy they were and what kept them busy."""
         return {"producers": self.timeline[-1]["producers"] if self.timeline else 0,
                 "producer_budget": self.producer_limit(), "producer_utilization": self.producer_utilization(),
-                "producer_ceiling": self.budget, "producer_read_share": self.producer_read_share()}
+                "producer_ceiling": self.budget, "producer_read_share": self.producer_read_share(),
+                "producer_slot_bound": self.producer_slot_bound()}
+
+    def producer_slot_bound(self) -> float:
+        """The share of the producers' time (from training on) spent idle while a batch waited for a free slot."""
+        seconds = self.producer_busy[1]
+        return min(1.0, self.slot_bound_s / seconds) if seconds else 0.0
 
     # ---- the end ------------------------------------------------------------------------------------------------
 

@@ -112,6 +112,11 @@ class Scheduler:
             return Issue(rank, self._take(rank), item.work, slot, item.global_step)
         return None
 
+    def waits_for_slot(self) -> bool:
+        """After `issue_one` found nothing: a batch is next in line for some rank and no slot is free for it (every
+        slot holds a batch being built, or built and not yet taken): the ring, not the plan, holds it back."""
+        return any((item := self._peek(rank)) is not None and _needs_slot(item) for rank in range(self.num_ranks))
+
     def _peek(self, rank: int) -> Item | None:
         if self._peeked[rank] is None:
             self._peeked[rank] = next(self._streams[rank], None)

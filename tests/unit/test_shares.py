@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from stoker.observe.metrics import RunStats, time_shares
 from stoker.pipeline.messages import StepReport
+from stoker.pipeline.pool import Handle, ProducerPool
+from stoker.pipeline.producer import TaskDone
 
 
 def test_shares_are_parts_of_the_wall_time():
@@ -33,3 +35,15 @@ def test_a_run_whose_reports_arrive_late_keeps_every_consumer_under_100_percent(
     [(compute, wait, averaging)] = stats.shares()
     assert compute + wait + averaging <= 1.0
     assert (compute, wait, averaging) == (0.6, 0.1, 0.3)  # 1.2 s, 0.2 s and 0.6 s of the 2.0 s timed
+
+
+def test_producers_still_starting_are_not_counted_idle():
+    # 16 producers forked at once spend seconds importing; counted as idle from their fork, producers busy 96% of
+    # the time once started read "idle 48%: they lack work" in the verdict.
+    pool = ProducerPool(setup=None, ring=None, mailbox=None, stop=None, capacity=2, hang_timeout_s=60.0)  # type: ignore[arg-type]
+    pool.handles = {0: Handle(0, None, None), 1: Handle(1, None, None)}  # type: ignore[arg-type]
+    pool.finished(TaskDone(producer=0, task_id=1, count=8, skipped={}, busy_s=5.0))  # began 5 s ago
+    pool.take_utilization(1.0)  # the window its first task ended in
+    pool.finished(TaskDone(producer=0, task_id=2, count=8, skipped={}, busy_s=0.6))
+    utilization, busy_s, _ = pool.take_utilization(1.0)
+    assert busy_s == 0.6 and abs(utilization - 0.6) < 1e-3  # producer 1 has not finished a task: still starting

@@ -41,6 +41,7 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
     engine.timeline = [{"producers": n} for n in (1, 2, 3, 4, 3)]
     engine.producer_busy = (8.2, 10.0)
     engine.producer_reading = (0.1, 8.2)  # decoding, not reading, kept them busy
+    engine.slot_bound_s = 0.0
     controller._engine = engine
     for step, now in enumerate((1.0, 2.0, 3.0)):  # half of every step spent waiting for input
         controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
@@ -51,6 +52,18 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
 def _verdict(**figures) -> str:
     fields = dict(compute=0.5, averaging=0.0, sync_every=1)
     return diagnose(TimeSplit(**{**fields, **figures})).text
+
+
+def test_producers_idle_while_starting_are_not_told_to_raise_the_slots():
+    # Issue 23's latency workload under auto (measured): the producers forked to 16 spent their first seconds
+    # importing, so over the run they were busy 69%, but no batch ever waited for a slot; "raise
+    # --slots-per-consumer" was the verdict. Once started they waited on reads (96% of their busy time).
+    text = _verdict(input_wait=0.94, producers=16, producer_budget=16, producer_utilization=0.69,
+                    producer_read_share=0.96, producer_slot_bound=0.0)
+    assert "--slots-per-consumer" not in text and "reading is slow" in text and "starting" in text, text
+    slots = _verdict(input_wait=0.94, producers=16, producer_budget=16, producer_utilization=0.5,
+                     producer_read_share=0.96, producer_slot_bound=0.4)
+    assert "--slots-per-consumer" in slots and "40% of it while a batch waited for a free slot" in slots, slots
 
 
 def test_idle_producers_are_not_told_to_get_more_cores():
@@ -91,6 +104,7 @@ def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.timeline = [{"producers": n} for n in (1, 2)]
     engine.producer_busy, engine.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
+    engine.slot_bound_s = 6.0  # ... while batches waited for a free slot
     loader = Loader.__new__(Loader)
     loader.stats, loader._engine, loader.info = RunStats(1, 100, 0), engine, None
     for step, now in enumerate((1.0, 2.0, 3.0)):
@@ -100,5 +114,5 @@ def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
     expected = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
                                   averaging=0.0, sync_every=1, producers=2,
                                   producer_budget=6, producer_utilization=0.4, producer_ceiling=6,
-                                  producer_read_share=0.0025)).text
+                                  producer_read_share=0.0025, producer_slot_bound=0.6)).text
     assert text == expected and "reading the files is slow" not in text, text
