@@ -25,8 +25,13 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 	rm -rf runs/demo
 	$(VENV)/bin/stoker train --out runs/demo
 
+# Two workers at once (a test's time is mostly processes starting and waiting); the tests that read the whole
+# machine (/dev/shm, /tmp: marked `serial`) run alone after them.
+TEST_WORKERS ?= 2
+
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests
+	$(PY) -m pytest -q -m serial tests
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check stoker tests

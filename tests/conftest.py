@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from stoker.common.procs import stoker_processes
+from stoker.common import procs
 from stoker.data import builtin_data
-from stoker.pipeline.ring import live_segments
+from stoker.pipeline import ring
 
 ROOT = Path(__file__).resolve().parent.parent
 HELPERS = Path(__file__).resolve().parent / "helpers"
@@ -33,6 +33,39 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+# `make test` runs most tests in 2 pytest-xdist workers at once: the leave-no-trace checks look only at what this
+# worker's tests started. Every process a test starts inherits this mark, orphaned or not; a segment's name holds
+# its creator's pid. Tests whose checks read the whole machine (`serial`) run alone, after the others.
+SESSION_MARK = f"STOKER_TEST_SESSION={os.getpid()}"
+os.environ["STOKER_TEST_SESSION"] = str(os.getpid())
+
+
+def _ours(pid: int) -> bool:
+    """Started by this session (this process, or a descendant that inherited the mark)."""
+    if pid == os.getpid():
+        return True
+    try:
+        environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return SESSION_MARK.encode() in environment
+
+
+def stoker_processes() -> list[tuple[int, str]]:
+    """The live stoker processes this session started."""
+    return [(pid, title) for pid, title in procs.stoker_processes() if _ours(pid)]
+
+
+def live_segments() -> list[str]:
+    """Stoker segments in /dev/shm made by this session, or by a process that is gone (nobody will remove them
+    but the next start's sweep: a leak, whoever made it)."""
+    return [name for name in ring.live_segments() if _ours(pid := ring.segment_creator(name)) or not _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}")
+
+
 def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -44,6 +77,7 @@ def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs wherever one is visible, skipped elsewhere")
+    config.addinivalue_line("markers", "serial: reads the whole machine (/dev/shm, /tmp); `make test` runs it alone")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

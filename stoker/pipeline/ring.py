@@ -250,10 +250,17 @@ def remove_if_unheld(path: str, remove: Callable[[str], None] = os.unlink) -> bo
         os.close(descriptor)
 
 
+def segment_creator(name: str) -> int:
+    """The pid in a stoker segment's name: the process that made it."""
+    match = _NAME_PATTERN.match(name)
+    assert match is not None, name
+    return int(match.group(1))
+
+
 def live_segments(pid: int | None = None) -> list[str]:
     """Names of stoker segments in /dev/shm (of one controller when `pid` is given): used by tests and checks."""
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return []
-    return sorted(n for n in names if (m := _NAME_PATTERN.match(n)) and (pid is None or int(m.group(1)) == pid))
+    return sorted(n for n in names if _NAME_PATTERN.match(n) and (pid is None or segment_creator(n) == pid))

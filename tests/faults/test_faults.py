@@ -12,8 +12,9 @@ import time
 import pytest
 
 from stoker.common import checkpoint
-from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR, live_segments
-from tests.conftest import assert_same_weights, read_summary, run_cli, stoker_processes, wait_for_no_trace
+from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR
+from tests.conftest import (assert_same_weights, live_segments, read_summary, run_cli, stoker_processes,
+                            wait_for_no_trace)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -117,6 +118,7 @@ def test_consumer_killed_before_averaging_fails_cleanly_and_resume_continues(tex
     assert resumed["samples_consumed"] == [120, 120]  # the whole run: epoch 1 before the kill, epoch 2 resumed
 
 
+@pytest.mark.serial  # plants a dead run's segment: any other check would see it
 def test_controller_killed_children_exit_and_next_start_sweeps_its_segment(textures, tmp_path):
     result = run_cli(*train_args(textures, tmp_path, "--devices", "cpu:2", "--epochs", "3"),
                      env=fault("consumer:kill-parent:rank=0,step=4;"), check=False)
@@ -130,6 +132,7 @@ def test_controller_killed_children_exit_and_next_start_sweeps_its_segment(textu
     assert not os.path.exists(stale)
 
 
+@pytest.mark.serial  # compares all of /dev/shm and /tmp before and after
 def test_kill_9_of_the_whole_group_leaves_semaphores_and_a_store_that_the_next_start_removes(textures, tmp_path):
     """SIGKILL to every process of the run at once, the resource tracker included (which otherwise unlinks what a
     killed controller leaves): before, 11 `sem.mp-*` per run stayed in /dev/shm and the store folder in /tmp

@@ -13,6 +13,7 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.timeout(180)
 
 
+@pytest.mark.serial  # counts every segment in /dev/shm
 def test_short_soak_with_random_producer_kills_holds_every_check(tmp_path):
     report = tmp_path / "soak.json"
     run_cli("bench", "soak", "--minutes", "0.4", "--kill-every-s", "2", "--json", str(report), check=False)

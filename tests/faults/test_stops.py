@@ -316,6 +316,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.serial  # sweeps all of /dev/shm
 def test_the_stale_segment_sweep_keeps_a_segment_a_live_controller_holds_whatever_its_pid():
     """A controller in another container (another PID namespace, /dev/shm shared with --ipc=host) names its
     segment with a pid that means nothing here, 999999: only the lock it holds says it is alive."""

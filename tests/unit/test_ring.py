@@ -13,6 +13,7 @@ from stoker.pipeline.ring import SHM_DIR, SlotRing
 KERNEL = tuple(int(part) for part in os.uname().release.split(".")[:2])
 
 
+@pytest.mark.serial  # measures all of /dev/shm
 @pytest.mark.skipif(KERNEL < (5, 14), reason="MADV_POPULATE_WRITE needs Linux 5.14")
 def test_creating_the_ring_allocates_all_of_its_memory() -> None:
     before = shutil.disk_usage(SHM_DIR).used
