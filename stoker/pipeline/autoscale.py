@@ -36,7 +36,8 @@ JUMP_MAX = 4  # a plain need multiplies the count by at most this (a jump that d
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
 SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
-PACED_WAIT = 0.1  # a step that waited this share of its time for its batch ran at the producers' pace
+PACED_WAIT = 0.1  # the first step of training that waited this share of its time for its batch ends the ring's
+# start-up batches: the steps before it were served at once, at the ring's pace, not the producers'
 SETTLE_S = 0.5  # after a change: steps that end within this ran on batches built before it
 STARTUP_WINDOWS = 2  # the ring is full when training starts: its first seconds measure the ring, not the producers
 MEASURE_WINDOWS = 2  # windows at one count that make its rate ...
@@ -148,8 +149,10 @@ class Autoscaler:
         self._trial: _Trial | None = None
         self._calm_windows = 0
         self._starting_windows = 0
+        self._ring_served = True  # training has not yet had a step that waited for its batch
 
     def decide(self, window: Window) -> Decision:
+        window = self._without_ring_steps(window)
         previous, self._clock = self._clock, window.ended_s if window.ended_s is not None else self._clock + 1.0
         self._count_down_hold()
         summary = (f"stall {window.stall:.1%}, {window.rate:.1f} samples/s, queue {window.queue_fill:.0%} full, "
@@ -210,22 +213,32 @@ class Autoscaler:
         self._step_count += steps
 
     def _window_rate(self, window: Window) -> float:
-        """The producers' pace in the window: the rate of its steps that ran at the current count and waited
-        for their batch (none stamped: its totals). Steps served at once from batches the ring held before
-        training began ran at the ring's pace: counted, they made a start-up jump that quadrupled the rate look
-        unpaid (measured: 195 samples/s "before" for one producer's 37)."""
-        return _rate(self._paced(window)) if window.stamps else window.rate
+        """The rate of the window's steps that ran at the current count (none stamped: its totals); the ring's
+        start-up steps are already out (`_without_ring_steps`)."""
+        return _rate(self._counted(window)) if window.stamps else window.rate
 
-    def _paced(self, window: Window) -> list[StepStamp]:
-        """The window's steps at the current count that waited for their batch: they ran at the producers' pace.
-        Steps served at once from batches the ring held before training began ran at the ring's."""
-        return [s for s in window.stamps if s.ended_s >= self._count_from and s.wait_s >= PACED_WAIT * s.train_s]
+    def _without_ring_steps(self, window: Window) -> Window:
+        """The window less the steps served at once from the batches the ring built before training began (every
+        step until the first that waited for its batch): they ran at the ring's pace, and counted, they made a
+        start-up jump that quadrupled the rate look unpaid (measured: 195 samples/s "before" for one producer's
+        37). Only that leading run goes: later steps that did not wait are the producers' work like any other."""
+        if not self._ring_served or not window.stamps:
+            return window
+        first = next((i for i, s in enumerate(window.stamps) if s.wait_s >= PACED_WAIT * s.train_s), None)
+        kept = window.stamps[first:] if first is not None else ()
+        self._ring_served = first is None
+        return replace(window, stamps=kept, steps=len(kept), samples=sum(s.samples for s in kept),
+                       train_s=sum(s.train_s for s in kept))
 
-    def _paced_stall(self, window: Window) -> float:
-        """The share of their time the paced steps waited (no stamps: the window's own stall)."""
-        paced = self._paced(window)
-        train_s = sum(s.train_s for s in paced)
-        return sum(s.wait_s for s in paced) / train_s if train_s > 0 else window.stall
+    def _counted(self, window: Window) -> list[StepStamp]:
+        return [s for s in window.stamps if s.ended_s >= self._count_from]
+
+    def _counted_stall(self, window: Window) -> float:
+        """The share of their time the window's counted steps waited (no stamps: the window's own stall, which
+        also counts the ring's start-up steps)."""
+        counted = self._counted(window)
+        train_s = sum(s.train_s for s in counted)
+        return sum(s.wait_s for s in counted) / train_s if train_s > 0 else window.stall
 
     def _measured(self, jump: bool) -> bool:
         windows, steps = (1, JUMP_MEASURE_STEPS) if jump else (MEASURE_WINDOWS, MEASURE_STEPS)
@@ -275,7 +288,7 @@ class Autoscaler:
         p = window.producers
         if not plain_need(window):
             return p + 1
-        ends_wait = math.ceil(p / max(0.05, 1 - max(window.stall, self._paced_stall(window))))
+        ends_wait = math.ceil(p / max(0.05, 1 - self._counted_stall(window)))
         cores_each = window.utilization * (1 - window.read_share)
         fits = math.floor(self.budget / cores_each) if cores_each > 0 else ends_wait
         return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, fits))

@@ -157,7 +157,7 @@ class Engine:
             if not self.pending_parts:
                 issued = self.scheduler.issue_one()
                 if issued is None:
-                    idle_for_a_slot = self.pool.idle_share() if self.scheduler.waits_for_slot() else 0.0
+                    idle_for_a_slot = self._idle_for_a_slot()
                     break
                 self.slot_owner[issued.slot] = issued.rank
                 if issued.work.kind == "train":
@@ -166,9 +166,19 @@ class Engine:
             self._assign(self.pending_parts.popleft())
         self._note_slot_bound(idle_for_a_slot)
 
+    def _idle_for_a_slot(self) -> float:
+        """After the scheduler found nothing to issue: the share of producers idle while a consumer has no batch
+        waiting for it and its next one waits for a free slot (while every consumer has a batch ready, full slots
+        are the ring doing its job)."""
+        assert self.pool is not None and self.scheduler is not None
+        if not self.delivered or min(self.delivered) > 0 or not self.scheduler.waits_for_slot():
+            return 0.0
+        return self.pool.idle_share()
+
     def _note_slot_bound(self, idle_share: float) -> None:
-        """The state holds until the next dispatch: only a finished part or a taken batch, each followed by one,
-        can change it."""
+        """The state holds until the next dispatch: under the controller a finished part or a taken batch, each
+        followed by one, changes it; the Loader dispatches in `next()`, so between its calls the state is the one
+        seen when the user's step began (an underestimate: producers that finish meanwhile idle uncounted)."""
         now = time.monotonic()
         if self._slot_bound is not None and self.training:
             since, share = self._slot_bound

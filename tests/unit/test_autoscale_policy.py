@@ -195,6 +195,25 @@ def test_a_start_up_jump_is_judged_against_the_producers_pace_not_the_rings():
     assert kept.change >= 0 and abs(kept.measurement["gain"] - (160 / (32 / 0.86) - 1)) < 0.01, kept.reason
 
 
+def test_steps_that_did_not_wait_count_once_the_ring_is_drained():
+    # Batches that arrive in pairs: one step waits 0.25 s, the next none (the review's replay). 2 producers feed
+    # 160 samples/s; only the ring's leading steps may be dropped, or the rate before a jump reads 107 and a jump
+    # that brings nothing (160 -> 160) looks paid.
+    def pairs(t: float) -> Window:
+        steps = [StepStamp(t - 0.8 + 0.4 * i + d, 32, train, wait) for i in range(2)
+                 for d, train, wait in ((0.3, 0.3, 0.25), (0.4, 0.1, 0.0))]
+        return Window(stall=0.62, queue_fill=0.05, utilization=0.97, producers=2, samples=128, steps=4, train_s=0.8,
+                      ended_s=t, stamps=tuple(steps), read_share=0.95)
+
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
+    fork = scaler.decide(pairs(4.0))
+    assert fork.change > 0 and abs(fork.measurement["rate_at_count"] - 160.0) < 0.01, fork.measurement
+    scaler.forked(fork.change, now=4.05)
+    same = replace(pairs(5.5), producers=2 + fork.change)
+    verdict = scaler.decide(same)
+    assert verdict.change == -fork.change and verdict.retire_newest, verdict.reason
+
+
 def test_a_jump_that_did_not_pay_is_retired_whole_in_one_decision():
     scaler = Autoscaler(minimum=1, budget=1, ceiling=16)
     # Plain: one window of two steps measures 4 producers (a jump must bring a lot: the noise of a few steps is
