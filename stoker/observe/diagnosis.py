@@ -61,16 +61,16 @@ def _producer_advice(split: TimeSplit) -> str:
     """What limits input, from the producers' own figures: producers idle while batches waited for a free slot
     lack work (more cores would idle too); busy ones wait on storage only when reading files is most of their busy
     time (a cache-warm folder reads in microseconds and its producers are busy decoding). Producers idle for another
-    reason (starting: imports; the run's first and last batches) are judged by what they did when busy."""
+    reason (the run's first and last batches, work handed out late) are judged by what they did when busy."""
     idle = 1 - split.producer_utilization
     slot_bound = split.producer_slot_bound
     if idle > 1 - BUSY_PRODUCERS and (slot_bound is None or slot_bound >= idle / 2):
-        held = "" if slot_bound is None else f", {slot_bound:.0%} of it while a batch waited for a free slot"
+        held = "" if slot_bound is None else f" ({slot_bound:.0%} of their time while a batch waited for a slot)"
         return (f"producers idle {idle:.0%} of the time while consumers wait{held}: they lack work, not cores or "
                 "storage (the batches in flight are the limit); raise --slots-per-consumer")
     busy = f"busy {split.producer_utilization:.0%}"
     if idle > 1 - BUSY_PRODUCERS:
-        busy += " (idle while starting, not for want of slots)"
+        busy += f" (idle {idle:.0%}, not for want of a slot)"
     reading = split.producer_read_share
     if reading is not None and reading >= SLOW_READS:
         at_most = split.producers >= (split.producer_ceiling or split.producer_budget)
@@ -78,7 +78,7 @@ def _producer_advice(split: TimeSplit) -> str:
         return (f"producers {busy}, {reading:.0%} of it reading files: reading is slow (storage or network); more "
                 f"producers overlap the reads ({more}), or copy the data to a local disk")
     if idle > 1 - BUSY_PRODUCERS:
-        return f"producers {busy}: neither slots nor storage held them; a longer run measures them better"
+        return f"producers {busy}: neither slots nor storage held them back, so more producers or cores would idle too"
     if split.producers >= split.producer_budget and (split.producer_ceiling or 0) > split.producer_budget:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
         return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "

@@ -48,7 +48,8 @@ class Handle:
     read_s: float = 0.0  # of busy_s, reading files
     tasks_done: int = 0
     working_since: float | None = None  # time.monotonic() when its first task was done
-    ready_since: float | None = None  # ... and when it began that task: before it, it was starting (imports)
+    ready_since: float | None = None  # when it first waited for a task or began one: before, it was importing
+    forked_ns: int = 0  # time.monotonic_ns() of the status row the pool wrote at the fork: the producer's own is later
     exited_ns: int | None = None  # when a retiring producer was first seen exited cleanly
 
 
@@ -101,7 +102,8 @@ class ProducerPool:
                      len(self.handles) - len(self.active))
             return None
         producer = min(free)
-        self.ring.status[producer] = (STATUS_IDLE, 0, time.monotonic_ns())
+        forked_ns = time.monotonic_ns()
+        self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
         tasks = CONTEXT.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         process = start(producer_main, (producer, self.setup, tasks, outbox, self.stop),
@@ -109,7 +111,7 @@ class ProducerPool:
         if process.pid is not None:
             nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
-        self.handles[producer] = Handle(producer, process, tasks)
+        self.handles[producer] = Handle(producer, process, tasks, forked_ns=forked_ns)
         self.max_alive = max(self.max_alive, len(self.active))
         return producer
 
@@ -146,7 +148,8 @@ class ProducerPool:
         handle.tasks_done += 1
         if handle.working_since is None:
             handle.working_since = time.monotonic()
-            handle.ready_since = handle.working_since - done.busy_s
+            began = handle.working_since - done.busy_s
+            handle.ready_since = began if handle.ready_since is None else min(handle.ready_since, began)
         self.losses_since_progress = 0
         task = handle.in_flight.pop(done.task_id, None)
         if task is not None and self.outside_kills:
@@ -252,6 +255,7 @@ class ProducerPool:
         seconds of it they spent reading files. A producer counts from when it was ready: 16 forked at once spend
         seconds importing, and counted idle they made the verdict say "producers idle: they lack work" of producers
         busy 96% of the time once started."""
+        self._note_ready()
         window_start = time.monotonic() - elapsed_s
         busy = sum(h.busy_s for h in self.handles.values())
         read = sum(h.read_s for h in self.handles.values())
@@ -260,6 +264,15 @@ class ProducerPool:
         for handle in self.handles.values():
             handle.busy_s = handle.read_s = 0.0
         return (busy / ready_s if ready_s > 0 else 0.0), busy, read
+
+    def _note_ready(self) -> None:
+        """A producer past its imports writes its status row while it waits for a task: one that no task reached
+        (every slot's parts already held by others) is ready, and idle, all the same."""
+        for handle in self.handles.values():
+            if handle.ready_since is None:
+                beat_ns = int(self.ring.status[handle.producer][2])
+                if beat_ns > handle.forked_ns:
+                    handle.ready_since = beat_ns / 1e9
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Idempotent: tell every producer to stop, join, terminate stragglers, release the queues."""

@@ -51,3 +51,13 @@ def test_over_provisioned_producers_are_retired(textures, tmp_path):
     assert any("idle" in change["reason"] for change in summary["producers_timeline"])
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
 
+
+
+def test_producers_idle_for_want_of_a_slot_are_told_to_raise_the_slots(textures, tmp_path):
+    # 8 producers, 2 slots, batches of 8 in 2 parts of 4: 4 parts in flight for 8 producers while the consumer
+    # waits on reads (50 ms a file). Half the producers always idle, and the engine saw why.
+    summary = run(textures, tmp_path, "--epochs", "2", "--producers", "8", "--slots-per-consumer", "2",
+                  env={"STOKER_READ_LATENCY_MS": "50"})
+    verdict = summary["verdict"]
+    assert verdict["kind"] == "input-bound" and "--slots-per-consumer" in verdict["text"], verdict
+    assert "while a batch waited for a slot" in verdict["text"], verdict
