@@ -6,6 +6,8 @@ import functools
 import io
 import json
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -38,6 +40,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # its creator's pid. Tests whose checks read the whole machine (`serial`) run alone, after the others.
 SESSION_MARK = f"STOKER_TEST_SESSION={os.getpid()}"
 os.environ["STOKER_TEST_SESSION"] = str(os.getpid())
+# setproctitle writes a stoker process's title over its environment block unless told not to: the mark would be
+# gone from /proc/PID/environ, and no process would count as this session's.
+os.environ["SPT_NOENV"] = "1"
 
 
 def _ours(pid: int) -> bool:
@@ -64,6 +69,22 @@ def live_segments() -> list[str]:
 
 def _alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
+
+
+def free_port() -> int:
+    """A free TCP port below the ephemeral range, so no socket another worker's processes open in the meantime
+    (gloo, stores: ephemeral ports) can take it before the test's processes bind it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    generator = random.Random()
+    for _ in range(100):
+        port = generator.randrange(10000, max(10001, low))
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:

@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(180)
 
 def test_checkpoint_writes_and_resume_reads_longer_than_the_collective_timeout_do_not_fail_the_run(
         textures, tmp_path):
-    """Each checkpoint file takes 2 s to write or read on rank 0, against a 4 s collective timeout: rank 1 waits 6 s
+    """Each checkpoint file takes 2 s to write or read on rank 0, against a 5 s collective timeout: rank 1 waits 6 s
     for the three files of the checkpoint that ends the epoch, and 6 s while rank 0 reads them to resume."""
-    common = ("--devices", "cpu:2", "--collective-timeout-s", "4", "--seed", "2")
+    common = ("--devices", "cpu:2", "--collective-timeout-s", "5", "--seed", "2")
     run_cli(*train_args(textures, tmp_path, "--epochs", "1", *common), env={CHECKPOINT_WRITE_ENV: "2000"})
     summary = read_summary(tmp_path)
     assert summary["status"] == "completed" and summary["checkpoint"].endswith("step_00000008")
@@ -32,7 +32,7 @@ def test_checkpoint_writes_and_resume_reads_longer_than_the_collective_timeout_d
 
 def test_a_stuck_consumer_is_named(textures, tmp_path):
     result = run_cli(*train_args(textures, tmp_path, "--devices", "cpu:2", "--epochs", "1",
-                                 "--collective-timeout-s", "4"),
+                                 "--collective-timeout-s", "5"),
                      env=fault("consumer:hang:rank=1,step=5;"), check=False)
     summary = read_summary(tmp_path)
     assert result.returncode == 1 and summary["status"] == "failed"

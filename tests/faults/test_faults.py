@@ -13,8 +13,14 @@ import pytest
 
 from stoker.common import checkpoint
 from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR
-from tests.conftest import (assert_same_weights, live_segments, read_summary, run_cli, stoker_processes,
-                            wait_for_no_trace)
+from tests.conftest import (
+    assert_same_weights,
+    live_segments,
+    read_summary,
+    run_cli,
+    stoker_processes,
+    wait_for_no_trace,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

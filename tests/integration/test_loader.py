@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,10 @@ import pytest
 
 import stoker
 from stoker.data import builtin_data
+from tests.conftest import free_port
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 SCRIPT = HELPERS / "loader_ddp.py"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(out: Path, *args: str, world: int = 2, timeout: float = 240) -> list[dict]:

@@ -4,22 +4,15 @@ each, their consumers in one process group."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import HELPERS, assert_same_weights, read_summary, run_cli, wait_for_no_trace
+from tests.conftest import HELPERS, assert_same_weights, free_port, read_summary, run_cli, wait_for_no_trace
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _one_core(node: int):
