@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -136,8 +137,9 @@ def start(target, args: tuple, title: str) -> BaseProcess:
 
 def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:
     """Join with a shared deadline, then kill (children do not take SIGTERM): no child outlives this call."""
+    deadline = time.monotonic() + timeout_s  # not timeout_s / n each: 16 producers got 0.3 s, one still importing
     for process in processes:
-        process.join(timeout=max(0.0, timeout_s / max(1, len(processes))))
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
             log.warning("%s (pid %s) did not stop in time; killing it", process.name, process.pid)
