@@ -46,21 +46,31 @@ def stoker_processes() -> list[tuple[int, str]]:
     return found
 
 
+def started_by() -> int:
+    """The pid of the process that started us, as multiprocessing recorded it at the spawn. `os.getppid()` asked
+    later would already name the reaper if the parent died while we were still importing."""
+    parent = mp.parent_process()
+    return parent.pid if parent is not None and parent.pid is not None else os.getppid()
+
+
 def exit_with_parent() -> None:
     """Ask the kernel for SIGKILL when the controller dies, on Linux; `ParentWatch` covers the rest. SIGKILL, not
-    SIGTERM: children never take SIGTERM (see `start`), and a killed controller leaves nothing for them to finish."""
+    SIGTERM: children never take SIGTERM (see `start`), and a killed controller leaves nothing for them to finish.
+    A parent already gone by now will never send it, so we leave at once."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+    if os.getppid() != started_by():
+        os._exit(1)
 
 
 class ParentWatch:
     """True once the process that started us is gone (the parent pid changes when we are re-parented)."""
 
     def __init__(self) -> None:
-        self._parent = os.getppid()
+        self._parent = started_by()
 
     def parent_gone(self) -> bool:
         return os.getppid() != self._parent
