@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
 from stoker.common.devices import check_devices_form
+from stoker.common.procs import MAX_PRODUCERS
 
 Augment = Literal["standard", "noflip", "none", "trivial", "randaug"]
 
@@ -60,9 +61,9 @@ class TrainConfig:
     augment: Augment = "standard"
     devices: str = "auto"
     producers: int | Literal["auto"] = "auto"
-    min_producers: int = Field(default=1, ge=1)
-    initial_producers: int | None = Field(default=None, ge=1)
-    max_producers: int | None = Field(default=None, ge=1)
+    min_producers: int = Field(default=1, ge=1, le=MAX_PRODUCERS)
+    initial_producers: int | None = Field(default=None, ge=1, le=MAX_PRODUCERS)
+    max_producers: int | None = Field(default=None, ge=1, le=MAX_PRODUCERS)
     batch_size: int = Field(default=64, ge=1, le=65536)
     epochs: int = Field(default=10, ge=1)
     optimizer: Literal["sgd", "adamw"] = "sgd"
@@ -118,8 +119,8 @@ class TrainConfig:
     @field_validator("producers")
     @classmethod
     def _producers_positive(cls, value: int | str) -> int | str:
-        if isinstance(value, int) and value < 1:
-            raise ValueError("expected 'auto' or a positive number of producer processes")
+        if isinstance(value, int) and not 1 <= value <= MAX_PRODUCERS:
+            raise ValueError(f"expected 'auto' or a number of producer processes from 1 to {MAX_PRODUCERS}")
         return value
 
     @model_validator(mode="after")

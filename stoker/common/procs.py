@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 # spawn, not fork: children start clean (no copied torch threads or locks) on every platform.
 CONTEXT = mp.get_context("spawn")
 POLL_S = 0.2
+# Producers one run may have alive: each is a process (about 30 MB of its own, 60 MB resident), and a count past
+# this is a slip of the keyboard, not a machine (100000 once forked until the kernel's OOM killer stepped in).
+MAX_PRODUCERS = 512
+PRODUCER_MEMORY = 64 * 2**20  # resident, measured: 59-66 MB a producer of the built-in set
 _PR_SET_PDEATHSIG = 1
 CHILD_IGNORES = {signal.SIGINT, signal.SIGTERM}
 
@@ -51,6 +55,20 @@ def started_by() -> int:
     later would already name the reaper if the parent died while we were still importing."""
     parent = mp.parent_process()
     return parent.pid if parent is not None and parent.pid is not None else os.getppid()
+
+
+def check_memory_for_producers(count: int, setting: str = "producers") -> None:
+    """Before any process starts: `count` producers at once must fit the memory this machine has available."""
+    try:
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):  # not Linux: nothing to check against
+        return
+    if count * PRODUCER_MEMORY > available:
+        raise ValueError(f"{setting}={count}: {count} producer processes need about "
+                         f"{count * PRODUCER_MEMORY / 2**30:.1f} GiB (60 MB each) and this machine has "
+                         f"{available / 2**30:.1f} GiB available; expected at most {available // PRODUCER_MEMORY}")
 
 
 def exit_with_parent() -> None:

@@ -7,6 +7,7 @@ with any of them gives the same bytes whichever producer builds the sample, howe
 
 from __future__ import annotations
 
+import pickle
 import random
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
@@ -14,11 +15,15 @@ from typing import Any, overload
 import numpy as np
 
 
+class DatasetNotLoadable(RuntimeError):
+    """A producer could not unpickle the user's dataset."""
+
+
 class ItemNames(Sequence[str]):
     """`paths[i]` of a dataset: how messages and `skipped_files` name item i."""
 
     def __init__(self, name: str, size: int) -> None:
-        self._name = name
+        self.name = name
         self._size = size
 
     def __len__(self) -> int:
@@ -35,7 +40,7 @@ class ItemNames(Sequence[str]):
             return [self[i] for i in range(*index.indices(self._size))]
         if not -self._size <= index < self._size:
             raise IndexError(index)
-        return f"{self._name}[{index % self._size}]"
+        return f"{self.name}[{index % self._size}]"
 
     def __iter__(self) -> Iterator[str]:
         return (self[i] for i in range(self._size))
@@ -60,15 +65,33 @@ class DatasetSource:
     must pickle: a class defined at the top level of a module or of the script."""
 
     def __init__(self, dataset: Any, image_size: int) -> None:
-        self.dataset = dataset
+        self._dataset: Any = dataset
+        self._pickled: bytes | None = None
         self.image_size = image_size
         self.paths = ItemNames(type(dataset).__name__, len(dataset))
         self.labels = np.zeros(0, dtype=np.int64)  # known only once an item is built
         self._torch_threads_set = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "image_size": self.image_size, "paths": self.paths, "labels": self.labels,
-                "_torch_threads_set": False}
+        # The dataset travels as bytes, loaded at its first item: a class a producer cannot import (one defined
+        # under `if __name__ == "__main__":`) then fails in the producer's own code, which reports it to the
+        # loop at once, not in multiprocessing's start-up, which prints a traceback and exits, again for every
+        # replacement, until the run gives up without saying why.
+        pickled = self._pickled if self._pickled is not None else pickle.dumps(self._dataset)
+        return {"_dataset": None, "_pickled": pickled, "image_size": self.image_size, "paths": self.paths,
+                "labels": self.labels, "_torch_threads_set": False}
+
+    @property
+    def dataset(self) -> Any:
+        if self._dataset is None and self._pickled is not None:
+            try:
+                self._dataset = pickle.loads(self._pickled)
+            except Exception as error:
+                raise DatasetNotLoadable(
+                    f"the dataset ({self.paths.name}) could not be loaded in a producer process: "
+                    f"{type(error).__name__}: {error}. Producers are spawned: define its class at the top level "
+                    "of a module or of the script, outside `if __name__ == \"__main__\":`") from error
+        return self._dataset
 
     def read(self, sample_id: int) -> bytes:
         raise TypeError("a dataset's items are built by `fill`, not read as files")
@@ -77,7 +100,7 @@ class DatasetSource:
         """Build item `sample_id` of `epoch` into `out` (HWC uint8); returns its label."""
         self._one_torch_thread()
         seed_everything(item_seed(seed, epoch, sample_id))
-        image, label = _unpack(self.dataset[sample_id], sample_id)
+        image, label = unpack_item(self.dataset[sample_id], sample_id)
         pixels = _as_array(image)
         expected = (self.image_size, self.image_size, 3)
         if pixels.shape != expected or pixels.dtype != np.uint8:
@@ -95,13 +118,29 @@ class DatasetSource:
             self._torch_threads_set = True
 
 
-def _unpack(item: Any, index: int) -> tuple[Any, int]:
+def unpack_item(item: Any, index: int) -> tuple[Any, int]:
+    """(image, label) of item `index`, the label a class index >= 0 (an int, a NumPy integer, a 0-d tensor)."""
     try:
         image, label = item
-        return image, int(label)
     except (TypeError, ValueError):
-        raise ValueError(f"dataset[{index}]: expected (image, label) with an integer label, got "
-                         f"{type(item).__name__}") from None
+        raise ValueError(f"dataset[{index}]: expected a pair (image, label), got {_describe(item)}") from None
+    if isinstance(label, (bool, np.bool_)) or not isinstance(_plain(label), (int, np.integer)):
+        raise ValueError(f"dataset[{index}]: the label is {_describe(label)}; expected an integer class index >= 0")
+    if int(_plain(label)) < 0:
+        raise ValueError(f"dataset[{index}]: the label is {int(_plain(label))}; expected a class index >= 0")
+    return image, int(_plain(label))
+
+
+def _plain(label: Any) -> Any:
+    """A 0-d tensor or array as its Python number; anything else as it is."""
+    if getattr(label, "shape", None) == () and hasattr(label, "item"):
+        return label.item()
+    return label
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
 
 
 def _as_array(image: Any) -> np.ndarray:

@@ -33,6 +33,22 @@ class TimeSplit:
 
 
 @dataclass(frozen=True)
+class Spelling:
+    """How the user names the settings the input advice points at: the trainer's flags, or a Loader's arguments
+    (None: the Loader has no such setting)."""
+
+    producers_auto: str = "--producers auto"
+    producers: str = "--producers"
+    max_producers: str = "--max-producers"
+    slots: str | None = "--slots-per-consumer"
+    image_size: str = "--image-size"
+
+
+FLAGS = Spelling()
+LOADER_ARGUMENTS = Spelling("producers='auto'", "producers=", "max_producers=", None, "image_size=")
+
+
+@dataclass(frozen=True)
 class Verdict:
     kind: Literal["input-bound", "host-bound", "sync-bound", "compute-bound", "starting"]
     text: str
@@ -41,14 +57,14 @@ class Verdict:
         return asdict(self)
 
 
-def diagnose(split: TimeSplit) -> Verdict:
+def diagnose(split: TimeSplit, spelling: Spelling = FLAGS) -> Verdict:
     if split.host >= HOST_BOUND and split.host > split.input_wait and split.host >= split.averaging:
         return Verdict("host-bound", f"host-bound: the device waits for Python {split.host:.0%} of the time "
                                      f"(input waits {split.input_wait:.0%}); try --compile, a larger batch, "
                                      "or CUDA graphs")
     if split.input_wait >= INPUT_BOUND and split.input_wait >= split.averaging:
         return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
-                                      f"{_producer_advice(split)}")
+                                      f"{_producer_advice(split, spelling)}")
     if split.averaging >= SYNC_BOUND:
         overlap = "" if split.overlapped else " or --overlap-averaging true"
         return Verdict("sync-bound", f"sync-bound: averaging takes {split.averaging:.0%} of the time; try "
@@ -57,7 +73,7 @@ def diagnose(split: TimeSplit) -> Verdict:
                                     f"{split.input_wait:.0%}, averaging {split.averaging:.0%}")
 
 
-def _producer_advice(split: TimeSplit) -> str:
+def _producer_advice(split: TimeSplit, names: Spelling) -> str:
     """What limits input, from the producers' own figures: producers idle while batches waited for a free slot
     lack work (more cores would idle too); busy ones wait on storage only when reading files is most of their busy
     time (a cache-warm folder reads in microseconds and its producers are busy decoding). Producers idle for another
@@ -66,15 +82,18 @@ def _producer_advice(split: TimeSplit) -> str:
     slot_bound = split.producer_slot_bound
     if idle > 1 - BUSY_PRODUCERS and (slot_bound is None or slot_bound >= idle / 2):
         held = "" if slot_bound is None else f" ({slot_bound:.0%} of their time while a batch waited for a slot)"
+        remedy = (f"raise {names.slots}" if names.slots
+                  else "a Loader's ring holds a batch per producer and 2 more, which no setting changes")
         return (f"producers idle {idle:.0%} of the time while consumers wait{held}: they lack work, not cores or "
-                "storage (the batches in flight are the limit); raise --slots-per-consumer")
+                f"storage (the batches in flight are the limit); {remedy}")
     busy = f"busy {split.producer_utilization:.0%}"
     if idle > 1 - BUSY_PRODUCERS:
         busy += f" (idle {idle:.0%}, not for want of a slot)"
     reading = split.producer_read_share
     if reading is not None and reading >= SLOW_READS:
         at_most = split.producers >= (split.producer_ceiling or split.producer_budget)
-        more = "raise --producers, or --max-producers under auto" if at_most else "--producers auto adds them"
+        more = (f"raise {names.producers}, or {names.max_producers} under auto" if at_most
+                else f"{names.producers_auto} adds them")
         return (f"producers {busy}, {reading:.0%} of it reading files: reading is slow (storage or network); more "
                 f"producers overlap the reads ({more}), or copy the data to a local disk")
     if idle > 1 - BUSY_PRODUCERS:
@@ -83,12 +102,12 @@ def _producer_advice(split: TimeSplit) -> str:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
         return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "
                 "because one more did not raise the rate: the cores are the limit, not the producer count; lower "
-                "--image-size, or give the run more cores")
+                f"{names.image_size}, or give the run more cores")
     if split.producers >= split.producer_budget:
         return (f"producers at budget ({split.producers}/{split.producer_budget}, {busy}): give them more cores "
-                "(--max-producers) or lower --image-size")
-    return (f"{split.producers} producers {busy}, below the budget of {split.producer_budget}: --producers auto "
-            "adds more, or raise --producers")
+                f"({names.max_producers}) or lower {names.image_size}")
+    return (f"{split.producers} producers {busy}, below the budget of {split.producer_budget}: "
+            f"{names.producers_auto} adds more, or raise {names.producers}")
 
 
 def suggest_sync_every(averaging: float, sync_every: int) -> int:

@@ -304,6 +304,11 @@ class RunStats:
     def expect(self, epoch: int, sample_ids: np.ndarray) -> None:
         self._account(epoch).expected[sample_ids] = True
 
+    def forget_epoch(self, epoch: int) -> None:
+        """The epoch begins again from its first batch (a Loader's loop left it early): its books start over."""
+        self.epochs.pop(epoch, None)
+        self._finished_last_step.pop(epoch, None)
+
     def _account(self, epoch: int) -> EpochAccount:
         if epoch not in self.epochs:
             size = self.samples_per_epoch

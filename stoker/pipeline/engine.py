@@ -227,8 +227,10 @@ class Engine:
         del self.tasks[done.task_id]
         if done.skipped:
             epoch = task.work.epoch if task.work.kind == "train" else None
+            new = [item for item in done.skipped.values() if item.path not in self.accounting.skipped]
             self.accounting.record_skipped(epoch, done.skipped)
-            for item in done.skipped.values():
+            self.pool.remember_unusable(task.work.kind, {s: item.reason for s, item in done.skipped.items()})
+            for item in new:  # once a run: later epochs skip the file without decoding it (`pool.unusable`)
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.events.write("skipped", path=item.path, reason=item.reason)
             self._check_bad_fraction()
@@ -241,8 +243,9 @@ class Engine:
     def _check_bad_fraction(self) -> None:
         bad = len(self.accounting.skipped)
         if bad > self.max_bad_fraction * self.total_files:
-            raise StokerRunError(f"{bad} of {self.total_files} files are unusable, more than max_bad_fraction="
-                                 f"{self.max_bad_fraction}; see skipped_files in summary.json")
+            raise StokerRunError(f"{bad} of {self.total_files} files are unusable so far, more than "
+                                 f"max_bad_fraction={self.max_bad_fraction}; each is named in the log, and in "
+                                 "skipped_files (the run's summary.json, a Loader's summary())")
 
     def check_producers(self) -> None:
         """Replace dead or hung producers and re-issue exactly the parts they held."""

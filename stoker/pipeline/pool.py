@@ -85,8 +85,9 @@ class ProducerPool:
         self.losses_since_progress = 0
         self.max_alive = 0
         self.outside_kills: dict[tuple, int] = {}  # (batch key, sample id) -> producers killed from outside on it
-        # (kind, sample id) -> why: files that took a producer down stay skipped in later epochs, without another loss
-        self.killers: dict[tuple[str, int], str] = {}
+        # (kind, sample id) -> why: files that took a producer down, or that it could not decode, stay skipped in
+        # later epochs, without another loss, decode or warning
+        self.unusable: dict[tuple[str, int], str] = {}
 
     @property
     def active(self) -> list[Handle]:
@@ -134,7 +135,7 @@ class ProducerPool:
         return any(len(h.in_flight) < self.max_in_flight for h in self.active)
 
     def assign(self, task: Task) -> None:
-        task = self._skip_known_killers(task)
+        task = self._skip_known_unusable(task)
         handle = min(self.active, key=lambda h: len(h.in_flight))
         handle.in_flight[task.task_id] = task
         handle.tasks.put(task)
@@ -211,7 +212,7 @@ class ProducerPool:
             where = f"while decoding {printable(path)}"
             reason = self._skip_reason(handle, how, external, current, sample)
             if reason is not None:
-                self.killers[(current.work.kind, sample)] = reason
+                self.unusable[(current.work.kind, sample)] = reason
                 reissue = [replace(t, skip={**t.skip, sample: reason}) if t is current else t for t in reissue]
         message = f"producer {handle.producer} (pid {handle.process.pid}) {how} {where}"
         if self.losses_since_progress > MAX_LOSSES_WITHOUT_PROGRESS:
@@ -219,14 +220,16 @@ class ProducerPool:
                                  "batch finished in between, giving up")
         return Loss(message, reissue)
 
-    def _skip_known_killers(self, task: Task) -> Task:
-        if not self.killers:
-            return task
-        if task.compact:
+    def remember_unusable(self, kind: str, skipped: dict[int, str]) -> None:
+        """Files a producer could not decode: later tasks skip them without reading them again."""
+        self.unusable.update(((kind, sample), reason) for sample, reason in skipped.items())
+
+    def _skip_known_unusable(self, task: Task) -> Task:
+        if not self.unusable or task.compact:
             return task
         kind = task.work.kind
         part = task.work.sample_ids[task.first:task.end].tolist()
-        known = {s: self.killers[(kind, s)] for s in part if (kind, s) in self.killers}
+        known = {s: self.unusable[(kind, s)] for s in part if (kind, s) in self.unusable}
         return replace(task, skip={**known, **task.skip}) if known else task
 
     def _skip_reason(self, handle: Handle, how: str, external: bool, current: Task, sample: int) -> str | None:

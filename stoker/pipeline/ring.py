@@ -184,8 +184,9 @@ def check_shm_space(needed: int) -> None:
 def _too_small(needed: int, situation: str) -> ValueError:
     """The one message for a /dev/shm that cannot hold the ring: what it needs, and how to give it that."""
     return ValueError(f"the batch slot ring needs {needed / 2**20:.0f} MiB of shared memory but {situation}; raise "
-                      f"it (docker run --shm-size={_suggest(needed)} or --ipc=host) or lower --batch-size, "
-                      "--image-size or slots_per_consumer")
+                      f"it (docker run --shm-size={_suggest(needed)} or --ipc=host) or lower the batch size or the "
+                      "image size (--batch-size, --image-size, --slots-per-consumer; a Loader's batch_size, "
+                      "image_size)")
 
 
 def _suggest(needed: int) -> str:

@@ -26,13 +26,13 @@ import torch
 from stoker.common.checkpoint import Position
 from stoker.common.config import Augment
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT, POLL_S, Mailbox, StokerRunError
+from stoker.common.procs import CONTEXT, MAX_PRODUCERS, POLL_S, Mailbox, StokerRunError, check_memory_for_producers
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source, log_refused
-from stoker.data.user_dataset import DatasetSource, check_dataset
-from stoker.observe.diagnosis import TimeSplit, diagnose
+from stoker.data.user_dataset import DatasetSource, check_dataset, unpack_item
+from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.pipeline.autoscale import Window, static_budget
 from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space, producer_fields
@@ -87,8 +87,13 @@ def resolve_device(device: str | None) -> torch.device | None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         local = os.environ.get("LOCAL_RANK")
-        return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-    return torch.device(device)
+        resolved = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
+    else:
+        resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r} is {resolved}, but {torch.cuda.device_count()} CUDA device(s) are "
+                         "visible (LOCAL_RANK and CUDA_VISIBLE_DEVICES say which this rank gets)")
+    return resolved
 
 
 class EpochSampler:
@@ -145,13 +150,17 @@ class _LookaheadBooks:
         else:
             getattr(self.stats, entry)(epoch, value)
 
-    def enter(self, epoch: int, built_ahead: bool) -> None:
+    def enter(self, epoch: int, built_ahead: bool, from_start: bool) -> None:
         """The loop starts `epoch`: what was scheduled for it ahead counts now (`built_ahead`), or is dropped with
-        the batches built ahead (the engine follows a new scheduler)."""
+        the batches built ahead (the engine follows a new scheduler). An epoch begun again from its first batch
+        (after a `break`, or a peek with `next(iter(loader))`) is booked afresh: the abandoned pass's batches are
+        not duplicates of the pass that counts."""
         self.epoch = epoch
         held = self._held.pop(epoch, []) if built_ahead else []
         if not built_ahead:
             self._held = {}
+            if from_start:
+                self.stats.forget_epoch(epoch)
         for entry, value in held:
             getattr(self.stats, entry)(epoch, value)
 
@@ -175,25 +184,26 @@ class Loader:
 
     def __init__(self, data: str | Path | Any | None, batch_size: int, image_size: int | None = None,
                  augment: Augment = "standard", seed: int = 0, producers: int | Literal["auto"] = "auto",
-                 device: str | None = "auto", drop_last: bool = False, min_producers: int = 1,
+                 device: str | torch.device | None = "auto", drop_last: bool = False, min_producers: int = 1,
                  max_producers: int | None = None, channels_last: bool = True, producer_timeout_s: float = 20.0,
                  max_bad_fraction: float = 0.1, metrics_file: str | Path | None = None) -> None:
-        _check_settings(batch_size, image_size, augment, seed, producers, min_producers, max_producers,
-                        producer_timeout_s, max_bad_fraction)
+        _check_settings(dict(batch_size=batch_size, image_size=image_size, augment=augment, seed=seed,
+                             producers=producers, min_producers=min_producers, max_producers=max_producers,
+                             producer_timeout_s=producer_timeout_s, max_bad_fraction=max_bad_fraction,
+                             drop_last=drop_last, channels_last=channels_last, metrics_file=metrics_file))
         self.batch_size = batch_size
         self.augment: Augment = augment
         self.seed = seed
         self.producers = producers
         self.min_producers = min_producers
         self.max_producers = max_producers
-        self.device_setting = device
+        self.device_setting = _check_device(device)
         self.drop_last = drop_last
         self.channels_last = channels_last
         self.producer_timeout_s = producer_timeout_s
         self.max_bad_fraction = max_bad_fraction
         self.metrics_file = Path(metrics_file) if metrics_file is not None else None
         self.source, self.image_size, self.classes, self.refused = _open_data(data, image_size)
-        _check_device(device)
         self.sampler = EpochSampler(self)
         self.epoch = 0
         self._position = Position(0, 0, 0)  # the next batch to hand out
@@ -207,6 +217,9 @@ class Loader:
             self.stats.skipped.setdefault(item.path, item.reason)
         self._iterating = False
         self._built_ahead: Position | None = None  # where the engine's scheduler goes on, once an epoch ends whole
+        self._generation = 0  # of the live iterator: an older one refuses to go on
+        self._window: _Window | None = None
+        self._step_end: float | None = None  # monotonic, when the last batch was handed out
         self.closed = False
 
     # ---- what DataLoader users call ------------------------------------------------------------------------------
@@ -259,7 +272,7 @@ class Loader:
                 "input_stall_fraction": stall, **producer_fields(engine),
                 "skipped_files": [{"path": p, "reason": r} for p, r in stats.skipped.items()],
                 **stats.accounting(), "epoch_accounting": stats.epoch_accounting(),
-                "verdict": diagnose(split).as_json() if stats.consumers[0].steps else
+                "verdict": diagnose(split, LOADER_ARGUMENTS).as_json() if stats.consumers[0].steps else
                 {"bottleneck": "starting", "advice": "no batch handed out yet"}}
 
     def close(self) -> None:
@@ -297,6 +310,7 @@ class Loader:
         self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
         parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)  # as the engine splits
         check_ring_space(self.num_slots, self.batch_size, self.image_size, counts.budget)
+        check_memory_for_producers(counts.initial)
         name_semaphores_for_sweeping()  # before the first one: what a kill -9 of the user's process leaves is swept
         sweep_dead_semaphores()
         self.stop = CONTEXT.Event()
@@ -311,10 +325,15 @@ class Loader:
         # With the loader, at garbage collection, or at the interpreter's exit; never after a fork's copy of it.
         self._finalizer = weakref.finalize(self, _shut_down, self._engine, self.stop, self.mailbox, self.events,
                                            os.getpid())
-        self.feed = DeviceLoader(self._engine.ring, self.info.device, self.channels_last,
-                                 ops_for(self.info.device)) if self.info.device is not None else None
         self._pin = torch.cuda.is_available()
         self._first_batch = True
+        try:
+            self.feed = DeviceLoader(self._engine.ring, self.info.device, self.channels_last,
+                                     ops_for(self.info.device)) if self.info.device is not None else None
+        except BaseException:  # a device that fails now: no producers left waiting, and the next iter() retries
+            self._finalizer()
+            self._engine = self._finalizer = None
+            raise
 
     def _on_gpu(self) -> bool:
         device = self.info.device if self.info is not None else None
@@ -352,9 +371,10 @@ class Loader:
             engine.follow(Scheduler(self.plan, OPEN_ENDED, start, self.num_slots, False, 0, Path("."),
                                     self.info.rank, 1))
             self._ready: deque[Batch] = deque()
-        self._books.enter(epoch, built_ahead)
+        self._books.enter(epoch, built_ahead, first_step == 0)
         self._position = start
-        self._window = _Window(time.monotonic())
+        self._generation += 1
+        self._carry_window()
         self._last_return: float | None = None
         engine.dispatch()
 
@@ -365,10 +385,15 @@ class Loader:
         resume, self._resume = self._resume, None
         first_step = resume.step if resume is not None and resume.epoch == epoch else 0
         self._begin_epoch(epoch, first_step)
+        generation = self._generation
         self._iterating = True
         try:
             steps = self.plan.steps_per_epoch
             for step in range(first_step, steps):
+                if generation != self._generation:
+                    raise RuntimeError("this iterator was left for a newer iter() of the same stoker.Loader, which "
+                                       "began its epoch again: a Loader feeds one iteration at a time (as a "
+                                       "DataLoader with persistent workers); take batches from the newest iterator")
                 batch = self._next_batch()
                 assert batch.epoch == epoch and batch.step == step, (batch, epoch, step)
                 images, labels = self._take(batch)
@@ -452,9 +477,18 @@ class Loader:
 
     # ---- measuring ----------------------------------------------------------------------------------------------
 
+    def _carry_window(self) -> None:
+        """A new iteration goes on with the open window, less the time the loop spent between the two (validation,
+        a checkpoint): windows closed only inside an epoch never closed in epochs shorter than one, and the
+        autoscaler then saw nothing at all."""
+        if self._window is not None and self._step_end is not None:
+            now = time.monotonic()
+            self._window.started += now - self._step_end
+            self._step_end = now  # an iter() that takes no batch: the next one shifts by its own gap only
+
     def _account_wait(self, wait_s: float, entered: float) -> None:
-        if self._first_batch:  # waiting for the very first batch is start-up, as in the trainer
-            self._first_batch, wait_s = False, 0.0
+        if self._first_batch or self._window is None:  # waiting for the very first batch is start-up, as in the
+            self._first_batch, wait_s = False, 0.0  # trainer
             self._window = _Window(time.monotonic())
         self._wait_s = wait_s
         self._compute_s = entered - self._last_return if self._last_return is not None else 0.0
@@ -463,10 +497,11 @@ class Loader:
 
     def _record(self, batch: Batch, ids: np.ndarray) -> None:
         """The step's books (exactly once, time split), then, every SCALE_WINDOW_S, the autoscaler's turn."""
-        now = time.monotonic()
+        now = self._step_end = time.monotonic()
         self.stats.record_step(StepReport(0, batch.epoch, batch.step, batch.global_step, len(ids), 0.0,
                                              self._wait_s, self._compute_s, 0.0, ids, None), now)
         window = self._window
+        assert window is not None, "opened by the step's wait"
         window.samples += len(ids)
         window.steps += 1
         elapsed = now - window.started
@@ -518,7 +553,7 @@ def _open_data(data: str | Path | Any | None, image_size: int | None
 
 def _first_item_size(dataset: Any) -> int:
     """Without image_size: the side of the first item's image (square HWC)."""
-    image = dataset[0][0]
+    image, _ = unpack_item(dataset[0], 0)
     shape = tuple(getattr(image, "shape", np.asarray(image).shape))
     if len(shape) != 3 or shape[0] != shape[1] or shape[2] != 3:
         raise ValueError(f"dataset[0]: the image has shape {shape}; expected a square HWC image (S, S, 3), or pass "
@@ -526,34 +561,67 @@ def _first_item_size(dataset: Any) -> int:
     return int(shape[0])
 
 
-def _check_settings(batch_size: int, image_size: int | None, augment: str, seed: int, producers: int | str,
-                    min_producers: int, max_producers: int | None, producer_timeout_s: float,
-                    max_bad_fraction: float) -> None:
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a batch size
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_settings(settings: dict[str, Any]) -> None:
     """Every setting before anything starts, each error naming the setting, the value and what is allowed."""
+    v, most = settings, MAX_PRODUCERS
+    least = v["min_producers"] if _integer(v["min_producers"]) else 1
     checks = [
-        ("batch_size", batch_size, isinstance(batch_size, int) and batch_size >= 1, "an integer >= 1"),
-        ("image_size", image_size, image_size is None or (isinstance(image_size, int) and 8 <= image_size <= 2048),
+        ("batch_size", _integer(v["batch_size"]) and v["batch_size"] >= 1, "an integer >= 1"),
+        ("image_size", v["image_size"] is None or (_integer(v["image_size"]) and 8 <= v["image_size"] <= 2048),
          "None or an integer from 8 to 2048"),
-        ("augment", augment, augment in AUGMENTS, " | ".join(AUGMENTS)),
-        ("seed", seed, isinstance(seed, int) and seed >= 0, "an integer >= 0"),
-        ("producers", producers, producers == "auto" or (isinstance(producers, int) and producers >= 1),
-         "'auto' or an integer >= 1"),
-        ("min_producers", min_producers, isinstance(min_producers, int) and min_producers >= 1, "an integer >= 1"),
-        ("max_producers", max_producers, max_producers is None or (isinstance(max_producers, int)
-                                                                   and max_producers >= min_producers),
-         f"None or an integer >= min_producers ({min_producers})"),
-        ("producer_timeout_s", producer_timeout_s, producer_timeout_s > 0, "a number of seconds > 0"),
-        ("max_bad_fraction", max_bad_fraction, 0 <= max_bad_fraction <= 1, "a fraction from 0 to 1"),
+        ("augment", v["augment"] in AUGMENTS, " | ".join(AUGMENTS)),
+        ("seed", _integer(v["seed"]) and v["seed"] >= 0, "an integer >= 0"),
+        ("producers", v["producers"] == "auto" or (_integer(v["producers"]) and 1 <= v["producers"] <= most),
+         f"'auto' or an integer from 1 to {most}"),
+        ("min_producers", _integer(v["min_producers"]) and 1 <= v["min_producers"] <= most,
+         f"an integer from 1 to {most}"),
+        ("max_producers", v["max_producers"] is None or (_integer(v["max_producers"])
+                                                         and least <= v["max_producers"] <= most),
+         f"None or an integer from min_producers ({least}) to {most}"),
+        ("producers", not (_integer(v["producers"]) and _integer(v["max_producers"])
+                           and v["producers"] > v["max_producers"]),
+         f"no more than max_producers ({v['max_producers']})"),
+        ("producer_timeout_s", _number(v["producer_timeout_s"]) and v["producer_timeout_s"] > 0,
+         "a number of seconds > 0"),
+        ("max_bad_fraction", _number(v["max_bad_fraction"]) and 0 <= v["max_bad_fraction"] <= 1,
+         "a fraction from 0 to 1"),
+        ("drop_last", isinstance(v["drop_last"], bool), "True or False"),
+        ("channels_last", isinstance(v["channels_last"], bool), "True or False"),
+        ("metrics_file", v["metrics_file"] is None or (isinstance(v["metrics_file"], (str, Path))
+                                                       and Path(v["metrics_file"]).parent.is_dir()),
+         "None or a file in an existing folder"),
     ]
-    for name, value, ok, allowed in checks:
+    for name, ok, allowed in checks:
         if not ok:
-            raise ValueError(f"{name}={value!r}: expected {allowed}")
+            raise ValueError(f"{name}={v[name]!r}: expected {allowed}")
 
 
-def _check_device(device: str | None) -> None:
-    if device is None or device in ("auto", "cpu", "cuda"):
-        return
+def _check_device(device: str | torch.device | None) -> str | None:
+    """The device setting as a string, checked against this machine: a GPU that is not there, or a device type
+    the feed cannot serve (mps, meta), is an error here, not at the first iter() with the producers started."""
+    if isinstance(device, torch.device):
+        device = str(device)
+    if device is None or device in ("auto", "cpu"):
+        return device
+    expected = "expected None, 'auto', 'cpu', 'cuda' or 'cuda:N'"
     try:
-        torch.device(device)
+        parsed = torch.device(device) if isinstance(device, str) else None
     except (RuntimeError, TypeError):
-        raise ValueError(f"device={device!r}: expected None, 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: {expected}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: no CUDA device is visible here (torch {torch.__version__}); use "
+                         "'cpu', or 'auto' (a GPU where there is one)")
+    if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: {torch.cuda.device_count()} CUDA device(s) are visible; {expected} "
+                         "with N below that")
+    return device

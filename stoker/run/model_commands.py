@@ -60,7 +60,14 @@ def _positive(text: str) -> int:
 
 
 def _producers(text: str) -> int | str:
-    return "auto" if text == "auto" else _positive(text)
+    from stoker.common.procs import MAX_PRODUCERS
+
+    if text == "auto":
+        return text
+    count = _positive(text)
+    if count > MAX_PRODUCERS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or an integer from 1 to {MAX_PRODUCERS}")
+    return count
 
 
 def _check_settings(args: argparse.Namespace) -> None:

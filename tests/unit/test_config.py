@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from stoker.common.config import ConfigError, load_toml, make_config
+from stoker.common.procs import PRODUCER_MEMORY, check_memory_for_producers
 from tests.conftest import run_cli, stoker_processes
 
 
@@ -23,6 +24,8 @@ from tests.conftest import run_cli, stoker_processes
     ({"overlap_averaging": True, "outer_optimizer": "nesterov"}, "overlap_averaging=true cannot be combined"),
     ({"precision": "fp8"}, "precision"),
     ({"channels_last": "maybe"}, "channels_last"),
+    ({"producers": 100000}, "producers"),
+    ({"max_producers": 100000}, "max_producers"),
 ])
 def test_bad_setting_is_named(settings, named):
     with pytest.raises(ConfigError, match=named):
@@ -53,6 +56,7 @@ def test_toml_values_are_validated_like_flags(tmp_path):
     (["--producers", "0"], "producers"),
     (["--devices", "cuda:0"], "no CUDA device"),
     (["--batch-size", "100000"], "batch_size"),
+    (["--producers", "100000"], "from 1 to 512"),  # once forked until the OOM killer came
     (["--bogus", "1"], "unrecognized arguments"),
 ])
 def test_cli_user_error_exits_2_before_any_process(args, message, textures):
@@ -80,3 +84,12 @@ def test_toml_paths_are_relative_to_the_toml_files_folder(tmp_path, monkeypatch)
     (project / "bad.toml").write_text('data = "imgs"\n')
     with pytest.raises(ConfigError, match=str(project / "imgs")):  # the error shows the path it looked at
         make_config(load_toml(project / "bad.toml"))
+
+
+def test_more_producers_than_the_memory_holds_is_refused_naming_the_setting():
+    with open("/proc/meminfo") as handle:
+        available = int(next(line for line in handle if line.startswith("MemAvailable")).split()[1]) * 1024
+    fits = available // PRODUCER_MEMORY
+    check_memory_for_producers(min(fits, 4))
+    with pytest.raises(ValueError, match=rf"^initial_producers={fits + 1}: .* expected at most {fits}"):
+        check_memory_for_producers(fits + 1, "initial_producers")

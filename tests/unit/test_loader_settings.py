@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 import stoker
 from stoker.data.user_dataset import DatasetSource
@@ -21,11 +22,48 @@ class Squares:
         return np.random.randint(0, 255, (self.side, self.side, 3), dtype=np.uint8), index % 2
 
 
-@pytest.mark.parametrize("setting,value", [("batch_size", 0), ("augment", "flip"), ("producers", 0),
-                                           ("image_size", 4), ("seed", -1), ("device", "tpu:0")])
+@pytest.mark.parametrize("setting,value", [
+    ("batch_size", 0), ("augment", "flip"), ("producers", 0), ("image_size", 4), ("seed", -1), ("device", "tpu:0"),
+    ("batch_size", True), ("producers", True), ("producer_timeout_s", "5"), ("max_bad_fraction", None),
+    ("drop_last", "yes"), ("channels_last", None), ("device", "mps"), ("device", "meta"),
+    ("metrics_file", "/no/such/folder/metrics.jsonl")])
 def test_a_bad_setting_is_named_before_anything_starts(textures, setting, value):
-    with pytest.raises(ValueError, match=setting):
+    with pytest.raises(ValueError, match=f"^{setting}="):
         stoker.Loader(textures[0], **{"batch_size": 8, setting: value})
+
+
+def test_more_fixed_producers_than_max_producers_is_refused(textures):
+    with pytest.raises(ValueError, match=r"^producers=5: expected no more than max_producers \(2\)"):
+        stoker.Loader(textures[0], batch_size=8, producers=5, max_producers=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine lacks")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", torch.device("cuda", 0)])
+def test_a_gpu_that_is_not_there_is_refused_in_the_constructor(textures, device):
+    with pytest.raises(ValueError, match=r"^device=.*no CUDA device is visible"):
+        stoker.Loader(textures[0], batch_size=8, device=device)
+
+
+def test_a_torch_device_is_taken_as_its_name(textures):
+    loader = stoker.Loader(textures[0], batch_size=8, device=torch.device("cpu"))
+    assert loader.device_setting == "cpu"
+
+
+@pytest.mark.parametrize("item,expected", [
+    (3, r"dataset\[0\]: expected a pair \(image, label\), got int 3"),
+    ((np.zeros((8, 8, 3), np.uint8), "cat"), r"dataset\[0\]: the label is str 'cat'; expected an integer"),
+    ((np.zeros((8, 8, 3), np.uint8), 2.0), r"the label is float 2.0"),
+    ((np.zeros((8, 8, 3), np.uint8), -1), r"the label is -1; expected a class index >= 0"),
+])
+def test_a_dataset_item_that_is_not_an_image_and_a_class_index_names_its_index(item, expected):
+    with pytest.raises(ValueError, match=expected):
+        stoker.Loader([item] * 4, batch_size=2)
+
+
+@pytest.mark.parametrize("label", [np.int64(1), torch.tensor(1), 1])
+def test_integer_labels_of_numpy_and_torch_are_taken(label):
+    source = DatasetSource([(np.zeros((8, 8, 3), np.uint8), label)], 8)
+    assert source.fill(0, np.empty((8, 8, 3), np.uint8), seed=0, epoch=0) == 1
 
 
 def test_a_missing_folder_is_named(tmp_path):
