@@ -50,7 +50,8 @@ UNRECORDED_MEANT: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=False))
+# allow_inf_nan: lr = inf passed and diverged at step 1, after every process had started.
+@dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=False, allow_inf_nan=False))
 class TrainConfig:
     # A new field changes the plan (a resume must keep its value) unless MAY_CHANGE_ON_RESUME above names it.
     data: Path | None = None
@@ -65,7 +66,7 @@ class TrainConfig:
     initial_producers: int | None = Field(default=None, ge=1, le=MAX_PRODUCERS)
     max_producers: int | None = Field(default=None, ge=1, le=MAX_PRODUCERS)
     batch_size: int = Field(default=64, ge=1, le=65536)
-    epochs: int = Field(default=10, ge=1)
+    epochs: int = Field(default=10, ge=1, le=1_000_000)
     optimizer: Literal["sgd", "adamw"] = "sgd"
     lr: float = Field(default=0.05, gt=0.0)
     schedule: Literal["cosine", "step", "constant"] = "cosine"
@@ -77,7 +78,7 @@ class TrainConfig:
     outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     overlap_averaging: bool = False
     average_in_backward: bool = True
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)  # torch.manual_seed takes no more
     out: Path | None = None
     resume: Path | None = None
     checkpoint_every: int = Field(default=0, ge=0)
@@ -115,6 +116,15 @@ class TrainConfig:
     @classmethod
     def _devices_form(cls, value: str) -> str:
         return check_devices_form(value)  # the same check as eval's and predict's --devices
+
+    @field_validator("image_size", "min_producers", "initial_producers", "max_producers", "batch_size", "epochs",
+                     "sync_every", "seed", "checkpoint_every", "slots_per_consumer", "check_replicas_every",
+                     "val_image_size", "producers", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # epochs = true in a TOML was 1 epoch to pydantic
+            raise ValueError(f"expected an integer, got {str(value).lower()}")
+        return value
 
     @field_validator("producers")
     @classmethod

@@ -77,6 +77,7 @@ def list_image_folder(root: Path, classes: tuple[str, ...] | None = None) -> Lis
         top = sorted(os.scandir(root_real), key=lambda e: e.name)
     except OSError as error:
         raise ValueError(f"data={str(root)!r}: cannot list the folder ({error.strerror})") from None
+    listing.folders.append(root_real)  # a class folder added or removed changes the root's time, not theirs
     found = {}
     for entry in top:
         kind, real = _classify(entry, root_real, root_real)
@@ -91,9 +92,10 @@ def list_image_folder(root: Path, classes: tuple[str, ...] | None = None) -> Lis
         _check_not_a_parent_of_splits(root, class_names)
     listing.classes = class_names
     visited: set[str] = set()
+    owners = {found[name]: label for label, name in enumerate(class_names) if name in found}
     for label, name in enumerate(class_names):
         if name in found:
-            _walk_files(name, found[name], label, listing, visited, root_real)
+            _walk_files(name, found[name], label, listing, visited, root_real, owners)
     if not listing.names:
         raise ValueError(f"data={str(root)!r}: no image files with extensions {sorted(IMAGE_EXTENSIONS)}")
     if classes is None:
@@ -149,9 +151,12 @@ def _inside(path_real: str, root_real: str) -> bool:
     return path_real == root_real or path_real.startswith(root_real + os.sep)
 
 
-def _walk_files(top: str, top_real: str, label: int, listing: Listing, visited: set[str], root_real: str) -> None:
+def _walk_files(top: str, top_real: str, label: int, listing: Listing, visited: set[str], root_real: str,
+                owners: dict[str, int] | None = None) -> None:
     """Depth-first, sorted, each real directory read once: the scan ends whatever the links. A folder's files
-    come before its sub-folders'. Plain files and folders take no system call beyond the listing itself."""
+    come before its sub-folders'. Plain files and folders take no system call beyond the listing itself. `owners`
+    (a class folder's real path -> its label): a link into another class's folder, or to the root, is refused,
+    since its images would take this class's label."""
     pending = [(top, top_real)]
     while pending:
         relative, real = pending.pop()
@@ -168,6 +173,8 @@ def _walk_files(top: str, top_real: str, label: int, listing: Listing, visited: 
             continue
         listing.folders.append(real)
         images, subfolders = _sort_entries(entries, real, root_real, listing.skipped)
+        if owners:
+            subfolders = _own_class_only(folder, real, subfolders, label, owners, root_real, listing.skipped)
         if relative == top:
             listing.top_images[label] = len(images)
             listing.top_subfolders[label] = tuple(sorted(name for name, _ in subfolders))
@@ -175,6 +182,36 @@ def _walk_files(top: str, top_real: str, label: int, listing: Listing, visited: 
         listing.names.extend([prefix + name for name in sorted(images)])
         listing.labels.extend([label] * len(images))
         pending.extend((prefix + name, target) for name, target in sorted(subfolders, reverse=True))
+
+
+def _own_class_only(folder: str, folder_real: str, subfolders: list[tuple[str, str]], label: int,
+                    owners: dict[str, int], root_real: str, skipped: list[Skipped]) -> list[tuple[str, str]]:
+    """The sub-folders that lie in this class's own folder, or in no class folder: a plain sub-folder needs no
+    look (its real path is under its parent's); a link's target is checked against each folder above it."""
+    kept = []
+    for name, real in subfolders:
+        owner = label if real == os.path.join(folder_real, name) else _owner(real, owners, root_real)
+        if owner is None or owner == label:
+            kept.append((name, real))
+        elif real == root_real:
+            skipped.append(Skipped(os.path.join(folder, name), "symlink to the data root: every class's images "
+                                   "would be labelled as this folder's class"))
+        else:
+            skipped.append(Skipped(os.path.join(folder, name), f"symlink into another class's folder ({real}): "
+                                   "its images would be labelled as this folder's class"))
+    return kept
+
+
+def _owner(real: str, owners: dict[str, int], root_real: str) -> int | None:
+    """The label of the class folder that holds `real`; -1 for the root itself; None for a folder of no class."""
+    if real == root_real:
+        return -1
+    path = real
+    while path != root_real and _inside(path, root_real):
+        if path in owners:
+            return owners[path]
+        path = os.path.dirname(path)
+    return None
 
 
 def _sort_entries(entries: list[os.DirEntry], folder_real: str, root_real: str,

@@ -26,6 +26,11 @@ from tests.conftest import run_cli, stoker_processes
     ({"channels_last": "maybe"}, "channels_last"),
     ({"producers": 100000}, "producers"),
     ({"max_producers": 100000}, "max_producers"),
+    ({"epochs": True}, "epochs"),
+    ({"producers": True}, "producers"),
+    ({"seed": 10**23}, "seed"),
+    ({"lr": float("inf")}, "lr"),
+    ({"lr": float("nan")}, "lr"),
 ])
 def test_bad_setting_is_named(settings, named):
     with pytest.raises(ConfigError, match=named):

@@ -45,6 +45,23 @@ def test_symlinks_leaving_the_root_and_loops_are_refused(tmp_path):
     assert len(index) == 8
 
 
+def test_a_link_into_another_class_or_to_the_root_is_refused_not_labelled_as_its_folder(tmp_path):
+    root = tmp_path / "data"
+    make_tree(root)
+    os.symlink("../dog", root / "cat" / "more")  # dog's images would all train as cat
+    os.symlink("..", root / "cat" / "up")  # and every class's
+    os.symlink("0.jpg", root / "dog" / "nested" / "again")  # a link within its own class is its own business
+    (root / "shared").mkdir()
+    (root / "shared" / "x.jpg").write_bytes(b"x")
+    index = scan_image_folder(root, classes=("cat", "dog"))
+    reasons = {os.path.basename(s.path): s.reason for s in index.skipped}
+    assert "another class's folder" in reasons["more"] and "data root" in reasons["up"]
+    by_class = {name: sorted(os.path.relpath(p, root) for p, label in zip(index.paths, index.labels)
+                             if label == number) for number, name in enumerate(index.classes)}
+    assert by_class["cat"] == ["cat/0.jpg", "cat/1.jpg", "cat/2.jpg", "cat/nested/deep.png"]
+    assert len(by_class["dog"]) == 4 and all(p.startswith("dog/") for p in by_class["dog"])
+
+
 def test_empty_root_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="no class sub-folders"):
         scan_image_folder(tmp_path)

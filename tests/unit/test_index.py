@@ -6,6 +6,7 @@ import gc
 import hashlib
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,17 @@ def test_changed_tree_is_rescanned(tmp_path):
     assert len(after) == len(before)
     assert any(p.endswith("bee/sub/new.jpg") for p in after.paths)
     assert not any(p.endswith("cow/0.jpg") for p in after.paths)
+
+
+def test_a_class_folder_added_after_a_run_is_seen_by_the_next(tmp_path):
+    root = tmp_path / "data"
+    make_tree(root)
+    settle(root)
+    before = load_image_folder(root, cache=tmp_path / "cache")
+    shutil.copytree(root / "cow", root / "zebra")  # of the folders the first run read, only the root's time moves
+    after = load_image_folder(root, cache=tmp_path / "cache")
+    assert after.classes == (*before.classes, "zebra")
+    assert len(after) == len(before) + sum(1 for p in (root / "cow").rglob("*") if p.is_file())
 
 
 def _child_reads(index: PackedIndex, sample: int, answers) -> None:
