@@ -250,6 +250,9 @@ def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache:
     return write_entry(cache, key, packed, inputs)
 
 
+ENTRY_FILES = {"names.npy", "offsets.npy", "labels.npy", "skipped.json", "meta.json"}  # every entry's (`_entry_files`)
+
+
 def load_cached(cache: Path, key: str) -> PackedIndex | None:
     entry = _cached(cache, key)
     return PackedIndex(entry) if entry is not None else None
@@ -287,7 +290,15 @@ def _cached(cache: Path, key: str) -> Path | None:
     of the entry its checksum."""
     try:
         pointer = json.loads((cache / f"{key}.json").read_text())
-        inputs, entry, digests = pointer["inputs"], cache / pointer["entry"], pointer["sha256"]
+        inputs, name, digests = pointer["inputs"], pointer["entry"], pointer["sha256"]
+        entry = cache / name
+        # The entry must be this key's (a pointer copied from another folder's key once trained on that folder's
+        # files) and each of its files must have a checksum (an empty list turned the check off).
+        if not (isinstance(name, str) and name.startswith(f"{key}-") and os.path.basename(name) == name
+                and isinstance(digests, dict) and ENTRY_FILES <= set(digests)):
+            log.warning("the index cache pointer %s does not name an entry of its own with every file's checksum: "
+                        "indexing again", cache / f"{key}.json")
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if any(stamp is None or file_stamp(path) != stamp for path, stamp in inputs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -193,6 +194,30 @@ def test_a_flipped_bit_in_a_cached_split_is_caught(tmp_path):
     flip_one_bit_in_every_label(labels_file)
     train, _ = split_source(load_image_folder(tmp_path / "data", cache=tmp_path / "cache"), 0.2, seed=7)
     assert train.labels.tolist() == expected
+
+
+@pytest.mark.parametrize("forge", ["another folder's pointer", "no checksums", "an entry outside the cache"])
+def test_a_pointer_that_does_not_name_its_own_checked_entry_is_not_trusted(tmp_path, forge):
+    for name in ("data", "other"):
+        make_tree(tmp_path / name, per_class=2 if name == "other" else 5)
+        settle(tmp_path / name)
+    cache = tmp_path / "cache"
+    mine, other = (load_image_folder(tmp_path / name, cache=cache) for name in ("data", "other"))
+    pointer = cache / f"{mine.folder.name.rsplit('-', 1)[0]}.json"
+    theirs = json.loads((cache / f"{other.folder.name.rsplit('-', 1)[0]}.json").read_text())
+    own = json.loads(pointer.read_text())
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("a folder the cache must never remove")
+    if forge == "no checksums":  # and a damaged entry they would have caught
+        flip_one_bit_in_every_label(mine.folder / "labels.npy")
+    forged = {"another folder's pointer": theirs, "no checksums": {**own, "sha256": {}},
+              "an entry outside the cache": {**own, "entry": "../elsewhere"}}[forge]
+    del mine, other
+    pointer.write_text(json.dumps(forged))
+    again = load_image_folder(tmp_path / "data", cache=cache)
+    scan = scan_image_folder(tmp_path / "data")
+    assert list(again.paths) == list(scan.paths) and again.labels.tolist() == scan.labels.tolist()
+    assert (tmp_path / "elsewhere" / "keep.txt").exists()
 
 
 def test_the_pointer_is_written_after_the_entry_is_on_the_disk(tmp_path, monkeypatch):
