@@ -196,15 +196,19 @@ def make_config(values: dict[str, Any]) -> TrainConfig:
 
     With `resume`, the resumed run's own settings are the defaults: `--resume RUN_DIR` alone continues it.
     """
+    saved: dict[str, Any] = {}
     if values.get("resume") is not None:
-        values = {**_saved_settings(Path(values["resume"])), **values}
+        saved = _saved_settings(Path(values["resume"]))
+        values = {**saved, **values}
     unknown = sorted(set(values) - set(FIELD_NAMES))
     if unknown:
         raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(FIELD_NAMES)}")
     try:
         return TrainConfig(**values)
     except pydantic.ValidationError as error:
-        raise ConfigError(_describe(error)) from None
+        from_file = {key for key in saved if values[key] is saved[key]}
+        where = f" (from {Path(values['resume']) / RUN_CONFIG_FILE})" if from_file else ""
+        raise ConfigError(_describe(error, from_file, where)) from None
 
 
 def _saved_settings(run_dir: Path) -> dict[str, Any]:
@@ -214,17 +218,21 @@ def _saved_settings(run_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"resume={str(run_dir)!r}: no {RUN_CONFIG_FILE}; is this a stoker run folder?") from None
     except ValueError as error:
         raise ConfigError(f"resume={str(run_dir)!r}: unreadable {RUN_CONFIG_FILE} ({error})") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"resume={str(run_dir)!r}: {RUN_CONFIG_FILE} holds a {type(saved).__name__}, not the "
+                          "settings stoker writes there (an object of setting: value)")
     return {k: v for k, v in saved.items() if k in FIELD_NAMES and k not in ("resume", "out")}
 
 
-def _describe(error: pydantic.ValidationError) -> str:
+def _describe(error: pydantic.ValidationError, from_file: set[str] | frozenset[str] = frozenset(),
+              file: str = "") -> str:
     lines = []
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"] if not isinstance(part, int)) or "config"
         where = where.split(".")[0]
         value = problem.get("input")
         shown = f"={value!r}" if not isinstance(value, (dict, pydantic.BaseModel)) and where != "config" else ""
-        lines.append(f"{where}{shown}: {problem['msg']}")
+        lines.append(f"{where}{shown}{file if where in from_file else ''}: {problem['msg']}")
     return "invalid configuration: " + "; ".join(dict.fromkeys(lines))
 
 

@@ -83,7 +83,7 @@ class Ledger:
         parts before. `accounting`: the bytes of the checkpoint's accounting file, read by the machine whose disk
         holds it (`read_accounting`), never from a path another machine sent. None (a checkpoint written before
         accounting was kept, or one of several machines): this part then counts alone."""
-        self.segments = _previous_segments(run_dir)
+        self.segments = previous_segments(run_dir)
         if accounting is None:
             return
         with np.load(io.BytesIO(accounting)) as saved:
@@ -144,9 +144,29 @@ def exactly_once_breach(summary: dict[str, Any]) -> str | None:
             "in summary.json")
 
 
-def _previous_segments(run_dir: Path) -> list[dict[str, Any]]:
+SEGMENT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "start_step": int, "end_step": int, "status": str, "wall_s": (int, float), "throughput_samples_per_s": (int, float)}
+
+
+def previous_segments(run_dir: Path) -> list[dict[str, Any]]:
+    """The parts before this one, as the last summary lists them; a summary that is not stoker's (edited,
+    damaged) is left out with a warning, not trusted until a crash at the end of the run."""
+    file = run_dir / "summary.json"
     try:
-        previous = json.loads((run_dir / "summary.json").read_text())
+        previous = json.loads(file.read_text())
     except (OSError, ValueError):
         return []  # the part before was killed before it could write one
-    return previous.get("segments") or []
+    segments = previous.get("segments") if isinstance(previous, dict) else None
+    if segments is None and isinstance(previous, dict):
+        return []
+    if not (isinstance(segments, list) and all(_is_segment(segment) for segment in segments)):
+        log.warning("%s is not a summary stoker wrote (its segments are not a list of parts): the timeline "
+                    "starts again with this part", file)
+        return []
+    return segments
+
+
+def _is_segment(segment: Any) -> bool:
+    return (isinstance(segment, dict)
+            and all(isinstance(segment.get(key), kind) and not isinstance(segment.get(key), bool)
+                    for key, kind in SEGMENT_FIELDS.items()))
