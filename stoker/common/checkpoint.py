@@ -164,13 +164,26 @@ def _prune(folder: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def describe_load_error(error: BaseException, limit: int = 300) -> str:
+    """What torch's error says about the file, in one line. A weights_only refusal's first line only tells how
+    to load the file unsafely (and reads as advice to): the line that names the global the file asked for is
+    what to show. Other errors (load_state_dict's) put the keys on the lines after the first: they are kept."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if lines and lines[0].startswith("Weights only load failed"):
+        asked = next((line for line in lines if "GLOBAL" in line), lines[-1]).split(". Please use")[0]
+        text = f"it holds more than tensors and plain containers, which stoker never unpickles: {asked}"
+    else:
+        text = "; ".join(lines)
+    return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 def load_verified(path: Path) -> Any:
     """Load one file with weights_only=True; anything that is not plain tensors and containers is refused."""
     faults.simulated_delay(faults.CHECKPOINT_READ_ENV)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise CheckpointError(f"{path}: refused ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+        raise CheckpointError(f"{path}: refused ({describe_load_error(error)})") from None
 
 
 def verify(folder: Path) -> dict[str, Any]:

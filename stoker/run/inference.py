@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from stoker.common.checkpoint import describe_load_error
 from stoker.data.imaging import (
     CENTER_CROP_FRACTION,
     UnusableImage,
@@ -104,7 +105,7 @@ def load(source: str | Path, device: str | torch.device = "cpu",
         network.load_state_dict(state)
     except RuntimeError as error:
         raise ModelFileError(f"{path}: its weights do not fit {card.model!r} with {card.num_classes} classes "
-                             f"({str(error).splitlines()[0][:300]})") from None
+                             f"({describe_load_error(error, 600)})") from None
     target = torch.device(device)
     return LoadedModel(network.eval().to(target), card, path, target)
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from stoker.common.archive import ArchiveError, check_torch_archive
+from stoker.common.checkpoint import describe_load_error
 from stoker.training.groups import head_parameter_names
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,7 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError) as error:
         raise InitError(f"init={str(path)!r}: not a state_dict torch can load safely "
-                        f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
-                        ) from None
+                        f"({describe_load_error(error)})") from None
     for key in WRAPPER_KEYS:
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
             loaded = loaded[key]

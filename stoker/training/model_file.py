@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from stoker.common.archive import ArchiveError, check_torch_archive
-from stoker.common.checkpoint import save_tensors
+from stoker.common.checkpoint import describe_load_error, save_tensors
 from stoker.data.imaging import CENTER_CROP_FRACTION
 from stoker.pipeline.feed import MEAN, STD
 from stoker.training.model_source import locate_module
@@ -125,9 +125,8 @@ def _load(path: Path) -> Any:
     except ModelFileError:
         raise
     except (pickle.UnpicklingError, zipfile.BadZipFile, RuntimeError, EOFError, ValueError, OSError) as error:
-        detail = str(error).splitlines()[0][:200] if str(error) else ""
-        raise ModelFileError(f"{path}: not a model file torch can load safely ({type(error).__name__}: "
-                             f"{detail})") from None
+        raise ModelFileError(f"{path}: not a model file torch can load safely ({describe_load_error(error)})"
+                             ) from None
 
 
 def _check_archive(path: Path) -> None:

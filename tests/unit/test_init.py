@@ -87,8 +87,10 @@ def test_pickle_with_code_is_refused(tmp_path: Path) -> None:
 
     path = tmp_path / "evil.pt"
     torch.save({"state_dict": {"w": torch.zeros(1)}, "x": Evil()}, path)
-    with pytest.raises(InitError, match="not a state_dict torch can load safely"):
+    with pytest.raises(InitError, match="not a state_dict torch can load safely") as refused:
         plan_init(path, build_model("resnet8", 10))
+    # The message names what the file asked for, not torch's first line on how to load it unsafely.
+    assert "GLOBAL print" in str(refused.value) and "weights_only` set to `False" not in str(refused.value)
 
 
 def test_missing_unexpected_and_misshapen_keys_are_listed(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from stoker.observe.diagnosis import TimeSplit, diagnose
+from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.pipeline.autoscale import Autoscaler
 from stoker.pipeline.messages import StepReport
 
@@ -115,5 +115,6 @@ def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
     expected = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
                                   averaging=0.0, sync_every=1, producers=2,
                                   producer_budget=6, producer_utilization=0.4, producer_ceiling=6,
-                                  producer_read_share=0.0025, producer_slot_bound=0.6)).text
+                                  producer_read_share=0.0025, producer_slot_bound=0.6), LOADER_ARGUMENTS).text
     assert text == expected and "reading the files is slow" not in text, text
+    assert "--" not in text, text  # a Loader's user has arguments, not the trainer's flags
