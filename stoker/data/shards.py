@@ -52,6 +52,12 @@ _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _OCTAL = re.compile(rb"[0-7]+")  # a size field: int(_, 8) would also take '-1000', '+7' and '1_0'
 _DECIMAL = re.compile(rb"[0-9]+")
+# tarfile reads a pax header's or GNU long name's body whole, before anything checks it: one claiming 3 GiB took
+# 3.3 GB and minutes. Real ones hold a few hundred bytes; and each in a chain is a level of recursion in tarfile.
+_EXTENSION_KINDS = {b"x": "pax header", b"X": "pax header", b"g": "pax global header", b"L": "GNU long name",
+                    b"K": "GNU long link name"}
+MAX_EXTENSION_BYTES = 1 << 20
+MAX_EXTENSION_CHAIN = 16
 MAX_LABEL_BYTES = 32  # a .cls holds one number: anything longer is not a label
 MAX_LABEL_DIGITS = 9  # labels are int64 in the index; far below that, a label this long names no real class
 # Without classes.json the class count is the largest label plus one: one stray label must not build a model of a
@@ -268,7 +274,7 @@ def index_one_shard(path: str) -> ShardMembers:
     try:
         found = _plain_members(data)
         if found is None:
-            found = _tarfile_members(path, len(data))
+            found = _tarfile_members(path, data)
         members, truncated = found
         if truncated:
             into.skipped.append(Skipped(path, f"truncated shard: indexed its first {len(members)} members, then "
@@ -354,20 +360,65 @@ def _checksum_holds(header: bytes) -> bool:
     return sum(header) - sum(header[148:156]) + 8 * ord(" ") == stored
 
 
-def _tarfile_members(path: str, size: int) -> tuple[list[Member], str]:
+def _tarfile_members(path: str, data) -> tuple[list[Member], str]:
+    """Members read with tarfile, each header it is about to read checked first (`_header_problem`)."""
     members: list[Member] = []
+    problem = _header_problem(data, 0)
+    if problem:  # tarfile.open reads the first member already
+        return members, problem
+    checked = 0
     with tarfile.open(path, "r:") as archive:
         while True:
+            if archive.offset > checked:  # not yet when open's first member is still to be handed out
+                checked = archive.offset
+                problem = _header_problem(data, checked)
+                if problem:
+                    return members, problem
             try:
                 member = archive.next()
             except tarfile.ReadError as error:  # a header cut short
                 return members, f"a header cut short ({error})"
             if member is None:  # an end-of-archive block, or (tarfile does not tell) a header cut or damaged
                 return members, _end_problem(path, archive.offset)
-            if member.offset_data + member.size > size:
+            if member.size < 0:  # a pax 'size' keyword of -1000: tarfile would step back and read headers again
+                return members, f"a damaged header at byte {member.offset} (its size {member.size} is negative)"
+            if member.offset_data + member.size > len(data):
                 return members, "a member cut short"
             if member.isfile():
                 members.append((member.name, member.offset_data, member.size))
+
+
+def _header_problem(data, offset: int) -> str:
+    """Why the header at `offset`, with the pax headers and GNU long names chained before the member it
+    describes, must not reach tarfile ('' if nothing): a size that is no octal or base-256 number, an extension
+    header over MAX_EXTENSION_BYTES (tarfile would read it whole into memory), a chain over MAX_EXTENSION_CHAIN.
+    Damage that costs nothing to read (a checksum, a cut) is left to tarfile."""
+    start = offset
+    for _ in range(MAX_EXTENSION_CHAIN + 1):
+        header = data[offset:offset + TAR_BLOCK]
+        if len(header) < TAR_BLOCK or header == _ZERO_BLOCK:
+            return ""
+        size = _size_field(header)
+        if size is None:
+            return f"a damaged header at byte {offset} (its size {bytes(header[124:136])!r} is not an octal number)"
+        kind = _EXTENSION_KINDS.get(header[156:157])
+        if kind is None:
+            return ""
+        if size > MAX_EXTENSION_BYTES:
+            return f"a damaged header at byte {offset} (a {kind} of {size} bytes: real ones hold a few hundred, " \
+                   f"and more than {MAX_EXTENSION_BYTES} is not read)"
+        offset += TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK
+    return f"a damaged header at byte {start} (more than {MAX_EXTENSION_CHAIN} pax headers or GNU long names " \
+           f"before one member)"
+
+
+def _size_field(header: bytes) -> int | None:
+    """A header's size: octal digits, or GNU's base-256 (a first byte of 0x80); None for anything else (a sign,
+    a negative base-256 number)."""
+    if header[124] == 0x80:
+        return int.from_bytes(header[125:136], "big")
+    field = header[124:136].split(b"\0")[0].strip() or b"0"
+    return int(field, 8) if _OCTAL.fullmatch(field) else None
 
 
 def _end_problem(path: str, offset: int) -> str:

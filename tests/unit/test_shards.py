@@ -214,6 +214,71 @@ def test_a_header_with_a_negative_or_non_octal_size_ends_the_shard_there(tmp_pat
     assert count == "1" and "damaged header" in reasons and "not an octal number" in reasons
 
 
+def tar_without_its_end(members: list[tuple[str, bytes]]) -> bytes:
+    """A tar's members, without the end-of-archive blocks: more headers can follow."""
+    buffer = io.BytesIO()
+    archive = tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT)
+    for name, data in members:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()  # tarfile writes the end only at close
+
+
+# A 3 GiB shard's memory map takes 3 GiB of address space, so the limit is on the process's own memory (a file's
+# shared map is not counted in RLIMIT_DATA; a 3 GiB read into memory is).
+INDEX_ONE_BIG_SHARD = INDEX_ONE_SHARD.replace("RLIMIT_AS", "RLIMIT_DATA").replace("3 << 30", "1 << 30")
+
+
+def run_index_one_shard(path, script: str = INDEX_ONE_SHARD) -> tuple[str, str]:
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    count, reasons = result.stdout.split(" ", 1)
+    return count, reasons
+
+
+@pytest.mark.parametrize("kind,what", [(b"x", "a pax header"), (b"g", "a pax global header"),
+                                       (b"L", "a GNU long name"), (b"K", "a GNU long link name")])
+def test_a_pax_header_or_long_name_claiming_gigabytes_is_refused_unread(tmp_path, kind, what):
+    """A 3 GiB sparse shard whose pax header (or GNU long name) claims 3 GiB: tarfile read it all into memory
+    (3.3 GB and minutes) before ending with 'not a readable tar file'. Here with 1 GiB of memory at most."""
+    good = tar_without_its_end([("k0.jpg", b"j" * 700), ("k0.cls", b"1")])
+    assert len(good) == 5 * 512  # two headers, members of 2 blocks and 1
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = kind, 3 << 30
+    path = tmp_path / "a.tar"
+    with open(path, "wb") as handle:
+        handle.write(good + header.tobuf(tarfile.GNU_FORMAT))
+        handle.truncate(len(good) + 512 + (3 << 30) + 1024)  # sparse: the claimed body is there, as holes
+    count, reasons = run_index_one_shard(path, INDEX_ONE_BIG_SHARD)
+    assert count == "1", reasons
+    assert f"indexed its first 2 members, then a damaged header at byte 2560 ({what} of 3221225472 bytes" in reasons
+
+
+def test_a_pax_header_giving_a_negative_size_or_a_long_chain_of_them_ends_the_shard(tmp_path):
+    """pax 'size=-1000' stepped tarfile back onto headers it had read; 2000 chained pax headers overflowed its
+    recursion (RecursionError out of the indexer)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as archive:
+        for name, data, pax in [("k0.jpg", b"j", {}), ("k0.cls", b"1", {}), ("k1.jpg", b"j" * 600, {"size": "-1000"}),
+                                ("k1.cls", b"1", {})]:
+            info = tarfile.TarInfo(name)
+            info.size, info.pax_headers = len(data), pax
+            archive.addfile(info, io.BytesIO(data))
+    (tmp_path / "negative.tar").write_bytes(buffer.getvalue())
+    count, reasons = run_index_one_shard(tmp_path / "negative.tar")
+    assert count == "1" and "indexed its first 2 members, then a damaged header" in reasons
+    assert "size -1000 is negative" in reasons
+
+    comment = tarfile.TarInfo("././@PaxHeader")
+    comment.type, comment.size = tarfile.XHDTYPE, 12
+    chain = (comment.tobuf(tarfile.USTAR_FORMAT) + b"12 comment=\n".ljust(512, b"\0")) * 2000
+    (tmp_path / "chain.tar").write_bytes(tar_without_its_end([("k0.jpg", b"j"), ("k0.cls", b"1")]) + chain
+                                         + tar_without_its_end([("k1.jpg", b"j"), ("k1.cls", b"1")]) + bytes(1024))
+    count, reasons = run_index_one_shard(tmp_path / "chain.tar")
+    assert count == "1" and "then a damaged header at byte 2048 (more than 16 pax headers" in reasons
+
+
 @pytest.mark.parametrize("text,reason", [
     (b"99999999999999999999999", "far beyond any class count"),
     (b"1_0", "not an integer label"), (b"+3", "not an integer label"), (b"-2", "not an integer label"),
