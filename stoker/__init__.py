@@ -45,11 +45,13 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, **se
     return Controller(config, show_progress=show_progress).run()
 
 
-def load(source: str | Path, device: str = "cpu", model: Callable[..., nn.Module] | None = None) -> LoadedModel:
+def load(source: str | Path, device: str = "cpu",
+         model: Callable[..., nn.Module] | str | None = None) -> LoadedModel:
     """The model a run trained (RUN_DIR, or a model file: model.pt, model_best.pt, model_ema.pt) in eval mode on
     `device`, with `.classes` and `.preprocess(path or bytes or image)`: exactly the tensor validation gives that
     file. A file stoker did not write, or one modified since, is a ValueError naming it. A `module:function`
-    model is imported only while its file hashes to what training recorded; `model=function` builds it instead
+    model is imported only when you name it (`model="module:function"`, the card's own; the file alone never
+    chooses code to run) and while its file hashes to what training recorded; `model=function` builds it instead
     (called as `function(num_classes=K)`)."""
     from stoker.run.inference import load as load_model
 

@@ -121,9 +121,10 @@ def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.nd
     return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
 
 
-def evaluate(model_file: Path, data: Path, feed: Feed = Feed()) -> dict[str, Any]:
-    """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`."""
-    loaded = load(model_file)
+def evaluate(model_file: Path, data: Path, feed: Feed = Feed(), model: str | None = None) -> dict[str, Any]:
+    """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`. `model`: the
+    `module:function` the card names, which its module's import needs (`--model`; `inference.rebuild`)."""
+    loaded = load(model_file, model=model)
     index, to_model = eval_index(data, loaded.classes)
     per_device: dict[torch.device, ValTotals] = {}
     skipped: dict[str, str] = {}
@@ -164,10 +165,12 @@ class Prediction:
     error: str = ""  # why the file could not be used (then no classes)
 
 
-def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = Feed()) -> tuple[int, list[Prediction]]:
+def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = Feed(),
+            model: str | None = None) -> tuple[int, list[Prediction]]:
     """(k, predictions): the top-k classes (k at most the model's classes) and their probabilities for every
-    image in `images` (recursively), bad files included with their reason; sorted by path."""
-    loaded = load(model_file)
+    image in `images` (recursively), bad files included with their reason; sorted by path. `model`: as for
+    `evaluate`."""
+    loaded = load(model_file, model=model)
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r}: expected an integer >= 1")
     index = list_images(images)

@@ -9,8 +9,10 @@
 centre square of 0.875 of the short side, resizes it with OpenCV as the producers do, and normalizes with the
 mean and std the model was trained with, in the same float32 operations as the consumer's feed: the same file
 gives the same tensor, bit for bit. A model of `--model module:function` is rebuilt by importing that module
-from the working directory or PYTHONPATH, as training did, but only when the file the import would run hashes to
-the SHA-256 training recorded (else a ValueError; pass `model=function` to build it yourself).
+from the working directory or PYTHONPATH, as training did, but only when the caller names that same
+`module:function` (`model="module:function"`, `--model` of eval and predict: the file's card alone never chooses
+code to run) and the file the import would run hashes to the SHA-256 training recorded (else a ValueError; pass
+`model=function` to build it yourself).
 """
 
 from __future__ import annotations
@@ -90,17 +92,18 @@ class LoadedModel:
 
 
 def load(source: str | Path, device: str | torch.device = "cpu",
-         model: Callable[..., nn.Module] | None = None) -> LoadedModel:
+         model: Callable[..., nn.Module] | str | None = None) -> LoadedModel:
     """The model in RUN_DIR/model.pt (or the model file named), in eval mode on `device`. Raises ValueError
     (`ModelFileError`) naming the file when it is not a stoker model file, was modified, or does not fit its
     model. `model`: the function that builds the architecture (called as `model(num_classes=K)`), instead of
-    the card's `module:function`, which is imported only while its file is the one training recorded."""
+    the card's; or the card's own model by name (`"module:function"`, which a card naming a module needs: the
+    module is imported only when the caller names it and while its file is the one training recorded)."""
     path = model_path(Path(source))
     card, state = read_model(path)
     if card.crop_fraction != CENTER_CROP_FRACTION:
         raise ModelFileError(f"{path}: its card asks for a centre crop of {card.crop_fraction}; this stoker's "
                              f"validation crops {CENTER_CROP_FRACTION}")
-    network = rebuild(card, path) if model is None else _built_by(model, card, path)
+    network = _built_by(model, card, path) if callable(model) else rebuild(card, path, model)
     try:
         network.load_state_dict(state)
     except RuntimeError as error:
@@ -129,10 +132,19 @@ def model_path(source: Path) -> Path:
     return path
 
 
-def rebuild(card: ModelCard, path: Path) -> nn.Module:
-    """The architecture the card names, with its classes; a module:function is imported by name, never from a path
-    the file records, and only after its file is found (without running it) to hash to what training recorded: a
-    model file must not choose what code runs."""
+def rebuild(card: ModelCard, path: Path, named: str | None = None) -> nn.Module:
+    """The architecture the card names, with its classes. A model file must not choose what code runs: a built-in
+    model is built by name; a module:function only when the caller names the same one (`named`: `--model`),
+    checked before anything is looked up or imported, then imported by name (never from a path the file
+    records) and only after its file is found (without running it) to hash to what training recorded."""
+    if named is not None and named != card.model:
+        raise ModelFileError(f"{path}: its model is {card.model!r}, not {named!r} as given; give the model the "
+                             f"file was trained with (or, in Python, model=your_function to build another)")
+    if ":" in card.model and named is None:
+        raise ModelFileError(f"{path}: its model is {card.model!r}, code of your own, which stoker imports only "
+                             f"when you name it (a model file must not choose what code runs); if you trust "
+                             f"that module, pass --model {card.model} (stoker eval/predict) or "
+                             f"stoker.load(..., model={card.model!r})")
     try:
         if ":" in card.model:
             import_verified(check_recorded_module(card.model, card.module_sha256, path))

@@ -20,7 +20,7 @@ DEFAULT_TOP_K = 5
 def add_parsers(commands: Any) -> None:
     evaluate = commands.add_parser("eval", help="evaluate a trained model on a labelled folder: loss, top-1, top-5, "
                                    "per class, confusion matrix")
-    evaluate.add_argument("model", type=Path, metavar="MODEL.pt", help="model.pt, model_best.pt or model_ema.pt "
+    evaluate.add_argument("model_file", type=Path, metavar="MODEL.pt", help="model.pt, model_best.pt or model_ema.pt "
                           "(or the run folder: its model.pt)")
     evaluate.add_argument("--data", type=Path, required=True, metavar="DIR|SHARDS",
                           help="ImageFolder root (a sub-folder per class, named as in training) or shards")
@@ -30,7 +30,7 @@ def add_parsers(commands: Any) -> None:
     evaluate.set_defaults(run=eval_command)
     predict = commands.add_parser("predict", help="predict the classes of a folder of images (searched "
                                   "recursively), as CSV on stdout")
-    predict.add_argument("model", type=Path, metavar="MODEL.pt", help="model.pt, model_best.pt or model_ema.pt "
+    predict.add_argument("model_file", type=Path, metavar="MODEL.pt", help="model.pt, model_best.pt or model_ema.pt "
                          "(or the run folder: its model.pt)")
     predict.add_argument("images", type=Path, metavar="IMAGES_DIR", help="folder of images, class sub-folders "
                          "or none")
@@ -41,6 +41,10 @@ def add_parsers(commands: Any) -> None:
 
 
 def _feed_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", dest="model_code", default=None, metavar="MODULE:FUNCTION",
+                        help="the model the file was trained with, when it is code of your own: a model file "
+                        "that names a module:function is refused unless you name the same one here (a model "
+                        "file must not choose what code runs); a built-in model needs none")
     parser.add_argument("--devices", default="auto", metavar="SPEC",
                         help="auto | cpu | cuda | cuda:0,1: a model replica on each (default auto)")
     parser.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH_SIZE, metavar="B",
@@ -98,7 +102,7 @@ def eval_command(args: argparse.Namespace) -> int:
         _check_settings(args)  # before torch is imported
         from stoker.observe.eval_report import eval_table
         from stoker.run.evaluate import evaluate
-        result = evaluate(args.model, args.data, _feed(args))
+        result = evaluate(args.model_file, args.data, _feed(args), model=args.model_code)
         to_stdout = args.json is not None and str(args.json) == "-"
         print(eval_table(result), file=sys.stderr if to_stdout else sys.stdout)
         if to_stdout:
@@ -115,7 +119,7 @@ def predict_command(args: argparse.Namespace) -> int:
         _check_settings(args)  # before torch is imported
         from stoker.run.evaluate import predict, prediction_rows
 
-        k, predictions = predict(args.model, args.images, args.top_k, _feed(args))
+        k, predictions = predict(args.model_file, args.images, args.top_k, _feed(args), model=args.model_code)
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerows(prediction_rows(predictions, k))
         bad = sum(1 for p in predictions if p.error)

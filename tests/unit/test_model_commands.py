@@ -1,11 +1,19 @@
 """`stoker eval` and `stoker predict`: a bad setting is one line naming it and exit 2, before the model, the images
-or any process is touched (the model file given here does not even exist)."""
+or any process is touched (the model file given here does not even exist); a model file whose card names a
+module:function runs it only when `--model` names the same one."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
 import pytest
+from PIL import Image
 
 from stoker.cli import main
+from tests.conftest import HELPERS
 
 
 def _error_of(capsys, *argv: str) -> str:
@@ -27,3 +35,52 @@ def test_a_json_file_in_a_missing_folder_is_named_before_the_evaluation(tmp_path
     target = tmp_path / "nonexist" / "x.json"
     line = _error_of(capsys, "eval", str(tmp_path / "absent.pt"), "--data", str(tmp_path), "--json", str(target))
     assert f"json={str(target)!r}: the folder {str(target.parent)!r} does not exist" in line
+
+
+CLASSES = ("cat", "dog")
+
+
+def _crafted_model_file(folder: Path) -> Path:
+    """A model.pt whose card names `planted:small_cnn` with the true SHA-256 of the planted.py beside it (as the
+    reviewer's named `this:nothing` with the digest of the stdlib's this.py), which leaves a marker when it runs."""
+    from stoker.training.model_file import model_card, save_model
+    from stoker.training.models import build_model
+
+    (folder / "planted.py").write_text(f"open({str(folder / 'ran')!r}, 'w').close()\n"
+                                       + (HELPERS / "nobn.py").read_text())
+    card = model_card("planted:small_cnn", CLASSES, 16)  # found and hashed without running it
+    assert card.module_sha256 and not (folder / "ran").exists()
+    sys.path.insert(0, str(HELPERS))
+    try:
+        state = build_model("nobn:small_cnn", len(CLASSES)).state_dict()  # the same architecture
+    finally:
+        sys.path.remove(str(HELPERS))
+    save_model(folder / "model.pt", state, card)
+    for k, name in enumerate(CLASSES):
+        (folder / "val" / name).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(np.full((20, 20, 3), 40 * (k + i), np.uint8)).save(folder / "val" / name / f"{i}.png")
+    return folder / "model.pt"
+
+
+@pytest.mark.parametrize("command", ["eval", "predict"])
+def test_a_card_naming_a_module_runs_it_only_when_model_names_it(tmp_path, monkeypatch, capsys, command):
+    monkeypatch.chdir(tmp_path)  # the working directory comes first on the import path
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    model_file = _crafted_model_file(tmp_path)
+    where = ["--data", "val"] if command == "eval" else ["val"]
+    common = [command, str(model_file), *where, "--devices", "cpu", "--batch-size", "4", "--producers", "1"]
+    for named in ([], ["--model", "resnet8"], ["--model", "planted:other"]):
+        line = _error_of(capsys, *common, *named)
+        assert f"{model_file}: its model is 'planted:small_cnn'" in line
+        assert not (tmp_path / "ran").exists() and "planted" not in sys.modules  # nothing it names was imported
+    assert "pass --model planted:small_cnn" in _error_of(capsys, *common)
+    # the user names it: the SHA-256 still checked, then the user's own model runs
+    assert main([*common, "--model", "planted:small_cnn", *(["--json", "-"] if command == "eval" else [])]) == 0
+    assert (tmp_path / "ran").exists()
+    out = capsys.readouterr().out
+    if command == "eval":
+        assert json.loads(out)["count"] == 6 and json.loads(out)["architecture"] == "planted:small_cnn"
+    else:
+        assert len(out.strip().splitlines()) == 6 + 1  # a header and a row per image
+    sys.modules.pop("planted")  # (monkeypatch.delitem would put it back at teardown)

@@ -70,7 +70,7 @@ def test_a_module_function_model_is_rebuilt_from_its_recorded_spec(tmp_path, mon
     monkeypatch.syspath_prepend(str(HELPERS))
     model, card = saved_model(tmp_path / "user.pt", name="nobn:small_cnn")
     assert card.module_file == str((HELPERS / "nobn.py").resolve()) and card.module_sha256
-    loaded = stoker.load(tmp_path / "user.pt")
+    loaded = stoker.load(tmp_path / "user.pt", model="nobn:small_cnn")  # the caller names the card's module
     x = torch.randn(1, 3, 32, 32)
     assert torch.equal(loaded(x), model.eval()(x))
 
@@ -80,7 +80,7 @@ def test_a_module_changed_since_training_is_refused_before_it_runs(tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path))
     saved_model(tmp_path / "user.pt", name="changing_model:small_cnn")
     monkeypatch.delitem(sys.modules, "changing_model")
-    stoker.load(tmp_path / "user.pt")  # unchanged: imported
+    stoker.load(tmp_path / "user.pt", model="changing_model:small_cnn")  # unchanged: imported
     monkeypatch.delitem(sys.modules, "changing_model")
     marker = tmp_path / "ran"
     with open(tmp_path / "changing_model.py", "a") as module:
@@ -88,7 +88,7 @@ def test_a_module_changed_since_training_is_refused_before_it_runs(tmp_path, mon
     with pytest.raises(ValueError, match=r"user.pt: cannot rebuild its model: module 'changing_model' would "
                                          r"load .*changing_model.py, which differs from the file the model was "
                                          r"trained with.*model="):
-        stoker.load(tmp_path / "user.pt")
+        stoker.load(tmp_path / "user.pt", model="changing_model:small_cnn")
     assert not marker.exists() and "changing_model" not in sys.modules
 
 
@@ -113,14 +113,38 @@ def test_a_model_file_beside_a_planted_module_runs_no_code(tmp_path, monkeypatch
     _planted_model_file(tmp_path, recorded)
     monkeypatch.chdir(tmp_path)  # the working directory comes first on the import path
     monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(ValueError, match=r"model.pt: its model is 'helper:f', code of your own, which stoker "
+                                         r"imports only when you name it"):
+        stoker.load("model.pt")  # not named by the caller: not even looked up
     with pytest.raises(ValueError, match=r"model.pt: .*helper.py.*stoker.load\(.*model=your_function\)"):
-        stoker.load("model.pt")
+        stoker.load("model.pt", model="helper:f")  # named, but not the module the card records
     assert not (tmp_path / "ran").exists() and "helper" not in sys.modules
     monkeypatch.syspath_prepend(str(HELPERS))
     from nobn import small_cnn  # the caller's own builder: the card's module is not looked at
 
     loaded = stoker.load("model.pt", model=small_cnn)
     assert loaded.classes == CLASSES and not (tmp_path / "ran").exists()
+
+
+def test_a_card_naming_a_module_whose_bytes_it_knows_runs_it_only_when_the_caller_names_it(tmp_path, monkeypatch):
+    """The reviewer's file: a card naming a module on the import path with that module's true SHA-256 (this:nothing,
+    the stdlib's this.py, printed the Zen of Python): the digest matches, so only the caller's naming it may let it
+    run. Here the module leaves a marker when it runs."""
+    marker = tmp_path / "ran"
+    (tmp_path / "known_bytes.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                             + (HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    card = model_card("known_bytes:small_cnn", CLASSES, 32)  # located and hashed, not run
+    assert card.module_sha256 and not marker.exists()
+    save_model(tmp_path / "crafted.pt", build_model("resnet8", len(CLASSES)).state_dict(), card)
+    for named in (None, "resnet8", "known_bytes:other"):
+        with pytest.raises(ValueError, match=r"crafted.pt: its model is 'known_bytes:small_cnn'"):
+            stoker.load(tmp_path / "crafted.pt", model=named)
+    assert not marker.exists() and "known_bytes" not in sys.modules
+    with pytest.raises(ValueError, match="its weights do not fit"):  # named: checked, imported, built
+        stoker.load(tmp_path / "crafted.pt", model="known_bytes:small_cnn")
+    assert marker.exists()
+    sys.modules.pop("known_bytes")  # (monkeypatch.delitem would put it back at teardown)
 
 
 def test_a_planted_pyc_beside_the_verified_module_does_not_run(tmp_path, monkeypatch):
@@ -139,7 +163,7 @@ def test_a_planted_pyc_beside_the_verified_module_does_not_run(tmp_path, monkeyp
     cached = Path(importlib.util.cache_from_source(str(source)))
     cached.parent.mkdir(exist_ok=True)
     cached.write_bytes(_code_to_timestamp_pyc(forged, int(stat.st_mtime), stat.st_size))
-    stoker.load(tmp_path / "user.pt")
+    stoker.load(tmp_path / "user.pt", model="pyc_model:small_cnn")
     assert not (tmp_path / "ran").exists()
     monkeypatch.delitem(sys.modules, "pyc_model")
 
@@ -167,7 +191,7 @@ def test_the_recorded_digest_is_sha256_of_the_module_file_and_a_package_module_i
     for name in ("pkg", "pkg.net"):
         monkeypatch.delitem(sys.modules, name)
     x = torch.randn(1, 3, 32, 32)
-    assert torch.equal(stoker.load(tmp_path / "user.pt")(x), model.eval()(x))  # verified, then imported
+    assert torch.equal(stoker.load(tmp_path / "user.pt", model="pkg.net:small_cnn")(x), model.eval()(x))  # verified
     assert sys.modules["pkg"].net is sys.modules["pkg.net"]
     for name in ("pkg", "pkg.net"):
         monkeypatch.delitem(sys.modules, name)
@@ -180,7 +204,7 @@ def test_a_module_that_cannot_be_imported_names_the_file_and_where_it_was_traine
     monkeypatch.delitem(sys.modules, "nobn")
     with pytest.raises(ValueError, match=f"{tmp_path / 'user.pt'}: cannot rebuild its model.*trained from "
                                          f".*nobn.py: run from its folder or put that on PYTHONPATH"):
-        stoker.load(tmp_path / "user.pt")
+        stoker.load(tmp_path / "user.pt", model="nobn:small_cnn")
 
 
 def _record_data_offset(path: Path, suffix: str) -> int:
