@@ -154,11 +154,9 @@ def setting_defaults() -> dict[str, str | None]:
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
-    values: dict[str, Any] = {}
-    if getattr(args, "config", None):
-        values.update(load_toml(Path(args.config)))
-    values.update({name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)})
-    return make_config(values)
+    from_file: dict[str, Any] = load_toml(Path(args.config)) if getattr(args, "config", None) else {}
+    flags = {name: getattr(args, name) for name in FIELD_NAMES if hasattr(args, name)}
+    return make_config({**from_file, **flags}, {key: str(args.config) for key in from_file if key not in flags})
 
 
 def main(argv: list[str] | None = None) -> int:

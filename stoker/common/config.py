@@ -191,14 +191,16 @@ assert set(UNRECORDED_MEANT) <= set(FIELD_NAMES), "UNRECORDED_MEANT names a sett
 RUN_CONFIG_FILE = "config.json"
 
 
-def make_config(values: dict[str, Any]) -> TrainConfig:
-    """Build a TrainConfig, turning pydantic's report into one `ConfigError` that names every bad setting.
+def make_config(values: dict[str, Any], origins: dict[str, str] | None = None) -> TrainConfig:
+    """Build a TrainConfig, turning pydantic's report into one `ConfigError` that names every bad setting, and
+    the file it came from (`origins`: setting -> file, for values read from a TOML file).
 
     With `resume`, the resumed run's own settings are the defaults: `--resume RUN_DIR` alone continues it.
     """
-    saved: dict[str, Any] = {}
+    origins = dict(origins or {})
     if values.get("resume") is not None:
         saved = _saved_settings(Path(values["resume"]))
+        origins.update({key: str(Path(values["resume"]) / RUN_CONFIG_FILE) for key in saved if key not in values})
         values = {**saved, **values}
     unknown = sorted(set(values) - set(FIELD_NAMES))
     if unknown:
@@ -206,9 +208,7 @@ def make_config(values: dict[str, Any]) -> TrainConfig:
     try:
         return TrainConfig(**values)
     except pydantic.ValidationError as error:
-        from_file = {key for key in saved if values[key] is saved[key]}
-        where = f" (from {Path(values['resume']) / RUN_CONFIG_FILE})" if from_file else ""
-        raise ConfigError(_describe(error, from_file, where)) from None
+        raise ConfigError(_describe(error, origins)) from None
 
 
 def _saved_settings(run_dir: Path) -> dict[str, Any]:
@@ -224,15 +224,15 @@ def _saved_settings(run_dir: Path) -> dict[str, Any]:
     return {k: v for k, v in saved.items() if k in FIELD_NAMES and k not in ("resume", "out")}
 
 
-def _describe(error: pydantic.ValidationError, from_file: set[str] | frozenset[str] = frozenset(),
-              file: str = "") -> str:
+def _describe(error: pydantic.ValidationError, origins: dict[str, str]) -> str:
     lines = []
     for problem in error.errors():
         where = ".".join(str(part) for part in problem["loc"] if not isinstance(part, int)) or "config"
         where = where.split(".")[0]
         value = problem.get("input")
         shown = f"={value!r}" if not isinstance(value, (dict, pydantic.BaseModel)) and where != "config" else ""
-        lines.append(f"{where}{shown}{file if where in from_file else ''}: {problem['msg']}")
+        origin = f" (from {origins[where]})" if where in origins else ""
+        lines.append(f"{where}{shown}{origin}: {problem['msg']}")
     return "invalid configuration: " + "; ".join(dict.fromkeys(lines))
 
 
@@ -245,6 +245,9 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config={str(path)!r}: file not found") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config={str(path)!r}: not valid TOML ({error})") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"config={str(path)!r}: not a text file (TOML is UTF-8; byte {error.start} is "
+                          f"{error.object[error.start:error.start + 1]!r})") from None
     table = raw.get("train", raw)
     if not isinstance(table, dict):
         raise ConfigError(f"config={str(path)!r}: [train] must be a table")

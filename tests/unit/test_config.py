@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
+from stoker.cli import config_from_args
 from stoker.common.config import ConfigError, load_toml, make_config
 from stoker.common.procs import PRODUCER_MEMORY, check_memory_for_producers
 from tests.conftest import run_cli, stoker_processes
@@ -47,6 +49,16 @@ def test_toml_syntax_error_names_the_file(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("epochs = = 3\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
+        load_toml(path)
+
+
+def test_a_bad_value_from_a_toml_file_names_the_file_and_a_binary_file_is_not_text(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('epochs = "three"\n')
+    with pytest.raises(ConfigError, match=r"epochs='three' \(from .*run.toml\)"):
+        config_from_args(argparse.Namespace(config=str(path)))
+    path.write_bytes(b"\xff\xfe epochs = 3")
+    with pytest.raises(ConfigError, match="not a text file"):
         load_toml(path)
 
 
