@@ -170,7 +170,8 @@ def describe_load_error(error: BaseException, limit: int = 300) -> str:
     what to show. Other errors (load_state_dict's) put the keys on the lines after the first: they are kept."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if lines and lines[0].startswith("Weights only load failed"):
-        asked = next((line for line in lines if "GLOBAL" in line), lines[-1]).split(". Please use")[0]
+        told = [line for line in lines[1:] if not line.startswith(("Check the documentation", "(1)", "(2)"))]
+        asked = next((line for line in lines if "GLOBAL" in line), told[0] if told else "").split(". Please use")[0]
         text = f"it holds more than tensors and plain containers, which stoker never unpickles: {asked}"
     else:
         text = "; ".join(lines)

@@ -50,7 +50,18 @@ UNRECORDED_MEANT: dict[str, Any] = {
 }
 
 
-# allow_inf_nan: lr = inf passed and diverged at step 1, after every process had started.
+# The numeric settings: none takes a boolean (pydantic's lax mode reads true as 1).
+NUMBER_SETTINGS = (
+    "val_fraction", "image_size", "producers", "min_producers", "initial_producers", "max_producers", "batch_size",
+    "epochs", "lr", "momentum", "weight_decay", "sync_every", "outer_lr", "outer_momentum", "seed", "checkpoint_every",
+    "slots_per_consumer", "check_replicas_every", "collective_timeout_s", "producer_timeout_s", "max_bad_fraction",
+    "log_every_s", "lr_head_multiplier", "warmup_epochs", "label_smoothing", "mixup", "cutmix", "ema", "clip_grad_norm",
+    "random_erasing", "val_image_size",
+)
+
+
+# allow_inf_nan: no setting means anything at infinity or NaN (lr = inf passed, and diverged at step 1 after every
+# process had started).
 @dataclass(frozen=True, config=ConfigDict(extra="forbid", strict=False, allow_inf_nan=False))
 class TrainConfig:
     # A new field changes the plan (a resume must keep its value) unless MAY_CHANGE_ON_RESUME above names it.
@@ -78,7 +89,7 @@ class TrainConfig:
     outer_momentum: float = Field(default=0.9, ge=0.0, lt=1.0)
     overlap_averaging: bool = False
     average_in_backward: bool = True
-    seed: int = Field(default=0, ge=0, le=2**63 - 1)  # torch.manual_seed takes no more
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)  # torch.manual_seed takes no more
     out: Path | None = None
     resume: Path | None = None
     checkpoint_every: int = Field(default=0, ge=0)
@@ -117,13 +128,11 @@ class TrainConfig:
     def _devices_form(cls, value: str) -> str:
         return check_devices_form(value)  # the same check as eval's and predict's --devices
 
-    @field_validator("image_size", "min_producers", "initial_producers", "max_producers", "batch_size", "epochs",
-                     "sync_every", "seed", "checkpoint_every", "slots_per_consumer", "check_replicas_every",
-                     "val_image_size", "producers", mode="before")
+    @field_validator(*NUMBER_SETTINGS, mode="before")
     @classmethod
     def _not_a_bool(cls, value: Any) -> Any:
-        if isinstance(value, bool):  # epochs = true in a TOML was 1 epoch to pydantic
-            raise ValueError(f"expected an integer, got {str(value).lower()}")
+        if isinstance(value, bool):  # epochs = true in a TOML was 1 epoch to pydantic, lr = true 1.0
+            raise ValueError(f"expected a number, got {str(value).lower()}")
         return value
 
     @field_validator("producers")
@@ -146,6 +155,9 @@ class TrainConfig:
             raise ValueError(f"ema={self.ema} cannot be combined with overlap_averaging=true: the EMA follows the "
                              "averaged model, and overlapped replicas are averaged one window late (they differ "
                              "when the EMA would be updated)")
+        if isinstance(self.producers, int) and self.max_producers is not None and self.producers > self.max_producers:
+            raise ValueError(f"producers={self.producers} is above max_producers={self.max_producers} (a fixed count "
+                             "is its own ceiling: give one of the two)")
         if self.max_producers is not None and self.max_producers < self.min_producers:
             raise ValueError(f"max_producers={self.max_producers} is below min_producers={self.min_producers}")
         for name in ("data", "val"):

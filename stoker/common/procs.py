@@ -58,7 +58,8 @@ def started_by() -> int:
 
 
 def check_memory_for_producers(count: int, setting: str = "producers") -> None:
-    """Before any process starts: `count` producers at once must fit the memory this machine has available."""
+    """Before any process starts: `count` producers at once must fit the memory this machine has available
+    (MemAvailable: a container's own limit can be lower, and is not read here)."""
     try:
         with open("/proc/meminfo") as handle:
             fields = dict(line.split(":", 1) for line in handle)
@@ -67,7 +68,7 @@ def check_memory_for_producers(count: int, setting: str = "producers") -> None:
         return
     if count * PRODUCER_MEMORY > available:
         raise ValueError(f"{setting}={count}: {count} producer processes need about "
-                         f"{count * PRODUCER_MEMORY / 2**30:.1f} GiB (60 MB each) and this machine has "
+                         f"{count * PRODUCER_MEMORY / 2**30:.1f} GiB (64 MiB each) and this machine has "
                          f"{available / 2**30:.1f} GiB available; expected at most {available // PRODUCER_MEMORY}")
 
 

@@ -40,7 +40,7 @@ from stoker.data.imaging import UnusableImage
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 2  # 2: stamps with size, ctime and inode; checksums; labels read strictly
+INDEX_VERSION = 3  # 2: stamps with size, ctime and inode; checksums; labels read strictly. 3: the root stamped
 # A directory changed within this long before its listing may have changed again inside the same timestamp tick
 # (filesystems keep times as coarse as 1-2 s): such a listing is used but never trusted from the cache.
 MTIME_GUARD_NS = 2_000_000_000
@@ -48,6 +48,9 @@ STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a runni
 MAX_OPEN_SHARDS = 128
 SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
+# A file that could not be read (EIO on a network disk, EMFILE): tried again in later epochs, unlike one that was
+# read and could not be decoded, which later epochs skip unread.
+UNREADABLE = "unreadable:"
 ABSENT = "absent"  # the stamp of an input that did not exist: it must still not exist
 _warned: set[str] = set()  # one warning per problem and process, not one per shard or split
 
@@ -199,7 +202,7 @@ def read_file(path: str) -> bytes:
     except FileNotFoundError:
         raise UnusableImage("file vanished (deleted during the run)") from None
     except OSError as error:
-        raise UnusableImage(f"unreadable: {error.strerror or error}") from None
+        raise UnusableImage(f"{UNREADABLE} {error.strerror or error}") from None
 
 
 _open_shards: dict[str, int] = {}
@@ -253,6 +256,10 @@ def load_image_folder(root: Path, classes: tuple[str, ...] | None = None, cache:
 ENTRY_FILES = {"names.npy", "offsets.npy", "labels.npy", "skipped.json", "meta.json"}  # every entry's (`_entry_files`)
 
 
+def _entry_files_present(entry: Path) -> set[str]:
+    return ENTRY_FILES | ({"where.npy"} if (entry / "where.npy").exists() else set())  # shards' entries have it
+
+
 def load_cached(cache: Path, key: str) -> PackedIndex | None:
     entry = _cached(cache, key)
     return PackedIndex(entry) if entry is not None else None
@@ -295,7 +302,7 @@ def _cached(cache: Path, key: str) -> Path | None:
         # The entry must be this key's (a pointer copied from another folder's key once trained on that folder's
         # files) and each of its files must have a checksum (an empty list turned the check off).
         if not (isinstance(name, str) and name.startswith(f"{key}-") and os.path.basename(name) == name
-                and isinstance(digests, dict) and ENTRY_FILES <= set(digests)):
+                and isinstance(digests, dict) and _entry_files_present(entry) <= set(digests)):
             log.warning("the index cache pointer %s does not name an entry of its own with every file's checksum: "
                         "indexing again", cache / f"{key}.json")
             return None

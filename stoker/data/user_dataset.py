@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import random
 from collections.abc import Iterator, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, overload
 
 import numpy as np
@@ -77,7 +78,8 @@ class DatasetSource:
         # under `if __name__ == "__main__":`) then fails in the producer's own code, which reports it to the
         # loop at once, not in multiprocessing's start-up, which prints a traceback and exits, again for every
         # replacement, until the run gives up without saying why.
-        pickled = self._pickled if self._pickled is not None else pickle.dumps(self._dataset)
+        # ForkingPickler, as multiprocessing itself would: torch's reducers send tensors through shared memory.
+        pickled = self._pickled if self._pickled is not None else bytes(ForkingPickler.dumps(self._dataset))
         return {"_dataset": None, "_pickled": pickled, "image_size": self.image_size, "paths": self.paths,
                 "labels": self.labels, "_torch_threads_set": False}
 
@@ -85,7 +87,7 @@ class DatasetSource:
     def dataset(self) -> Any:
         if self._dataset is None and self._pickled is not None:
             try:
-                self._dataset = pickle.loads(self._pickled)
+                self._dataset, self._pickled = pickle.loads(self._pickled), None  # not held twice
             except Exception as error:
                 raise DatasetNotLoadable(
                     f"the dataset ({self.paths.name}) could not be loaded in a producer process: "
@@ -124,7 +126,7 @@ def unpack_item(item: Any, index: int) -> tuple[Any, int]:
         image, label = item
     except (TypeError, ValueError):
         raise ValueError(f"dataset[{index}]: expected a pair (image, label), got {_describe(item)}") from None
-    if isinstance(label, (bool, np.bool_)) or not isinstance(_plain(label), (int, np.integer)):
+    if isinstance(_plain(label), (bool, np.bool_)) or not isinstance(_plain(label), (int, np.integer)):
         raise ValueError(f"dataset[{index}]: the label is {_describe(label)}; expected an integer class index >= 0")
     if int(_plain(label)) < 0:
         raise ValueError(f"dataset[{index}]: the label is {int(_plain(label))}; expected a class index >= 0")
@@ -132,8 +134,10 @@ def unpack_item(item: Any, index: int) -> tuple[Any, int]:
 
 
 def _plain(label: Any) -> Any:
-    """A 0-d tensor or array as its Python number; anything else as it is."""
-    if getattr(label, "shape", None) == () and hasattr(label, "item"):
+    """A tensor or array of one element (shape () or (1,): `torch.tensor([3])`) as its Python number; anything
+    else as it is."""
+    shape = getattr(label, "shape", None)
+    if shape is not None and hasattr(label, "item") and int(np.prod(shape)) == 1:
         return label.item()
     return label
 

@@ -87,7 +87,7 @@ class Controller:
                                                    available_cores())
         check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget, self.val_image_size)
         check_memory_for_producers(self.counts.initial, "producers" if config.producers != "auto"
-                                   else "initial_producers")
+                                   else "initial_producers (or min_producers)")
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         if self.val_image_size != self.image_size:

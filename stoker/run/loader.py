@@ -479,8 +479,8 @@ class Loader:
 
     def _carry_window(self) -> None:
         """A new iteration goes on with the open window, less the time the loop spent between the two (validation,
-        a checkpoint): windows closed only inside an epoch never closed in epochs shorter than one, and the
-        autoscaler then saw nothing at all."""
+        a checkpoint; and the last batch's compute, which cannot be told apart from them): windows closed only
+        inside an epoch never closed in epochs shorter than one, and the autoscaler then saw nothing at all."""
         if self._window is not None and self._step_end is not None:
             now = time.monotonic()
             self._window.started += now - self._step_end

@@ -29,6 +29,8 @@ from tests.conftest import run_cli, stoker_processes
     ({"producers": 100000}, "producers"),
     ({"max_producers": 100000}, "max_producers"),
     ({"epochs": True}, "epochs"),
+    ({"lr": True}, "lr"),
+    ({"producers": 8, "max_producers": 4}, "producers=8 is above max_producers=4"),
     ({"producers": True}, "producers"),
     ({"seed": 10**23}, "seed"),
     ({"lr": float("inf")}, "lr"),
@@ -37,6 +39,10 @@ from tests.conftest import run_cli, stoker_processes
 def test_bad_setting_is_named(settings, named):
     with pytest.raises(ConfigError, match=named):
         make_config(settings)
+
+
+def test_the_largest_seed_torch_takes_is_taken():
+    assert make_config({"seed": 2**64 - 1}).seed == 2**64 - 1
 
 
 def test_config_is_frozen():

@@ -60,7 +60,7 @@ def test_a_dataset_item_that_is_not_an_image_and_a_class_index_names_its_index(i
         stoker.Loader([item] * 4, batch_size=2)
 
 
-@pytest.mark.parametrize("label", [np.int64(1), torch.tensor(1), 1])
+@pytest.mark.parametrize("label", [np.int64(1), torch.tensor(1), 1, torch.tensor([1]), np.array([1])])
 def test_integer_labels_of_numpy_and_torch_are_taken(label):
     source = DatasetSource([(np.zeros((8, 8, 3), np.uint8), label)], 8)
     assert source.fill(0, np.empty((8, 8, 3), np.uint8), seed=0, epoch=0) == 1

@@ -92,7 +92,7 @@ def test_producers_that_wait_on_reads_are_told_so():
     assert "more cores" in decoding and "storage" not in decoding, decoding
 
 
-def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
+def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_words():
     # stoker.Loader.summary() printed "reading the files is slow" while its producers idled: it had a copy of the
     # trainer's producer figures that left the ceiling and the reads out. Both now read the engine's.
     from stoker.observe.metrics import RunStats
@@ -118,3 +118,8 @@ def test_the_loader_and_the_trainer_give_the_same_verdict_on_the_same_engine():
                                   producer_read_share=0.0025, producer_slot_bound=0.6), LOADER_ARGUMENTS).text
     assert text == expected and "reading the files is slow" not in text, text
     assert "--" not in text, text  # a Loader's user has arguments, not the trainer's flags
+    trainers = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
+                                  averaging=0.0, sync_every=1, producers=2, producer_budget=6,
+                                  producer_utilization=0.4, producer_ceiling=6, producer_read_share=0.0025,
+                                  producer_slot_bound=0.6))
+    assert loader.summary()["verdict"]["kind"] == trainers.kind == "input-bound"
