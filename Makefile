@@ -25,11 +25,12 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 	rm -rf runs/demo
 	$(VENV)/bin/stoker train --out runs/demo
 
-# Two workers at once (a test's time is mostly processes starting and waiting), handed tests one by one (whole
-# files per worker, which would train a module's fixtures once, measured 829 s against 662 s: the last heavy file
-# ran alone); the tests that read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both
-# passes run; the worse status counts (5, no test selected, is not a failure of the second).
-TEST_WORKERS ?= 2
+# Three workers on 2 cores (a test's time is mostly processes starting and waiting: with two, a quarter of the
+# cores' time went unused, and the suite took 846 s + 85 s on a fresh clone), handed tests one by one (whole files
+# per worker, which would train a module's fixtures once, measured 829 s against 662 s: the last heavy file ran
+# alone); the tests that read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both passes
+# run; the worse status counts (5, no test selected, is not a failure of the second).
+TEST_WORKERS ?= 3
 
 test: $(VENV)/.installed
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests; parallel=$$?; \
