@@ -126,11 +126,12 @@ def unpack_item(item: Any, index: int) -> tuple[Any, int]:
         image, label = item
     except (TypeError, ValueError):
         raise ValueError(f"dataset[{index}]: expected a pair (image, label), got {_describe(item)}") from None
-    if isinstance(_plain(label), (bool, np.bool_)) or not isinstance(_plain(label), (int, np.integer)):
+    number = _plain(label)
+    if isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, np.integer)):
         raise ValueError(f"dataset[{index}]: the label is {_describe(label)}; expected an integer class index >= 0")
-    if int(_plain(label)) < 0:
-        raise ValueError(f"dataset[{index}]: the label is {int(_plain(label))}; expected a class index >= 0")
-    return image, int(_plain(label))
+    if number < 0:
+        raise ValueError(f"dataset[{index}]: the label is {int(number)}; expected a class index >= 0")
+    return image, int(number)
 
 
 def _plain(label: Any) -> Any:

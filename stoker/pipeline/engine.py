@@ -21,7 +21,6 @@ import numpy as np
 
 from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
-from stoker.data.index import UNREADABLE
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, plain_need
 from stoker.pipeline.parts import Assembler, parts_per_batch
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
@@ -230,8 +229,7 @@ class Engine:
             epoch = task.work.epoch if task.work.kind == "train" else None
             new = [item for item in done.skipped.values() if item.path not in self.accounting.skipped]
             self.accounting.record_skipped(epoch, done.skipped)
-            self.pool.remember_unusable(task.work.kind, {s: item.reason for s, item in done.skipped.items()
-                                                         if not item.reason.startswith(UNREADABLE)})
+            self.pool.remember_unusable(task.work.kind, {s: item.reason for s, item in done.skipped.items()})
             for item in new:  # once a run: later epochs skip the file without decoding it (`pool.unusable`)
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.events.write("skipped", path=item.path, reason=item.reason)

@@ -20,6 +20,7 @@ from multiprocessing.queues import Queue
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
+from stoker.data.index import UNREADABLE
 from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 
@@ -221,8 +222,10 @@ class ProducerPool:
         return Loss(message, reissue)
 
     def remember_unusable(self, kind: str, skipped: dict[int, str]) -> None:
-        """Files a producer could not decode: later tasks skip them without reading them again."""
-        self.unusable.update(((kind, sample), reason) for sample, reason in skipped.items())
+        """Files a producer could not decode: later tasks skip them without reading them again. One it could not
+        read is not remembered: a read error (EIO, EMFILE) may pass."""
+        self.unusable.update(((kind, sample), reason) for sample, reason in skipped.items()
+                             if not reason.startswith(UNREADABLE))
 
     def _skip_known_unusable(self, task: Task) -> Task:
         if not self.unusable or task.compact:
