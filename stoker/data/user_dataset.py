@@ -95,6 +95,12 @@ class DatasetSource:
                     "of a module or of the script, outside `if __name__ == \"__main__\":`") from error
         return self._dataset
 
+    def load(self) -> None:
+        """What the first item would otherwise pay for (unpickling the dataset, importing its modules: seconds of a
+        contended core, once taken for a hang on that item): done at the producer's start, as its imports are."""
+        self._one_torch_thread()
+        _ = self.dataset
+
     def read(self, sample_id: int) -> bytes:
         raise TypeError("a dataset's items are built by `fill`, not read as files")
 

@@ -134,6 +134,9 @@ def nice_producer(pid: int) -> None:
 def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, stop) -> None:
     watch = ParentWatch()
     status = ring.status[producer]
+    for source in (setup.train, setup.val):
+        if isinstance(source, DatasetSource):
+            source.load()  # idle meanwhile: a start-up, not a hang on the first item
     previous: Task | None = None
     while not stop.is_set() and not watch.parent_gone():
         status[:] = (STATUS_IDLE, 0, time.monotonic_ns())

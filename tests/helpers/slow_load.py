@@ -1,0 +1,23 @@
+"""A user's dataset that takes seconds to load in a producer (as one importing torch and its own modules does on a
+contended core), then builds every item at once."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+class SlowToLoad:
+    def __init__(self, load_s: float, size: int = 16) -> None:
+        self.load_s, self.size = load_s, size
+
+    def __setstate__(self, state: dict) -> None:
+        time.sleep(state["load_s"])
+        self.__dict__.update(state)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        return np.full((16, 16, 3), index, dtype=np.uint8), index % 2
