@@ -74,9 +74,9 @@ class DatasetSource:
         self._torch_threads_set = False
 
     def __getstate__(self) -> dict[str, Any]:
-        # The dataset travels as bytes, loaded at the producer's start (`load`): a class a producer cannot import (one defined
-        # under `if __name__ == "__main__":`) then fails in the producer's own code, which reports it to the
-        # loop at once, not in multiprocessing's start-up, which prints a traceback and exits, again for every
+        # The dataset travels as bytes, loaded at the producer's start (`load`): a class a producer cannot import
+        # (one defined under `if __name__ == "__main__":`) then fails in the producer's own code, which reports it
+        # to the loop at once, not in multiprocessing's start-up, which prints a traceback and exits, again for every
         # replacement, until the run gives up without saying why.
         # ForkingPickler, as multiprocessing itself would: torch's reducers send tensors through shared memory.
         pickled = self._pickled if self._pickled is not None else bytes(ForkingPickler.dumps(self._dataset))
