@@ -10,7 +10,7 @@ from tests.conftest import read_summary, run_cli
 def _digits_accuracy(digits, out, *extra: str) -> dict:
     train, val = digits
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers", "1",
-            "--augment", "none", "--image-size", "32", "--batch-size", "32", "--epochs", "4", "--seed", "1",
+            "--augment", "none", "--image-size", "32", "--batch-size", "32", "--epochs", "3", "--seed", "1",
             "--out", str(out), "--quiet", *extra)
     return read_summary(out)
 

@@ -116,13 +116,13 @@ def _concatenated_batch(train, plan, step, seed, size):
         ring.close()
 
 
-@pytest.mark.parametrize("overlap", ["false", "true"])
-def test_learns_handwritten_digits(digits, tmp_path, overlap):
-    """Overlapped averaging too: an average one step late must not cost accuracy on a real dataset."""
+def test_overlapped_averaging_learns_handwritten_digits(digits, tmp_path):
+    """An average one step late must not cost accuracy on a real dataset (test_precision holds the plain run to the
+    same 95%)."""
     train, val = digits
     run_cli("train", "--data", str(train), "--val", str(val), "--devices", "cpu:2", "--producers", "1",
-            "--augment", "none", "--image-size", "32", "--batch-size", "32", "--epochs", "6", "--out", str(tmp_path),
-            "--overlap-averaging", overlap, "--quiet")
+            "--augment", "none", "--image-size", "32", "--batch-size", "32", "--epochs", "4", "--out", str(tmp_path),
+            "--overlap-averaging", "true", "--quiet")
     summary = read_summary(tmp_path)
     assert summary["val_accuracy"] >= 0.95, summary["val_accuracy"]
     assert summary["replicas_identical"] is True
