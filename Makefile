@@ -26,14 +26,16 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 	$(VENV)/bin/stoker train --out runs/demo
 
 # Three workers on 2 cores (a test's time is mostly processes starting and waiting: with two, a quarter of the
-# cores' time went unused, and the suite took 846 s + 85 s on a fresh clone), handed tests one by one (whole files
-# per worker, which would train a module's fixtures once, measured 829 s against 662 s: the last heavy file ran
-# alone); the tests that read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both passes
-# run; the worse status counts (5, no test selected, is not a failure of the second).
+# cores' time went unused, and the suite took 846 s + 85 s on a fresh clone). Each worker starts on a third of the
+# tests in file order and an idle one steals from the others (`--dist worksteal`): a module's fixtures run once,
+# where `--dist load` ran them on each worker that got one of the module's tests and whole files per worker left
+# the last heavy file alone (parallel pass on one 2-core machine: 744 s against 969 s with `load`). The tests that
+# read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both passes run; the worse status
+# counts (5, no test selected, is not a failure of the second).
 TEST_WORKERS ?= 3
 
 test: $(VENV)/.installed
-	@$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests; parallel=$$?; \
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" tests; parallel=$$?; \
 	$(PY) -m pytest -q -m serial tests; serial=$$?; [ $$serial -eq 5 ] && serial=0; \
 	exit $$(( parallel > serial ? parallel : serial ))
 

@@ -35,7 +35,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-# `make test` runs most tests in 2 pytest-xdist workers at once: the leave-no-trace checks look only at what this
+# `make test` runs most tests in 3 pytest-xdist workers at once: the leave-no-trace checks look only at what this
 # worker's tests started. Every process a test starts inherits this mark, orphaned or not; a segment's name holds
 # its creator's pid. Tests whose checks read the whole machine (`serial`) run alone, after the others.
 SESSION_MARK = f"STOKER_TEST_SESSION={os.getpid()}"
