@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,22 +239,29 @@ def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
     return None
 
 
-def verify_loadable(folder: Path) -> dict[str, Any]:
-    """verify(), then load every tensor file as resuming will: a file can match its checksum and still hold a
-    pickle weights_only refuses (written by a forger who fixed meta.json, or by another torch)."""
+# Raises CheckpointError when a loaded file does not hold what a resume reads (stoker.run.checkpoint_fit).
+FitCheck = Callable[[Path, Any], None]
+
+
+def verify_loadable(folder: Path, fits: FitCheck | None = None) -> dict[str, Any]:
+    """verify(), then load every tensor file as resuming will, one at a time, and hand each to `fits`: a file can
+    match its checksum and still hold a pickle weights_only refuses, or tensors that do not fit the model (written
+    by a forger who fixed meta.json, or by another torch)."""
     meta = verify(folder)
     for name in meta["files"]:
         if name.endswith(".pt"):
-            load_verified(folder / name)
+            loaded = load_verified(folder / name)
+            if fits is not None:
+                fits(folder / name, loaded)
     return meta
 
 
-def newest_valid(run_dir: Path) -> tuple[Path, dict[str, Any]]:
-    """The newest checkpoint that verifies and loads; each refused one is logged with its reason."""
+def newest_valid(run_dir: Path, fits: FitCheck | None = None) -> tuple[Path, dict[str, Any]]:
+    """The newest checkpoint that verifies, loads and fits; each refused one is logged with its reason."""
     candidates = sorted((run_dir / "checkpoints").glob(f"{PREFIX}*"), reverse=True)
     for folder in candidates:
         try:
-            return folder, verify_loadable(folder)
+            return folder, verify_loadable(folder, fits)
         except CheckpointError as error:
             log.warning("skipping checkpoint: %s", error)
     raise CheckpointError(f"resume={str(run_dir)!r}: no valid checkpoint under {run_dir / 'checkpoints'}")

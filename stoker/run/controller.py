@@ -41,6 +41,7 @@ from stoker.pipeline.pool import check_hang_timeout
 from stoker.pipeline.scheduler import Scheduler
 from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
 from stoker.run import cluster, resume, rundir
+from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.checkpoints import Checkpoints
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
@@ -129,7 +130,8 @@ class Controller:
         found: tuple[str | None, Any, Any, str | None] | None = None
         if self.cluster.leader:
             try:
-                folder, meta = rundir.newest_checkpoint(self.config.resume)
+                fits = model_fit_check(self.config.model, len(self.data.train.classes))
+                folder, meta = rundir.newest_checkpoint(self.config.resume, fits)
                 resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
                                        self._sample_counts(), self.plan.steps_per_epoch)
                 self.resume_accounting = read_accounting(folder, meta)

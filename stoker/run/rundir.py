@@ -30,10 +30,10 @@ def check_new_run_dir(run_dir: Path) -> None:
                           f"--resume {run_dir}, or give a new --out folder (or remove this one)")
 
 
-def newest_checkpoint(run_dir: Path) -> tuple[Path, dict]:
+def newest_checkpoint(run_dir: Path, fits: checkpoint.FitCheck | None = None) -> tuple[Path, dict]:
     """The checkpoint `--resume` continues from, or a `RunDirError` that says there is none to continue from."""
     try:
-        return checkpoint.newest_valid(run_dir)
+        return checkpoint.newest_valid(run_dir, fits)
     except checkpoint.CheckpointError as error:
         raise RunDirError(f"{error}: nothing to resume from (the run stopped before its first checkpoint, or "
                           f"every checkpoint was refused, see the warnings above); start it again with "

@@ -34,6 +34,8 @@ from stoker.training.backward_average import GROUP_BYTES, BackwardAverage
 GPU_GROUP_BYTES = 25 << 20  # DDP's bucket size: the largest group on a GPU
 MIN_GPU_GROUP_BYTES = 128 << 10  # below this an NCCL launch and a group's optimizer step cost more than they hide
 GPU_GROUPS = 8  # groups a model's parameters are cut into on a GPU, so averaging overlaps most of backward
+# Since the last averaging: (this replica's samples, all replicas' samples, steps that were not full).
+NOTHING_PENDING = (0, 0, 0)
 ALIGN_BYTES = 64  # every view in a flat bucket starts here: cuDNN, NCCL and inductor pick aligned kernels (>= 16)
 
 
@@ -56,8 +58,7 @@ class Averager:
         self.full_step_samples = batch_size * world_size
         self.float_buckets, parameters = flatten_float_state(model)
         self.int_tensors = [t for t in _state_tensors(model) if not t.is_floating_point()]
-        # Since the last averaging: (this replica's samples, all replicas' samples, steps that were not full).
-        self.pending = (0, 0, 0)
+        self.pending = NOTHING_PENDING
         self.outer = OuterOptimizer(outer, parameters) if outer is not None else None
         self.delayed = DelayedAverage(self.float_buckets, world_size) if overlap and world_size > 1 else None
         hide = in_backward and world_size > 1 and outer is None and not overlap
@@ -96,11 +97,11 @@ class Averager:
         if self.delayed is not None:
             self.delayed.send(self._weight())
             self._reconcile_counters()
-            self.pending = (0, 0, 0)
+            self.pending = NOTHING_PENDING
         elif self.backward is not None and self.backward.armed:
             self.backward.finish()
             self._reconcile_counters()
-            self.pending = (0, 0, 0)
+            self.pending = NOTHING_PENDING
         else:
             self._average_now()
         return time.perf_counter() - started
@@ -118,7 +119,7 @@ class Averager:
             self._reduce()
         if self.outer is not None:
             self.outer.step()
-        self.pending = (0, 0, 0)
+        self.pending = NOTHING_PENDING
 
     def _weight(self) -> float:
         """1 when every replica trained on as many samples since the last averaging, else this replica's share

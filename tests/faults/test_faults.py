@@ -4,12 +4,14 @@ fixture checks the last two after every test). Faults are driven by STOKER_FAULT
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
 import time
 
 import pytest
+import torch
 
 from stoker.common import checkpoint
 from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR
@@ -204,12 +206,7 @@ def test_malicious_or_truncated_checkpoints_are_refused_and_the_newest_loadable_
     newest, truncated, good = sorted((run_dir / "checkpoints").glob("step_*"), reverse=True)[:3]
     marker = tmp_path / "exploited"
     monkeypatch.setenv("EXPLOIT_MARKER", str(marker))
-    payload = pickle.dumps(_Exploit())
-    (newest / "rank_0.pt").write_bytes(payload)
-    meta = json.loads((newest / "meta.json").read_text())
-    meta["files"]["rank_0.pt"] = hashlib.sha256(payload).hexdigest()  # a forger who also fixed the checksums
-    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
-    (newest / "meta.json").write_text(json.dumps(meta))
+    forge(newest / "rank_0.pt", pickle.dumps(_Exploit()))
     (truncated / "model.pt").write_bytes((truncated / "model.pt").read_bytes()[:100])
     result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet")
     assert not marker.exists()
@@ -218,6 +215,42 @@ def test_malicious_or_truncated_checkpoints_are_refused_and_the_newest_loadable_
     assert resumed["start_step"] == int(good.name.split("_")[1])
     assert f"{newest.name}/rank_0.pt: refused" in result.stderr
     assert f"{truncated.name}/model.pt: checksum mismatch" in result.stderr
+
+
+def forge(path, payload: bytes) -> None:
+    """Replace a checkpoint's file as a forger who also fixes the checksums in meta.json."""
+    path.write_bytes(payload)
+    meta = json.loads((path.parent / "meta.json").read_text())
+    meta["files"][path.name] = hashlib.sha256(payload).hexdigest()
+    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
+    (path.parent / "meta.json").write_text(json.dumps(meta))
+
+
+def _edited(path, edit) -> bytes:
+    state = torch.load(path, weights_only=True)
+    edit(state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def test_checkpoints_that_load_but_do_not_fit_the_model_are_refused_and_the_newest_fitting_one_used(textures,
+                                                                                                    tmp_path):
+    """Under checksums their forger fixed: the newest checkpoint's averaged model has a tensor of another shape,
+    the one before lost a tensor of a replica's EMA. Resume continues from the third (before, a consumer failed
+    while starting: "size mismatch for stem.0.weight")."""
+    run_dir = tmp_path / "run"
+    run_cli(*train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "1", "--checkpoint-every", "2",
+                        "--ema", "0.9"))
+    newest, second, good = sorted((run_dir / "checkpoints").glob("step_*"), reverse=True)[:3]
+    forge(newest / "model.pt", _edited(newest / "model.pt", lambda s: s.update({"stem.0.weight": torch.zeros(3)})))
+    forge(second / "rank_1.pt", _edited(second / "rank_1.pt", lambda s: s["ema"].pop("model.head.bias")))
+    result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:2", "--quiet")
+    assert read_summary(run_dir)["status"] == "completed"
+    assert read_summary(run_dir)["start_step"] == int(good.name.split("_")[1])
+    assert (f"{newest.name}/model.pt does not fit the model (1 of another shape or dtype: stem.0.weight (3,) "
+            "float32)") in result.stderr
+    assert f"{second.name}/rank_1.pt['ema'] does not fit the model (1 missing: head.bias)" in result.stderr
 
 
 def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, tmp_path):
