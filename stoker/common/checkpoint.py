@@ -239,8 +239,9 @@ def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
     return None
 
 
-# Raises CheckpointError when a loaded file does not hold what a resume reads (stoker.run.checkpoint_fit).
-FitCheck = Callable[[Path, Any], None]
+# (a loaded file, its checkpoint's meta.json): raises CheckpointError when the file does not hold what a resume
+# reads (stoker.run.checkpoint_fit).
+FitCheck = Callable[[Path, Any, dict[str, Any]], None]
 
 
 def verify_loadable(folder: Path, fits: FitCheck | None = None) -> dict[str, Any]:
@@ -252,7 +253,7 @@ def verify_loadable(folder: Path, fits: FitCheck | None = None) -> dict[str, Any
         if name.endswith(".pt"):
             loaded = load_verified(folder / name)
             if fits is not None:
-                fits(folder / name, loaded)
+                fits(folder / name, loaded, meta)
     return meta
 
 

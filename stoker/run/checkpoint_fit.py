@@ -4,18 +4,19 @@ file is loaded for verification (`checkpoint.newest_valid`).
 A file can match its checksum and still not fit: meta.json's checksums were recomputed by someone who edited a
 file, or a bug wrote it. Without this check the consumer found out while starting ("size mismatch for
 stem.0.weight") and the resume failed; with it, the checkpoint is refused with a warning like a damaged one and
-the newest one that fits is used. The model is built on the meta device: shapes without memory.
+the newest one that fits is used. The model is built on the meta device (shapes without memory) where its
+builder allows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from stoker.common.checkpoint import MODEL_FILE, CheckpointError
+from stoker.common.checkpoint import MODEL_FILE, CheckpointError, FitCheck
+from stoker.common.config import TrainConfig
 from stoker.training.averager import NOTHING_PENDING
 
 # What every rank's file holds, and the type a resume reads it as (the rest depends on the settings).
@@ -23,22 +24,39 @@ RANK_FIELDS: dict[str, type] = {"optimizer": dict, "torch_rng": torch.Tensor, "p
 SHOWN = 5  # names listed per kind of misfit
 
 
-def model_fit_check(model_name: str, num_classes: int) -> Callable[[Path, Any], None]:
-    """The check `checkpoint.newest_valid` runs on each loaded .pt file of a checkpoint of this model."""
-    from stoker.training.models import build_model
+def model_fit_check(model_name: str, num_classes: int) -> FitCheck:
+    """The check `checkpoint.newest_valid` runs on each loaded .pt file: it fits this model. A checkpoint that
+    records another model or class count is left to `resume.check_resumable`, which names the difference."""
+    expected, parameters = _model_shapes(model_name, num_classes)
 
-    with torch.device("meta"):
-        model = build_model(model_name, num_classes)
-    expected = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
-    parameters = sum(1 for _ in model.parameters())
-
-    def check(path: Path, loaded: Any) -> None:
+    def check(path: Path, loaded: Any, meta: dict[str, Any]) -> None:
+        if not _records(meta, model_name, num_classes):
+            return
         if path.name == MODEL_FILE:
             _check_model_state(path, "", loaded, expected)
         else:
             _check_rank_state(path, loaded, expected, parameters)
 
     return check
+
+
+def _model_shapes(model_name: str, num_classes: int) -> tuple[dict[str, tuple], int]:
+    """Each state_dict entry's (shape, dtype), and the number of parameters an optimizer of it holds."""
+    from stoker.training.models import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(model_name, num_classes)
+    except (NotImplementedError, RuntimeError):  # a builder of one's own that computes with its tensors
+        model = build_model(model_name, num_classes)
+    return ({name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()},
+            sum(1 for _ in model.parameters()))
+
+
+def _records(meta: dict[str, Any], model_name: str, num_classes: int) -> bool:
+    config, classes = meta.get("config"), meta.get("classes")
+    recorded = config.get("model", TrainConfig().model) if isinstance(config, dict) else None
+    return recorded == model_name and isinstance(classes, list) and len(classes) == num_classes
 
 
 def _check_rank_state(path: Path, state: Any, expected: dict[str, tuple], parameters: int) -> None:
