@@ -16,6 +16,8 @@ from typing import Any, cast
 
 import setproctitle
 
+from stoker.common.memory import available_memory
+
 log = logging.getLogger(__name__)
 
 # spawn, not fork: children start clean (no copied torch threads or locks) on every platform.
@@ -58,18 +60,16 @@ def started_by() -> int:
 
 
 def check_memory_for_producers(count: int, setting: str = "producers") -> None:
-    """Before any process starts: `count` producers at once must fit the memory this machine has available
-    (MemAvailable: a container's own limit can be lower, and is not read here)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            fields = dict(line.split(":", 1) for line in handle)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):  # not Linux: nothing to check against
+    """Before any process starts: `count` producers at once must fit the memory this process can still use (the
+    machine's, or its container's where that is less: `common/memory.py`)."""
+    available = available_memory()
+    if available is None:  # not Linux: nothing to check against
         return
     if count * PRODUCER_MEMORY > available:
         raise ValueError(f"{setting}={count}: {count} producer processes need about "
-                         f"{count * PRODUCER_MEMORY / 2**30:.1f} GiB (64 MiB each) and this machine has "
-                         f"{available / 2**30:.1f} GiB available; expected at most {available // PRODUCER_MEMORY}")
+                         f"{count * PRODUCER_MEMORY / 2**30:.1f} GiB (64 MiB each) and {available / 2**30:.1f} GiB "
+                         f"is available (this machine's, or its container's limit where lower); expected at most "
+                         f"{available // PRODUCER_MEMORY}")
 
 
 def exit_with_parent() -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from stoker.cli import config_from_args
 from stoker.common.config import ConfigError, load_toml, make_config
+from stoker.common.memory import available_memory
 from stoker.common.procs import PRODUCER_MEMORY, check_memory_for_producers
 from tests.conftest import run_cli, stoker_processes
 
@@ -110,9 +111,7 @@ def test_toml_paths_are_relative_to_the_toml_files_folder(tmp_path, monkeypatch)
 
 
 def test_more_producers_than_the_memory_holds_is_refused_naming_the_setting():
-    with open("/proc/meminfo") as handle:
-        available = int(next(line for line in handle if line.startswith("MemAvailable")).split()[1]) * 1024
-    fits = available // PRODUCER_MEMORY
+    fits = available_memory() // PRODUCER_MEMORY
     check_memory_for_producers(min(fits, 4))
     with pytest.raises(ValueError, match=rf"^initial_producers={fits + 1}: .* expected at most {fits}"):
         check_memory_for_producers(fits + 1, "initial_producers")
