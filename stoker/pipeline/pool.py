@@ -36,6 +36,9 @@ _EXTERNAL_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM, -signal.SIGINT)
 # Outside kills on one file of one batch before it is skipped: one may be chance (an operator, a memory-hungry
 # neighbour the OOM killer spared); the same file again in a rebuilt batch is the file.
 OUTSIDE_KILLS_TO_SKIP = 2
+# A producer not yet ready this long after its fork (its imports, its user dataset's unpickling) is stuck, not slow:
+# the slowest start seen, a dataset unpickled with torch's imports on a loaded 2-core machine, took over 20 s.
+STARTUP_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -163,6 +166,7 @@ class ProducerPool:
         losses = []
         now = time.monotonic_ns()
         self._reap_retired()
+        self._note_ready()
         for handle in list(self.handles.values()):
             process = handle.process
             if self._retired_with_reports_in_its_pipe(handle, now):
@@ -173,7 +177,27 @@ class ProducerPool:
                 process.kill()
                 process.join(timeout=5)
                 losses.append(self._lose(handle, f"hung for over {self.hang_timeout_s:.0f} s", False))
+            elif self._stuck_starting(handle, now):
+                process.kill()
+                process.join(timeout=5)
+                losses.append(self._lose_at_start(handle))
         return losses
+
+    def _stuck_starting(self, handle: Handle, now: int) -> bool:
+        """Its status row still holds what the pool wrote at the fork: the producer never reached its loop."""
+        beat = int(self.ring.status[handle.producer][2])
+        return beat <= handle.forked_ns and (now - handle.forked_ns) / 1e9 > STARTUP_TIMEOUT_S
+
+    def _lose_at_start(self, handle: Handle) -> Loss:
+        """A stuck start is replaced while others work; when none has started, the next would be stuck the same way
+        (an import or a dataset that never loads): the run ends now, not after MAX_LOSSES_WITHOUT_PROGRESS waits."""
+        others_started = any(h.ready_since is not None for h in self.handles.values() if h is not handle)
+        loss = self._lose(handle, f"was stuck starting for over {STARTUP_TIMEOUT_S:.0f} s (importing, or "
+                                  "unpickling its dataset)", False)
+        if not others_started:
+            raise StokerRunError(f"{loss.message}; no producer has started, giving up (an import or a dataset's "
+                                 "__setstate__ that never returns?)")
+        return loss
 
     def _retired_with_reports_in_its_pipe(self, handle: Handle, now: int) -> bool:
         """A retiring producer exits (code 0) right after sending its last results, which the mailbox may not
@@ -201,7 +225,7 @@ class ProducerPool:
         self.losses_since_progress += 1
         task_id, position, _ = self.ring.status[handle.producer].tolist()
         current = handle.in_flight.get(task_id)
-        where = "while idle"
+        where = "while idle" if handle.ready_since is not None else "before its first task"
         reissue = list(handle.in_flight.values())
         if current is not None and current.compact:
             where = "while compacting a batch"  # no file to blame: moving rows within a slot

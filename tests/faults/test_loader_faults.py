@@ -3,6 +3,7 @@ Every test ends with no stoker process and no segment left (conftest's leaves_no
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ import pytest
 import torch
 
 import stoker
+from stoker.common.procs import StokerRunError
+from stoker.pipeline import pool
 from stoker.pipeline.ring import sweep_dead_segments
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
@@ -100,3 +103,31 @@ def test_a_dataset_slow_to_load_in_its_producer_is_not_taken_for_a_hang_on_its_f
         summary = loader.summary()
     assert sorted(ids) == list(range(16))
     assert summary["skipped_files"] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_producer_stuck_starting_is_replaced_while_another_works(monkeypatch, tmp_path):
+    """Its dataset never finished unpickling: before, its tasks waited in its queue for ever (no hang clock runs
+    before a task begins) and the epoch never ended."""
+    from tests.helpers.slow_load import FirstLoadNeverEnds
+
+    monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", 3.0)
+    metrics = tmp_path / "metrics.jsonl"
+    with stoker.Loader(FirstLoadNeverEnds(str(tmp_path / "claimed")), batch_size=4, image_size=16, producers=2,
+                       device="cpu", metrics_file=metrics) as loader:
+        ids = [i for _ in loader for i in loader.batch_ids.tolist()]
+        summary = loader.summary()
+    assert sorted(ids) == list(range(16))
+    assert summary["skipped_files"] == []
+    lost = [e for e in map(json.loads, metrics.read_text().splitlines()) if e["event"] == "producer_lost"]
+    assert len(lost) == 1 and "stuck starting for over 3 s" in lost[0]["message"], lost
+
+
+@pytest.mark.timeout(120)
+def test_no_producer_ever_starting_ends_the_feed_with_the_reason(monkeypatch):
+    from tests.helpers.slow_load import FirstLoadNeverEnds
+
+    monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", 3.0)
+    with stoker.Loader(FirstLoadNeverEnds(None), batch_size=4, image_size=16, producers=2, device="cpu") as loader:
+        with pytest.raises(StokerRunError, match=r"stuck starting for over 3 s .* no producer has started"):
+            next(iter(loader))

@@ -21,3 +21,26 @@ class SlowToLoad:
 
     def __getitem__(self, index: int):
         return np.full((16, 16, 3), index, dtype=np.uint8), index % 2
+
+
+class FirstLoadNeverEnds(SlowToLoad):
+    """The first producer to unpickle it is stuck for good (it claims `marker`); the others load at once. With
+    `marker` of None, every producer is stuck."""
+
+    def __init__(self, marker: str | None, size: int = 16) -> None:
+        super().__init__(load_s=0.0, size=size)
+        self.marker = marker
+
+    def __setstate__(self, state: dict) -> None:
+        marker = state["marker"]
+        if marker is None or _claim(marker):
+            time.sleep(3600)
+        self.__dict__.update(state)
+
+
+def _claim(path: str) -> bool:
+    try:
+        with open(path, "x"):
+            return True
+    except FileExistsError:
+        return False
