@@ -27,9 +27,10 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 
 # Three workers on 2 cores (a test's time is mostly processes starting and waiting: with two, a quarter of the
 # cores' time went unused, and the suite took 846 s + 85 s on a fresh clone). Each worker starts on a third of the
-# tests in file order and an idle one steals from the others (`--dist worksteal`): a module's fixtures run once,
-# where `--dist load` ran them on each worker that got one of the module's tests and whole files per worker left
-# the last heavy file alone (parallel pass on one 2-core machine: 744 s against 969 s with `load`). The tests that
+# tests in file order and an idle one steals from the others (`--dist worksteal`): a module's fixtures mostly run
+# once (again only on a worker that steals one of its tests), where `--dist load` ran them on each worker that got
+# one of the module's tests and whole files per worker left the last heavy file alone (parallel pass on one 2-core
+# machine: 744 s against 969 s with `load`). The tests that
 # read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both passes run; the worse status
 # counts (5, no test selected, is not a failure of the second).
 TEST_WORKERS ?= 3

@@ -160,10 +160,10 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # stoker's own INFO lines; other libraries' only from WARNING up (matplotlib's INFO "Using categorical units"
-    # and "generated new fontManager" are not news to a user of `stoker train`).
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    logging.getLogger("stoker").setLevel(logging.INFO)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    # The report's INFO lines ("Using categorical units ...", "generated new fontManager") are no news to a user;
+    # a user's own model or dataset module keeps its INFO lines.
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:  # file names in log lines printable (issue 24 item 15)
         handler.addFilter(EscapedArguments())
     args = build_parser().parse_args(argv)

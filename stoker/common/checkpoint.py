@@ -239,8 +239,8 @@ def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
     return None
 
 
-# (a loaded file, its checkpoint's meta.json): raises CheckpointError when the file does not hold what a resume
-# reads (stoker.run.checkpoint_fit).
+# (a loaded file's path, what it holds, its checkpoint's meta.json): raises CheckpointError when the file does not
+# hold what a resume reads (stoker.run.checkpoint_fit).
 FitCheck = Callable[[Path, Any, dict[str, Any]], None]
 
 

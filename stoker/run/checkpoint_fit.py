@@ -10,6 +10,7 @@ builder allows.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +42,18 @@ def model_fit_check(model_name: str, num_classes: int) -> FitCheck:
 
 
 def _model_shapes(model_name: str, num_classes: int) -> tuple[dict[str, tuple], int]:
-    """Each state_dict entry's (shape, dtype), and the number of parameters an optimizer of it holds."""
+    """Each state_dict tensor's (shape, dtype), and the number of parameters the optimizer holds (the trainable
+    ones: `training/groups.py` leaves frozen ones out)."""
     from stoker.training.models import build_model
 
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a builder that loads weights: "copying ... to a meta parameter"
             model = build_model(model_name, num_classes)
-    except (NotImplementedError, RuntimeError):  # a builder of one's own that computes with its tensors
+    except Exception:  # a builder of one's own that computes with its tensors: the CPU build it trained with
         model = build_model(model_name, num_classes)
-    return ({name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()},
-            sum(1 for _ in model.parameters()))
+    return ({name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)},
+            sum(1 for p in model.parameters() if p.requires_grad))
 
 
 def _records(meta: dict[str, Any], model_name: str, num_classes: int) -> bool:
@@ -89,8 +92,9 @@ def _check_rank_state(path: Path, state: Any, expected: dict[str, tuple], parame
 
 def _check_model_state(path: Path, where: str, state: Any, expected: dict[str, tuple]) -> None:
     """Names, shapes and dtypes exactly as the model's own state_dict."""
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not isinstance(state, dict):
         raise CheckpointError(f"{path}{where}: expected the model's state_dict (names to tensors)")
+    state = {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}  # a module's _extra_state aside
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     misfit = sorted(f"{name} {tuple(state[name].shape)} {state[name].dtype}".replace("torch.", "")

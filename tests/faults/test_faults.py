@@ -253,6 +253,17 @@ def test_checkpoints_that_load_but_do_not_fit_the_model_are_refused_and_the_newe
     assert f"{second.name}/rank_1.pt['ema'] does not fit the model (1 missing: head.bias)" in result.stderr
 
 
+def test_a_model_with_frozen_parameters_resumes(textures, tmp_path):
+    """Its optimizer holds only the trainable parameters: the fit check must count those, not all of the model's."""
+    run_dir = tmp_path / "run"
+    run_cli(*train_args(textures, run_dir, "--devices", "cpu:1", "--epochs", "1", "--model", "frozen:frozen_stem_cnn"))
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet")
+    assert read_summary(run_dir)["status"] == "completed", result.stderr[-2000:]
+    assert read_summary(run_dir)["start_step"] == int(last.name.split("_")[1])
+    assert "skipping checkpoint" not in result.stderr
+
+
 def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, tmp_path):
     result = run_cli(*train_args(textures, tmp_path, "--image-size", "2048", "--batch-size", "100",
                                     "--slots-per-consumer", "64"), check=False)
