@@ -87,6 +87,8 @@ class ProducerPool:
         self.hang_timeout_s = hang_timeout_s
         self.handles: dict[int, Handle] = {}
         self.losses_since_progress = 0
+        self.stuck_starts = 0  # producers lost for a start that never ended
+        self.any_started = False  # whether one producer of this pool ever was ready
         self.max_alive = 0
         self.outside_kills: dict[tuple, int] = {}  # (batch key, sample id) -> producers killed from outside on it
         # (kind, sample id) -> why: files that took a producer down, or that it could not decode, stay skipped in
@@ -167,6 +169,7 @@ class ProducerPool:
         now = time.monotonic_ns()
         self._reap_retired()
         self._note_ready()
+        self.any_started = self.any_started or any(h.ready_since is not None for h in self.handles.values())
         for handle in list(self.handles.values()):
             process = handle.process
             if self._retired_with_reports_in_its_pipe(handle, now):
@@ -189,14 +192,15 @@ class ProducerPool:
         return beat <= handle.forked_ns and (now - handle.forked_ns) / 1e9 > STARTUP_TIMEOUT_S
 
     def _lose_at_start(self, handle: Handle) -> Loss:
-        """A stuck start is replaced while others work; when none has started, the next would be stuck the same way
-        (an import or a dataset that never loads): the run ends now, not after MAX_LOSSES_WITHOUT_PROGRESS waits."""
-        others_started = any(h.ready_since is not None for h in self.handles.values() if h is not handle)
+        """A stuck start is replaced. A second one before any producer of the pool has started says the next would
+        be stuck the same way (an import or a dataset that never loads): the run ends then, not after
+        MAX_LOSSES_WITHOUT_PROGRESS waits. One alone may be a producer that started slower than the others."""
+        self.stuck_starts += 1
         loss = self._lose(handle, f"was stuck starting for over {STARTUP_TIMEOUT_S:.0f} s (importing, or "
                                   "unpickling its dataset)", False)
-        if not others_started:
-            raise StokerRunError(f"{loss.message}; no producer has started, giving up (an import or a dataset's "
-                                 "__setstate__ that never returns?)")
+        if not self.any_started and self.stuck_starts >= 2:
+            raise StokerRunError(f"{loss.message}; {self.stuck_starts} producers stuck starting and none started, "
+                                 "giving up (an import or a dataset's __setstate__ that never returns?)")
         return loss
 
     def _retired_with_reports_in_its_pipe(self, handle: Handle, now: int) -> bool:
