@@ -130,7 +130,7 @@ class Controller:
         found: tuple[str | None, Any, Any, str | None] | None = None
         if self.cluster.leader:
             try:
-                fits = model_fit_check(self.config.model, len(self.data.train.classes))
+                fits = model_fit_check(self.config, len(self.data.train.classes))
                 folder, meta = rundir.newest_checkpoint(self.config.resume, fits)
                 resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
                                        self._sample_counts(), self.plan.steps_per_epoch)

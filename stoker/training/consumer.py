@@ -44,7 +44,7 @@ from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
 from stoker.training.evaluation import ValTotals
-from stoker.training.groups import head_parameter_names, parameter_groups
+from stoker.training.groups import optimizer_groups
 from stoker.training.models import build_model
 from stoker.training.recipe import Recipe, RecipeSetup, RecipeSpec
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
@@ -455,8 +455,7 @@ def _next_message(ready, stop, watch: ParentWatch, when_idle):
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
     recipe = setup.recipe_setup
-    head = head_parameter_names(model) if recipe.lr_head_multiplier != 1.0 else frozenset()
-    groups = parameter_groups(model, setup.weight_decay, recipe.no_decay_norm_bias, head, recipe.lr_head_multiplier)
+    groups = optimizer_groups(model, setup.weight_decay, recipe.no_decay_norm_bias, recipe.lr_head_multiplier)
     if setup.optimizer == "adamw":
         return torch.optim.AdamW(groups, lr=setup.lr, weight_decay=setup.weight_decay,
                                  **accel.fused_option(torch.optim.AdamW, device))

@@ -33,6 +33,13 @@ def parameter_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: 
     return out
 
 
+def optimizer_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool,
+                     head_multiplier: float) -> list[dict[str, Any]]:
+    """The groups the consumer's optimizer is built with (and a resume's checkpoint is checked against)."""
+    head = head_parameter_names(model) if head_multiplier != 1.0 else frozenset()
+    return parameter_groups(model, weight_decay, no_decay_norm_bias, head, head_multiplier)
+
+
 def no_decay_parameter_names(model: nn.Module) -> set[str]:
     names = set()
     for module_name, module in model.named_modules():

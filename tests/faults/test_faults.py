@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from stoker.common import checkpoint
+from stoker.common.config import make_config
 from stoker.pipeline.ring import NAME_PREFIX, SHM_DIR
+from stoker.run.checkpoint_fit import model_fit_check
 from tests.conftest import (
     assert_same_weights,
     live_segments,
@@ -237,20 +239,31 @@ def _edited(path, edit) -> bytes:
 def test_checkpoints_that_load_but_do_not_fit_the_model_are_refused_and_the_newest_fitting_one_used(textures,
                                                                                                     tmp_path):
     """Under checksums their forger fixed: the newest checkpoint's averaged model has a tensor of another shape,
-    the one before lost a tensor of a replica's EMA. Resume continues from the third (before, a consumer failed
-    while starting: "size mismatch for stem.0.weight")."""
+    the one before a momentum buffer of another shape (torch's load_state_dict takes it; the first step failed).
+    Resume continues from the third (before, a consumer failed while starting: "size mismatch for stem.0.weight").
+    A replica's EMA without one of its tensors is refused too."""
     run_dir = tmp_path / "run"
     run_cli(*train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "1", "--checkpoint-every", "2",
                         "--ema", "0.9"))
     newest, second, good = sorted((run_dir / "checkpoints").glob("step_*"), reverse=True)[:3]
+    ema_lost = _edited(good / "rank_1.pt", lambda s: s["ema"].pop("model.head.bias"))
+    fits = model_fit_check(make_config(json.loads((run_dir / "config.json").read_text())), 10)
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank_1.pt\['ema'\] does not fit the model \(1 missing: "
+                                                          r"head.bias\)"):
+        fits(good / "rank_1.pt", torch.load(io.BytesIO(ema_lost), weights_only=True),
+             json.loads((good / "meta.json").read_text()))
     forge(newest / "model.pt", _edited(newest / "model.pt", lambda s: s.update({"stem.0.weight": torch.zeros(3)})))
-    forge(second / "rank_1.pt", _edited(second / "rank_1.pt", lambda s: s["ema"].pop("model.head.bias")))
+    forge(second / "rank_0.pt", _edited(second / "rank_0.pt", _momentum_of_another_shape))
     result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:2", "--quiet")
     assert read_summary(run_dir)["status"] == "completed"
     assert read_summary(run_dir)["start_step"] == int(good.name.split("_")[1])
     assert (f"{newest.name}/model.pt does not fit the model (1 of another shape or dtype: stem.0.weight (3,) "
             "float32)") in result.stderr
-    assert f"{second.name}/rank_1.pt['ema'] does not fit the model (1 missing: head.bias)" in result.stderr
+    assert f"{second.name}/rank_0.pt: the optimizer's 'momentum_buffer' of parameter 0 has shape (7,)" in result.stderr
+
+
+def _momentum_of_another_shape(state: dict) -> None:
+    state["optimizer"]["state"][0]["momentum_buffer"] = torch.zeros(7)
 
 
 def test_a_model_with_frozen_parameters_resumes(textures, tmp_path):
