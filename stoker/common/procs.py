@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing as mp
@@ -9,7 +10,9 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, cast
@@ -151,17 +154,27 @@ class Mailbox:
 
 def start(target, args: tuple, title: str) -> BaseProcess:
     """Start a child that never sees SIGINT or SIGTERM: Ctrl-C and a scheduler's SIGTERM reach the whole process
-    group, and only the controller decides what they mean (checkpoint, then stop every child itself). The signals
-    are blocked from before the fork, so even a child still importing torch is safe; the mask survives exec and
-    the child keeps it (as CPython's resource tracker does). The controller's own signals wait, not lost, until
-    the child is started."""
+    group, and only the controller decides what they mean (checkpoint, then stop every child itself)."""
     process = CONTEXT.Process(target=target, args=args, name=title, daemon=True)
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_IGNORES)
-    try:
+    with signals_blocked_for_children(CHILD_IGNORES):
         process.start()
+    return process
+
+
+@contextlib.contextmanager
+def signals_blocked_for_children(signals: set[signal.Signals]) -> Iterator[None]:
+    """Children started inside are born with `signals` blocked, from before the fork, so even one still importing
+    torch is safe; the mask survives exec and the child keeps it. This process's own signals wait, not lost, until
+    the block ends. multiprocessing starts its resource tracker at the first child's start and then unblocks SIGINT
+    and SIGTERM in this thread whatever the mask was (resource_tracker.ensure_running): it runs first here, or that
+    first child and every later one of the block were born with nothing blocked (a pack's Ctrl-C printed a
+    worker's traceback)."""
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    return process
 
 
 def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from stoker.common import faults
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT, exit_with_parent
+from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children
 from stoker.common.waiting import waiting
 from stoker.data.dataset import list_image_folder
 from stoker.data.shards import CLASSES_FILE
@@ -125,13 +125,10 @@ def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, a
         return
     # Ctrl-C blocked while the workers start: one that came before a worker's initializer ran would print that
     # worker's traceback. It waits, and is taken as soon as every worker holds it ignored.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pool = ProcessPoolExecutor(workers, mp_context=CONTEXT, initializer=_worker_start)
     try:
-        try:
+        with signals_blocked_for_children({signal.SIGINT}):
             results = pool.map(write_shard, targets, plan)  # submits every shard, which starts every worker
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         for _ in results:
             advance()
     finally:
