@@ -187,9 +187,9 @@ class ProducerPool:
         return losses
 
     def _stuck_starting(self, handle: Handle, now: int) -> bool:
-        """Its status row still holds what the pool wrote at the fork: the producer never reached its loop."""
-        beat = int(self.ring.status[handle.producer][2])
-        return beat <= handle.forked_ns and (now - handle.forked_ns) / 1e9 > STARTUP_TIMEOUT_S
+        """Not ready (`_note_ready` ran at the top of `check`: its status row still holds what the pool wrote at the
+        fork) this long after the fork."""
+        return handle.ready_since is None and (now - handle.forked_ns) / 1e9 > STARTUP_TIMEOUT_S
 
     def _lose_at_start(self, handle: Handle) -> Loss:
         """A stuck start is replaced. A second one before any producer of the pool has started says the next would
