@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from stoker.common.config import TrainConfig
-    from stoker.run.inference import LoadedModel
-    from stoker.run.loader import Loader
+    from stoker.use.inference import LoadedModel
+    from stoker.use.loader import Loader
 
 __all__ = ["Loader", "TrainConfig", "load", "train"]
 
@@ -53,7 +53,7 @@ def load(source: str | Path, device: str = "cpu",
     model is imported only when you name it (`model="module:function"`, the card's own; the file alone never
     chooses code to run) and while its file hashes to what training recorded; `model=function` builds it instead
     (called as `function(num_classes=K)`)."""
-    from stoker.run.inference import load as load_model
+    from stoker.use.inference import load as load_model
 
     return load_model(source, device, model)
 
@@ -64,6 +64,6 @@ def __getattr__(name: str) -> Any:
         from stoker.common.config import TrainConfig
         return TrainConfig
     if name == "Loader":  # stoker's producers feeding a training loop of one's own
-        from stoker.run.loader import Loader
+        from stoker.use.loader import Loader
         return Loader
     raise AttributeError(name)

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "report-compare.png for two runs)")
     from stoker.bench import add_bench_parser
     from stoker.data.pack import add_parser as add_pack_parser
-    from stoker.run.model_commands import add_parsers as add_model_parsers
+    from stoker.use.model_commands import add_parsers as add_model_parsers
     add_pack_parser(commands)
     add_model_parsers(commands)  # eval, predict
     add_bench_parser(commands)

@@ -76,11 +76,11 @@ class _Step:
     consumer's precision and its fused SGD; timed with the consumer's `StepClock` events."""
 
     def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
-        from stoker.pipeline.feed import MEAN, STD, normalization_constants, normalize_pixels
-        from stoker.pipeline.streams import ops_for
         from stoker.training import accel
         from stoker.training.averager import Averager
+        from stoker.training.feed import MEAN, STD, normalization_constants, normalize_pixels
         from stoker.training.models import build_model
+        from stoker.training.streams import ops_for
         from stoker.training.timing import StepClock
 
         self.device = torch.device(args.device)

@@ -219,7 +219,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from stoker.data.dataset import scan_image_folder
-    from stoker.pipeline.feed import MEAN, STD, normalize_pixels
+    from stoker.training.feed import MEAN, STD, normalize_pixels
 
     index = scan_image_folder(args.data)
     if args.rank_feed == "dataloader_pillow":

@@ -1,1 +1,1 @@
-"""The engine: the plan, the slot ring, producers and their pool, the scheduler, the autoscaler, the feed."""
+"""The producer side (torch-free): the plan, the slot ring, producers and their pool, the scheduler, the autoscaler."""

@@ -1,1 +1,1 @@
-"""A run: the controller that conducts processes and signals, the run folder, several machines."""
+"""`stoker train`: the controller that conducts processes and signals, the run folder, several machines."""

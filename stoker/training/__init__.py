@@ -1,1 +1,1 @@
-"""A consumer: its model replica, optimizer, precision, averaging and the group its replicas meet in."""
+"""A consumer: its device feed, model replica, optimizer, precision, averaging and the group its replicas meet in."""

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from stoker.common import checkpoint, faults
 from stoker.common.devices import available_cores
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
-from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.messages import (
     Batch,
     ConsumerFailed,
@@ -38,17 +37,18 @@ from stoker.pipeline.messages import (
     ValReport,
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.pipeline.streams import ops_for
 from stoker.training import accel, exchange, model_file, warmup
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
 from stoker.training.evaluation import ValTotals
+from stoker.training.feed import DeviceLoader
 from stoker.training.groups import optimizer_groups
 from stoker.training.models import build_model
 from stoker.training.recipe import Recipe, RecipeSetup, RecipeSpec
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.training.schedule import LearningRate
+from stoker.training.streams import ops_for
 from stoker.training.timing import StepClock, StepMarks
 
 # On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.

@@ -22,7 +22,7 @@ import torch
 from stoker.common.archive import ArchiveError, check_torch_archive
 from stoker.common.checkpoint import describe_load_error, save_tensors
 from stoker.data.imaging import CENTER_CROP_FRACTION
-from stoker.pipeline.feed import MEAN, STD
+from stoker.training.feed import MEAN, STD
 from stoker.training.model_source import locate_module
 
 FORMAT_KEY = "stoker_model"  # its value is the format's version

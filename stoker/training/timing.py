@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.pipeline.streams import DeviceOps
+from stoker.training.streams import DeviceOps
 
 # Two steps queued on the device keep it busy through the host's launch jitter; more only delays what the host
 # learns (losses, timings) and holds more batches' memory.

@@ -36,7 +36,7 @@ class _SlowCopies:
     bytes (this race shows up there and nowhere else)."""
 
     def __init__(self) -> None:
-        from stoker.pipeline.streams import CudaOps
+        from stoker.training.streams import CudaOps
 
         self.inner = CudaOps(torch.device("cuda:0"))
 
@@ -49,8 +49,8 @@ class _SlowCopies:
 
 
 def test_the_batch_on_the_device_is_the_slot_s_bytes_over_many_steps_with_slow_copies():
-    from stoker.pipeline.feed import DeviceLoader
     from stoker.pipeline.ring import SlotRing
+    from stoker.training.feed import DeviceLoader
 
     torch.cuda.set_device(0)
     ring = SlotRing.create(2, 16, 32, 1)
@@ -84,7 +84,7 @@ def test_the_batch_on_the_device_is_the_slot_s_bytes_over_many_steps_with_slow_c
 def test_a_consumer_waiting_for_its_gpu_sleeps_instead_of_spinning_a_core():
     """The GPU is the limit (40 ms of device work a step): the host holds back at two steps ahead on blocking
     events, so it uses under a third of a core. With spinning events it would use a whole one."""
-    from stoker.pipeline.streams import CudaOps
+    from stoker.training.streams import CudaOps
     from stoker.training.timing import StepClock
 
     torch.cuda.set_device(0)

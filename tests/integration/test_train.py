@@ -11,10 +11,10 @@ import torch
 
 import stoker
 from stoker.data.imaging import make_decode_warnings_errors
-from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch
 from stoker.pipeline.ring import SlotRing
+from stoker.training.feed import DeviceLoader
 from stoker.training.models import build_model
 from tests.conftest import HELPERS, read_summary, run_cli
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from stoker.pipeline.feed import DeviceLoader, normalize_pixels
 from stoker.pipeline.ring import SlotRing
-from stoker.pipeline.streams import CpuOps
+from stoker.training.feed import DeviceLoader, normalize_pixels
+from stoker.training.streams import CpuOps
 from stoker.training.timing import StepClock
 
 IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
@@ -415,7 +415,7 @@ def test_a_step_s_loss_reaches_the_host_behind_the_step_not_by_a_synchronization
 def test_cuda_events_are_blocking_so_a_host_wait_sleeps(monkeypatch):
     """`cudaEventSynchronize` on an event made without `blocking=True` spins a core; every event the feed and the
     clock wait on comes from `new_event`. (torch.cuda's classes are replaced by recorders: there is no GPU here.)"""
-    from stoker.pipeline import streams
+    from stoker.training import streams
 
     made: list[dict] = []
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: object())

@@ -6,8 +6,12 @@ from pathlib import Path
 import stoker
 
 PACKAGE = Path(stoker.__file__).parent
-# Lowest first, as docs/design.md draws them.
-LAYERS = ["common", "data", "pipeline", "training", "observe", "run"]
+# Lowest first, as docs/design.md draws them. The top two are siblings: `run` conducts `stoker train`, `use` is
+# stoker outside it (the Loader, a trained model, eval and predict); neither imports the other.
+LAYERS = ["common", "data", "pipeline", "training", "observe"]
+TOP = ["run", "use"]
+# A producer runs these: its start must not pay for torch's import (2 s on 2 cores).
+TORCH_FREE = ["data", "pipeline"]
 
 
 def _stoker_imports(source: Path) -> list[tuple[int, str]]:
@@ -30,18 +34,60 @@ def test_every_module_lives_in_a_role_folder():
     loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in {"__init__.py", "__main__.py", "cli.py"})
     assert loose == [], f"modules outside a role folder: {loose}"
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert folders == sorted([*LAYERS, "bench"])
+    assert folders == sorted([*LAYERS, *TOP, "bench"])
+
+
+def _allowed(folder: str) -> list[str]:
+    if folder in TOP:
+        return [*LAYERS, folder]
+    return LAYERS[: LAYERS.index(folder) + 1]
 
 
 def test_imports_run_only_downward():
     upward = []
-    for layer_index, layer in enumerate(LAYERS):
-        for module in sorted((PACKAGE / layer).rglob("*.py")):
+    for folder in [*LAYERS, *TOP]:
+        for module in sorted((PACKAGE / folder).rglob("*.py")):
             for line, target in _stoker_imports(module):
-                allowed = target in LAYERS[: layer_index + 1]
-                if not allowed:
+                if target not in _allowed(folder):
                     upward.append(f"{module.relative_to(PACKAGE.parent)}:{line} imports stoker.{target}")
     assert upward == []
+
+
+def _imports_torch(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "torch" for alias in node.names)
+    return isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "torch"
+
+
+def _module_level_torch(source: Path) -> list[int]:
+    """Lines of `import torch...` / `from torch... import` outside any function or class (a TYPE_CHECKING block,
+    which never runs, excepted)."""
+    lines = []
+    for node in ast.parse(source.read_text(), filename=str(source)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        lines += [inner.lineno for inner in ast.walk(node) if _imports_torch(inner)]
+    return lines
+
+
+def test_the_producer_side_never_imports_torch_at_module_level():
+    found = [f"{module.relative_to(PACKAGE.parent)}:{line}"
+             for folder in TORCH_FREE for module in sorted((PACKAGE / folder).rglob("*.py"))
+             for line in _module_level_torch(module)]
+    assert found == []
+
+
+def test_the_torch_checker_sees_a_module_level_import(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("import numpy\nimport torch.nn\nif True:\n    from torch import Tensor\n"
+                      "def f():\n    import torch\n")
+    assert _module_level_torch(module) == [2, 4]
+
+
+def test_run_and_use_are_siblings_that_do_not_import_each_other():
+    assert "use" not in _allowed("run") and "run" not in _allowed("use")
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):

@@ -19,9 +19,9 @@ import torch
 from PIL import Image
 
 import stoker
-from stoker.run.loader import Loader
 from stoker.training.model_file import ModelCard, ModelFileError, model_card, read_model, save_model
 from stoker.training.models import build_model
+from stoker.use.loader import Loader
 from tests.conftest import HELPERS, photograph_jpeg
 
 CLASSES = ("cat", "dog", "eel")

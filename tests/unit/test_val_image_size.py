@@ -11,10 +11,10 @@ from PIL import Image
 
 from stoker.common.config import ConfigError, make_config
 from stoker.data.imaging import make_decode_warnings_errors
-from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.plan import Work
 from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch
 from stoker.pipeline.ring import RingSpec, SlotRing
+from stoker.training.feed import DeviceLoader
 from tests.unit.test_feed import IMAGENET_MEAN, IMAGENET_STD, FakeOps
 
 TRAIN_SIDE, VAL_SIDE = 32, 56  # 56 / 0.875 = 64: the reference resize has no rounding of its own

@@ -97,7 +97,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     # trainer's producer figures that left the ceiling and the reads out. Both now read the engine's.
     from stoker.observe.metrics import RunStats
     from stoker.pipeline.engine import Engine
-    from stoker.run.loader import Loader
+    from stoker.use.loader import Loader
 
     engine = Engine.__new__(Engine)
     engine.budget, engine.pool, engine.producers_initial = 6, None, 1

@@ -91,7 +91,7 @@ def _check_settings(args: argparse.Namespace) -> None:
 
 
 def _feed(args: argparse.Namespace) -> Any:
-    from stoker.run.evaluate import Feed
+    from stoker.use.evaluate import Feed
 
     devices = "cpu:1" if args.devices == "cpu" else args.devices
     return Feed(devices=devices, batch_size=args.batch_size, producers=args.producers)
@@ -101,7 +101,7 @@ def eval_command(args: argparse.Namespace) -> int:
     def run() -> None:
         _check_settings(args)  # before torch is imported
         from stoker.observe.eval_report import eval_table
-        from stoker.run.evaluate import evaluate
+        from stoker.use.evaluate import evaluate
         result = evaluate(args.model_file, args.data, _feed(args), model=args.model_code)
         to_stdout = args.json is not None and str(args.json) == "-"
         print(eval_table(result), file=sys.stderr if to_stdout else sys.stdout)
@@ -117,7 +117,7 @@ def eval_command(args: argparse.Namespace) -> int:
 def predict_command(args: argparse.Namespace) -> int:
     def run() -> None:
         _check_settings(args)  # before torch is imported
-        from stoker.run.evaluate import predict, prediction_rows
+        from stoker.use.evaluate import predict, prediction_rows
 
         k, predictions = predict(args.model_file, args.images, args.top_k, _feed(args), model=args.model_code)
         writer = csv.writer(sys.stdout, lineterminator="\n")

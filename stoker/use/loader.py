@@ -36,14 +36,14 @@ from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.pipeline.autoscale import Window, static_budget
 from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space, producer_fields
-from stoker.pipeline.feed import DeviceLoader
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.parts import parts_per_batch
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import MAX_IN_FLIGHT
 from stoker.pipeline.scheduler import Scheduler
 from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
-from stoker.pipeline.streams import ops_for
+from stoker.training.feed import DeviceLoader
+from stoker.training.streams import ops_for
 
 log = logging.getLogger(__name__)
 

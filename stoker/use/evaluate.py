@@ -26,9 +26,9 @@ from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
 from stoker.observe.evaluation import per_class_accuracy, whole_confusion
-from stoker.run.inference import LoadedModel, load, normalize
-from stoker.run.loader import Loader
 from stoker.training.evaluation import ValTotals
+from stoker.use.inference import LoadedModel, load, normalize
+from stoker.use.loader import Loader
 
 log = logging.getLogger(__name__)
 

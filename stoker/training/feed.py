@@ -20,7 +20,7 @@ import torch
 
 from stoker.pipeline.plan import Kind
 from stoker.pipeline.ring import SlotRing
-from stoker.pipeline.streams import DeviceOps, ops_for
+from stoker.training.streams import DeviceOps, ops_for
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

@@ -1,0 +1,1 @@
+"""stoker outside `stoker train`: the Loader in a loop of one's own, a trained model loaded, eval and predict."""
