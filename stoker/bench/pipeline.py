@@ -37,9 +37,9 @@ from stoker.common.procs import CONTEXT, Mailbox
 from stoker.common.waiting import waiting
 from stoker.data.dataset import scan_image_folder
 from stoker.data.imaging import random_resized_crop_box
-from stoker.pipeline.plan import Work
+from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
-from stoker.pipeline.producer import ProducerSetup, SampleSource, Source, Task, TaskDone
+from stoker.pipeline.producer import Part, PartDone, ProducerSetup, SampleSource, Source
 from stoker.pipeline.ring import SlotRing
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
@@ -212,7 +212,7 @@ class _StokerFeed:
         setup = ProducerSetup(self.ring.spec, source, None, "standard", 0, transport_only)
         self.pool = ProducerPool(setup, self.ring, self.mailbox, self.stop, args.workers, hang_timeout_s=60)
         self.num_samples = len(source.labels)
-        self.task_ids = iter(range(1 << 62))
+        self.part_ids = iter(range(1 << 62))
         # Where a GPU consumer copies into pinned memory before the host-to-device copy.
         self.staging = np.empty(self.ring.images.shape[1:], np.uint8)
 
@@ -232,30 +232,30 @@ class _StokerFeed:
         works = self._works()
         while True:
             while free and self.pool.can_take():
-                self.pool.assign(Task(next(self.task_ids), next(works), free.pop(), {}))
+                self.pool.assign(Part(next(self.part_ids), next(works), free.pop(), {}))
             done = self._next_done()
-            task = self.pool.finished(done)
-            assert task is not None, "every task is assigned once and done once"
-            count = int(self.ring.counts[task.slot])
-            np.copyto(self.staging[:count], self.ring.images[task.slot, :count])
-            free.append(task.slot)
+            part = self.pool.finished(done)
+            assert part is not None, "every part is assigned once and done once"
+            count = int(self.ring.counts[part.slot])
+            np.copyto(self.staging[:count], self.ring.images[part.slot, :count])
+            free.append(part.slot)
             yield count
 
-    def _works(self) -> Iterator[Work]:
+    def _works(self) -> Iterator[BatchPlan]:
         batch = self.args.batch_size
         for epoch in range(1 << 30):
             order = np.random.default_rng(epoch).permutation(self.num_samples)
             for step in range(len(order) // batch):
-                yield Work("train", epoch, step, 0, order[step * batch:(step + 1) * batch], batch)
+                yield BatchPlan("train", epoch, step, 0, order[step * batch:(step + 1) * batch], batch)
 
-    def _next_done(self) -> TaskDone:
+    def _next_done(self) -> PartDone:
         while not self.arrived:
             messages = self.mailbox.receive(timeout_s=30)
             if not messages:
                 raise RuntimeError("no batch from the producers in 30 s")
             self.arrived.extend(messages)
         message = self.arrived.popleft()
-        if not isinstance(message, TaskDone):
+        if not isinstance(message, PartDone):
             raise RuntimeError(f"producer failed: {message.error}")
         return message
 

@@ -51,7 +51,7 @@ def maybe_inject(role: str, where: str, channel=None) -> None:
 
 def wants(role: str, action: str, where: str) -> bool:
     """For a fault that changes what a process does instead of what happens to it: "producer-batch:repeat-batch:
-    task=5;" makes the producer of task 5 write the batch it built before again (one batch delivered twice)."""
+    part=5;" makes the producer of part 5 write the batch it built before again (one batch delivered twice)."""
     return any((fault_role, fault_action) == (role, action) and match in where and _first_time()
                for fault_role, fault_action, match in _specs())
 

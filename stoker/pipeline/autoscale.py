@@ -88,7 +88,7 @@ class Window:
     train_s: float = 0.0  # seconds the consumers spent in training steps (wait included), mean over consumers
     ended_s: float | None = None  # when the window closed, on the stamps' clock; None: a replay, 1 s a window
     stamps: tuple[StepStamp, ...] = ()  # the steps reported in the window; none: its totals count as one stamp
-    starting: int = 0  # producers forked and not yet done with their first task
+    starting: int = 0  # producers forked and not yet done with their first part
     working_since: float | None = None  # when the last producer started working (the count's real start)
     read_share: float = 0.0  # of the producers' busy time, the share spent reading files (off the CPU)
 

@@ -4,7 +4,7 @@ Two drivers run it and nothing else has a copy of any part: the controller (`sto
 and averaging) and `stoker.Loader` (one rank of a user's own training loop, in the user's process). A driver
 chooses the scheduler (what to build and in which order), hands over what `deliverable()` yields, gives slots back
 with `release()`, passes the producers' messages to `handle()`, calls `check_producers()` on every pass and
-`close_window()` every scaling window; the engine routes tasks to producers, re-issues the work of lost ones, and
+`close_window()` every scaling window; the engine routes parts to producers, re-issues the work of lost ones, and
 keeps the exactly-once books through `Accounting`.
 """
 
@@ -24,7 +24,7 @@ from stoker.data.dataset import Skipped
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, plain_need
 from stoker.pipeline.parts import Assembler, parts_per_batch
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
-from stoker.pipeline.producer import ProducerFailed, ProducerSetup, SampleSource, Task, TaskDone
+from stoker.pipeline.producer import Part, PartDone, ProducerFailed, ProducerSetup, SampleSource
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.pipeline.scheduler import Scheduler
 
@@ -81,7 +81,7 @@ def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_statu
 
 
 class Engine:
-    """Creates the ring and starts `counts.initial` producers, each holding at most `max_in_flight` tasks. Batches
+    """Creates the ring and starts `counts.initial` producers, each holding at most `max_in_flight` parts. Batches
     are split into parts for `MAX_IN_FLIGHT` places per producer of the budget (`parts.py`); a deeper queue lets a
     producer hold more of them, as far as the ring's free slots allow."""
 
@@ -98,9 +98,9 @@ class Engine:
         self.events = events
         self.started = time.monotonic()
         self.scheduler: Scheduler | None = None
-        self.tasks: dict[int, Task] = {}  # task id -> the part it builds, given to a producer and not yet done
-        self.pending_parts: deque[Task] = deque()  # parts of issued batches waiting for a free producer
-        self.task_ids = iter(range(1 << 62))
+        self.parts: dict[int, Part] = {}  # part id -> the part it builds, given to a producer and not yet done
+        self.pending_parts: deque[Part] = deque()  # parts of issued batches waiting for a free producer
+        self.part_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
         self.timeline: list[dict[str, Any]] = []
@@ -136,7 +136,7 @@ class Engine:
     def follow(self, scheduler: Scheduler) -> None:
         """Build what `scheduler` orders from now on, in a ring whose slots are all free again: batches of an
         earlier scheduler that were built and not taken are dropped (none may still be in flight)."""
-        assert not self.tasks and not self.pending_parts, "a new scheduler while batches of the last are being built"
+        assert not self.parts and not self.pending_parts, "a new scheduler while batches of the last are being built"
         self.scheduler = scheduler
         self.slot_owner = {}
         self.delivered = [0] * scheduler.num_ranks
@@ -144,7 +144,7 @@ class Engine:
     @property
     def building(self) -> int:
         """Parts of batches given to producers, or waiting for one, and not yet reported built."""
-        return len(self.tasks) + len(self.pending_parts)
+        return len(self.parts) + len(self.pending_parts)
 
     # ---- routing ------------------------------------------------------------------------------------------------
 
@@ -185,11 +185,11 @@ class Engine:
             self.slot_bound_s += (now - since) * share
         self._slot_bound = (now, idle_share) if idle_share > 0 else None
 
-    def _assign(self, task: Task) -> None:
+    def _assign(self, part: Part) -> None:
         assert self.pool is not None
-        task = replace(task, task_id=next(self.task_ids))
-        self.tasks[task.task_id] = task
-        self.pool.assign(task)
+        part = replace(part, part_id=next(self.part_ids))
+        self.parts[part.part_id] = part
+        self.pool.assign(part)
 
     def deliverable(self) -> Iterator[tuple[int, Any]]:
         """(rank, message) pairs to hand over now, in each rank's order."""
@@ -212,29 +212,29 @@ class Engine:
 
     def handle(self, message: Any) -> bool:
         """A producer's message; False when it is not one (the driver's own)."""
-        if isinstance(message, TaskDone):
-            self._task_done(message)
+        if isinstance(message, PartDone):
+            self._part_done(message)
             return True
         if isinstance(message, ProducerFailed):
             raise StokerRunError(f"{message.error}\n{message.error.trace}")
         return False
 
-    def _task_done(self, done: TaskDone) -> None:
+    def _part_done(self, done: PartDone) -> None:
         assert self.pool is not None and self.scheduler is not None
-        task = self.pool.finished(done)
-        if task is None:
+        part = self.pool.finished(done)
+        if part is None:
             return
-        del self.tasks[done.task_id]
+        del self.parts[done.part_id]
         if done.skipped:
-            epoch = task.work.epoch if task.work.kind == "train" else None
+            epoch = part.work.epoch if part.work.kind == "train" else None
             new = [item for item in done.skipped.values() if item.path not in self.accounting.skipped]
             self.accounting.record_skipped(epoch, done.skipped)
-            self.pool.remember_unusable(task.work.kind, {s: item.reason for s, item in done.skipped.items()})
+            self.pool.remember_unusable(part.work.kind, {s: item.reason for s, item in done.skipped.items()})
             for item in new:  # once a run: later epochs skip the file without decoding it (`pool.unusable`)
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.events.write("skipped", path=item.path, reason=item.reason)
             self._check_bad_fraction()
-        issued, compaction = self.assembler.done(task, done.count)
+        issued, compaction = self.assembler.done(part, done.count)
         if compaction is not None:
             self.pending_parts.appendleft(compaction)  # its slot is next in line: before any new part
         if issued is not None:
@@ -256,14 +256,14 @@ class Engine:
             self.events.write("producer_lost", message=loss.message, reissued=len(loss.reissue),
                               reissued_samples=[t.end - t.first for t in loss.reissue if not t.compact])
             self.pool.grow()
-            for task in loss.reissue:
-                if self.tasks.pop(task.task_id, None) is not None:
-                    self.pending_parts.extendleft(reversed(self.assembler.again(task)))
+            for part in loss.reissue:
+                if self.parts.pop(part.part_id, None) is not None:
+                    self.pending_parts.extendleft(reversed(self.assembler.again(part)))
 
     # ---- scaling ------------------------------------------------------------------------------------------------
 
     def take_utilization(self, elapsed_s: float) -> float:
-        """Producers' busy share over the window that ends now (a task counts in the window it ends in); the share
+        """Producers' busy share over the window that ends now (a part counts in the window it ends in); the share
         of their busy time spent reading files is kept for the window's measurement and the verdict."""
         assert self.pool is not None
         utilization, busy_s, read_s = self.pool.take_utilization(elapsed_s)

@@ -3,14 +3,14 @@ the slots.
 
 One producer per whole batch capped a consumer at `slots_per_consumer` batches being built, whatever the cores
 (measured: 16 producers no faster than 4). Here each issued batch is split into parts of consecutive samples of its
-plan; every part is a task of its own, written by whichever producer is free into its own rows of the slot. A part
+plan; every part is built on its own, written by whichever producer is free into its own rows of the slot. A part
 compacts over unusable files within its rows; when every part is in, the slot's count is set, and if a part came
-back short a compaction task (run by a producer: the engine never touches pixels) moves the parts' rows down so the
-slot holds its samples contiguously, in plan order, as a batch built whole would. A producer lost on a part costs
-that part, not its batch.
+back short a compaction (a part of its own, run by a producer: the engine never touches pixels) moves the parts'
+rows down so the slot holds its samples contiguously, in plan order, as a batch built whole would. A producer lost
+on a part costs that part, not its batch.
 
 The number of parts is sized from the producer ceiling: enough parts in flight that every producer can hold
-`max_in_flight` tasks (the engine sizes them for the pool's default `MAX_IN_FLIGHT`), never parts smaller than
+`max_in_flight` parts (the engine sizes them for the pool's default `MAX_IN_FLIGHT`), never parts smaller than
 `MIN_PART_SAMPLES` (each part is a message each way), and one part (the batch built whole, as before) where the
 slots already give every producer work.
 """
@@ -21,15 +21,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from stoker.pipeline.producer import Task
+from stoker.pipeline.producer import Part
 from stoker.pipeline.ring import SlotRing
-from stoker.pipeline.scheduler import Issue
+from stoker.pipeline.scheduler import Placement
 
 MIN_PART_SAMPLES = 4
 
 
 def parts_per_batch(batch_size: int, num_slots: int, max_producers: int, max_in_flight: int) -> int:
-    """Parts per batch so that the slots hold a task for each of the `max_in_flight` places of every producer."""
+    """Parts per batch so that the slots hold a part for each of the `max_in_flight` places of every producer."""
     wanted = -(-max_in_flight * max_producers // max(1, num_slots))
     return max(1, min(wanted, batch_size // MIN_PART_SAMPLES))
 
@@ -42,54 +42,54 @@ def part_bounds(num_samples: int, parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class _Assembly:
-    issue: Issue
-    parts: dict[int, Task]  # first row -> the part's latest task
+    issue: Placement
+    parts: dict[int, Part]  # first row -> the part as last handed out
     counts: dict[int, int] = field(default_factory=dict)  # first row -> samples the part wrote (parts done)
 
 
 class Assembler:
-    """Splits issued batches into part tasks and says when a slot holds its whole batch. Task ids are the caller's:
-    tasks come out with id -1 and are matched back by (slot, first row)."""
+    """Splits placed batches into parts and says when a slot holds its whole batch. Part ids are the caller's:
+    parts come out with id -1 and are matched back by (slot, first row)."""
 
     def __init__(self, ring: SlotRing, parts: int) -> None:
         self.ring = ring
         self.parts = parts
         self._assemblies: dict[int, _Assembly] = {}  # slot -> the batch being built in it
 
-    def split(self, issue: Issue) -> list[Task]:
+    def split(self, issue: Placement) -> list[Part]:
         bounds = part_bounds(len(issue.work.sample_ids), self.parts)
-        tasks = [Task(-1, issue.work, issue.slot, {}, first, stop) for first, stop in bounds]
-        self._assemblies[issue.slot] = _Assembly(issue, {task.first: task for task in tasks})
-        return tasks
+        new_parts = [Part(-1, issue.work, issue.slot, {}, first, stop) for first, stop in bounds]
+        self._assemblies[issue.slot] = _Assembly(issue, {part.first: part for part in new_parts})
+        return new_parts
 
-    def done(self, task: Task, count: int) -> tuple[Issue | None, Task | None]:
-        """A task finished: (the issue, when its slot now holds the whole batch; a compaction to run first)."""
-        assembly = self._assemblies[task.slot]
-        if task.compact:
-            return self._complete(task.slot), None
-        assembly.counts[task.first] = count
+    def done(self, part: Part, count: int) -> tuple[Placement | None, Part | None]:
+        """A part finished: (the issue, when its slot now holds the whole batch; a compaction to run first)."""
+        assembly = self._assemblies[part.slot]
+        if part.compact:
+            return self._complete(part.slot), None
+        assembly.counts[part.first] = count
         if len(assembly.counts) < len(assembly.parts):
             return None, None
         layout = tuple((first, assembly.counts[first]) for first in sorted(assembly.parts))
         if all(first == row for (first, _), row in zip(layout, _rows_after(layout), strict=True)):
-            self.ring.counts[task.slot] = sum(n for _, n in layout)  # every part full (or only the last short)
-            return self._complete(task.slot), None
-        return None, Task(-1, assembly.issue.work, task.slot, compact=layout)
+            self.ring.counts[part.slot] = sum(n for _, n in layout)  # every part full (or only the last short)
+            return self._complete(part.slot), None
+        return None, Part(-1, assembly.issue.work, part.slot, compact=layout)
 
-    def again(self, task: Task) -> list[Task]:
-        """The tasks to build again for a lost one: the part itself (with what its loss taught to skip); for a lost
+    def again(self, part: Part) -> list[Part]:
+        """The parts to build again for a lost one: the part itself (with what its loss taught to skip); for a lost
         compaction, every part it may have moved (their rows may be half-overwritten), then it runs again."""
-        assembly = self._assemblies[task.slot]
-        if not task.compact:
-            assembly.parts[task.first] = replace(task, task_id=-1)
-            return [assembly.parts[task.first]]
-        moved = [first for (first, _), row in zip(task.compact, _rows_after(task.compact), strict=True)
+        assembly = self._assemblies[part.slot]
+        if not part.compact:
+            assembly.parts[part.first] = replace(part, part_id=-1)
+            return [assembly.parts[part.first]]
+        moved = [first for (first, _), row in zip(part.compact, _rows_after(part.compact), strict=True)
                  if first != row]
         for first in moved:
             del assembly.counts[first]
         return [assembly.parts[first] for first in moved]
 
-    def _complete(self, slot: int) -> Issue:
+    def _complete(self, slot: int) -> Placement:
         return self._assemblies.pop(slot).issue
 
 

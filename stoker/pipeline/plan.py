@@ -16,7 +16,7 @@ Kind = Literal["train", "val"]
 
 
 @dataclass(frozen=True)
-class Work:
+class BatchPlan:
     """One batch for one consumer: which samples, in which order, and how to augment them."""
 
     kind: Kind
@@ -49,13 +49,13 @@ class EpochPlan:
     def samples_per_epoch(self) -> int:
         return self.num_train
 
-    def train_work(self, epoch: int, step: int, rank: int) -> Work:
+    def train_work(self, epoch: int, step: int, rank: int) -> BatchPlan:
         order = self.permutation(epoch)
         per_step = self.batch_size * self.num_consumers
         chunk = order[step * per_step:(step + 1) * per_step]
         # The last step is split evenly: shard sizes differ by at most one sample.
         bounds = np.linspace(0, len(chunk), self.num_consumers + 1).round().astype(int)
-        return Work("train", epoch, step, rank, chunk[bounds[rank]:bounds[rank + 1]], len(chunk))
+        return BatchPlan("train", epoch, step, rank, chunk[bounds[rank]:bounds[rank + 1]], len(chunk))
 
     def permutation(self, epoch: int) -> np.ndarray:
         return _permutation(self.seed, epoch, self.num_train)
@@ -64,10 +64,10 @@ class EpochPlan:
         shard = self._val_shard(rank)
         return -(-len(shard) // self.batch_size)
 
-    def val_work(self, epoch: int, index: int, rank: int) -> Work:
+    def val_work(self, epoch: int, index: int, rank: int) -> BatchPlan:
         shard = self._val_shard(rank)
         ids = shard[index * self.batch_size:(index + 1) * self.batch_size]
-        return Work("val", epoch, index, rank, ids, len(ids))
+        return BatchPlan("val", epoch, index, rank, ids, len(ids))
 
     def _val_shard(self, rank: int) -> np.ndarray:
         bounds = np.linspace(0, self.num_val, self.num_consumers + 1).round().astype(int)

@@ -1,7 +1,7 @@
 """The producer processes: start, feed, watch, replace, retire.
 
-Each producer has its own task queue with at most `max_in_flight` tasks (`MAX_IN_FLIGHT` unless the driver says
-otherwise), so the pool always knows which tasks a producer holds: when one dies or hangs, exactly those (however
+Each producer has its own part queue with at most `max_in_flight` parts (`MAX_IN_FLIGHT` unless the driver says
+otherwise), so the pool always knows which parts a producer holds: when one dies or hangs, exactly those (however
 many) are re-issued. A producer killed from outside (SIGKILL, SIGTERM) gets its work re-issued as it was; one
 that crashed (a segfault, an abort) or hung on a file gets the file it was decoding skipped and listed, so the
 same file cannot take down its replacement. The kernel's OOM killer also sends SIGKILL: a batch whose producers
@@ -21,12 +21,12 @@ from multiprocessing.queues import Queue
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
 from stoker.data.index import UNREADABLE
-from stoker.pipeline.producer import STATUS_IDLE, ProducerSetup, Task, TaskDone, nice_producer, producer_main
+from stoker.pipeline.producer import STATUS_IDLE, Part, PartDone, ProducerSetup, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 
 log = logging.getLogger(__name__)
 
-# One being built, one waiting: a producer never idles between tasks while its driver reads completions as they come
+# One being built, one waiting: a producer never idles between parts while its driver reads completions as they come
 # (the controller). A driver that reads them only now and then (the Loader, inside next()) asks for more.
 MAX_IN_FLIGHT = 2
 RETIRED_REPORTS_GRACE_S = 5.0
@@ -45,24 +45,24 @@ STARTUP_TIMEOUT_S = 300.0
 class Handle:
     producer: int
     process: BaseProcess
-    tasks: Queue[Task | None]
-    in_flight: dict[int, Task] = field(default_factory=dict)
+    parts: Queue[Part | None]
+    in_flight: dict[int, Part] = field(default_factory=dict)
     retiring: bool = False
     busy_s: float = 0.0
     read_s: float = 0.0  # of busy_s, reading files
-    tasks_done: int = 0
-    working_since: float | None = None  # time.monotonic() when its first task was done
-    ready_since: float | None = None  # when it first waited for a task or began one: before, it was importing
+    parts_done: int = 0
+    working_since: float | None = None  # time.monotonic() when its first part was done
+    ready_since: float | None = None  # when it first waited for a part or began one: before, it was importing
     forked_ns: int = 0  # time.monotonic_ns() of the status row the pool wrote at the fork: the producer's own is later
     exited_ns: int | None = None  # when a retiring producer was first seen exited cleanly
 
 
 @dataclass(frozen=True)
-class Loss:
-    """A producer that died or hung, what it was doing, and the tasks to build again."""
+class LostProducer:
+    """A producer that died or hung, what it was doing, and the parts to build again."""
 
     message: str
-    reissue: list[Task]
+    reissue: list[Part]
 
 
 def check_hang_timeout(producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
@@ -79,7 +79,7 @@ class ProducerPool:
                  hang_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         assert max_in_flight >= 1, max_in_flight
         self.setup = setup
-        self.max_in_flight = max_in_flight  # tasks a producer holds at most: all of them re-issued if it is lost
+        self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
         self.mailbox = mailbox
         self.stop = stop
@@ -111,14 +111,14 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        tasks = CONTEXT.Queue(self.max_in_flight + 1)
+        parts = CONTEXT.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
-        process = start(producer_main, (producer, self.setup, tasks, outbox, self.stop),
+        process = start(producer_main, (producer, self.setup, parts, outbox, self.stop),
                         f"stoker producer {producer}")
         if process.pid is not None:
             nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
-        self.handles[producer] = Handle(producer, process, tasks, forked_ns=forked_ns)
+        self.handles[producer] = Handle(producer, process, parts, forked_ns=forked_ns)
         self.max_alive = max(self.max_alive, len(self.active))
         return producer
 
@@ -129,42 +129,42 @@ class ProducerPool:
             return False
         handle = self.active[-1] if newest else min(self.active, key=lambda h: len(h.in_flight))
         handle.retiring = True
-        handle.tasks.put(None)
+        handle.parts.put(None)
         return True
 
     def idle_share(self) -> float:
-        """The share of the active producers holding no task."""
+        """The share of the active producers holding no part."""
         active = self.active
         return sum(1 for h in active if not h.in_flight) / len(active) if active else 0.0
 
     def can_take(self) -> bool:
         return any(len(h.in_flight) < self.max_in_flight for h in self.active)
 
-    def assign(self, task: Task) -> None:
-        task = self._skip_known_unusable(task)
+    def assign(self, part: Part) -> None:
+        part = self._skip_known_unusable(part)
         handle = min(self.active, key=lambda h: len(h.in_flight))
-        handle.in_flight[task.task_id] = task
-        handle.tasks.put(task)
+        handle.in_flight[part.part_id] = part
+        handle.parts.put(part)
 
-    def finished(self, done: TaskDone) -> Task | None:
+    def finished(self, done: PartDone) -> Part | None:
         handle = self.handles.get(done.producer)
         if handle is None:
-            return None  # a producer declared dead managed to report: its task was already re-issued
+            return None  # a producer declared dead managed to report: its part was already re-issued
         handle.busy_s += done.busy_s
         handle.read_s += done.read_s
-        handle.tasks_done += 1
+        handle.parts_done += 1
         if handle.working_since is None:
             handle.working_since = time.monotonic()
             began = handle.working_since - done.busy_s
             handle.ready_since = began if handle.ready_since is None else min(handle.ready_since, began)
         self.losses_since_progress = 0
-        task = handle.in_flight.pop(done.task_id, None)
-        if task is not None and self.outside_kills:
-            self.outside_kills = {k: n for k, n in self.outside_kills.items() if k[0] != task.part_key}
-        return task
+        part = handle.in_flight.pop(done.part_id, None)
+        if part is not None and self.outside_kills:
+            self.outside_kills = {k: n for k, n in self.outside_kills.items() if k[0] != part.part_key}
+        return part
 
-    def check(self) -> list[Loss]:
-        """Reap retired producers; report dead or hung ones with the tasks they held."""
+    def check(self) -> list[LostProducer]:
+        """Reap retired producers; report dead or hung ones with the parts they held."""
         losses = []
         now = time.monotonic_ns()
         self._reap_retired()
@@ -191,7 +191,7 @@ class ProducerPool:
         fork) this long after the fork."""
         return handle.ready_since is None and (now - handle.forked_ns) / 1e9 > STARTUP_TIMEOUT_S
 
-    def _lose_at_start(self, handle: Handle) -> Loss:
+    def _lose_at_start(self, handle: Handle) -> LostProducer:
         """A stuck start is replaced. A second one before any producer of the pool has started says the next would
         be stuck the same way (an import or a dataset that never loads): the run ends then, not after
         MAX_LOSSES_WITHOUT_PROGRESS waits. One alone may be a producer that started slower than the others."""
@@ -219,17 +219,17 @@ class ProducerPool:
                 del self.handles[handle.producer]
 
     def _hung(self, handle: Handle, now: int) -> bool:
-        task_id, _, beat = self.ring.status[handle.producer]
-        return task_id != STATUS_IDLE and (now - beat) / 1e9 > self.hang_timeout_s
+        part_id, _, beat = self.ring.status[handle.producer]
+        return part_id != STATUS_IDLE and (now - beat) / 1e9 > self.hang_timeout_s
 
-    def _lose(self, handle: Handle, how: str, external: bool) -> Loss:
+    def _lose(self, handle: Handle, how: str, external: bool) -> LostProducer:
         del self.handles[handle.producer]
         handle.process.join(timeout=1.0)  # reap it now: a dead producer must not linger as a zombie
-        handle.tasks.cancel_join_thread()
+        handle.parts.cancel_join_thread()
         self.losses_since_progress += 1
-        task_id, position, _ = self.ring.status[handle.producer].tolist()
-        current = handle.in_flight.get(task_id)
-        where = "while idle" if handle.ready_since is not None else "before its first task"
+        part_id, position, _ = self.ring.status[handle.producer].tolist()
+        current = handle.in_flight.get(part_id)
+        where = "while idle" if handle.ready_since is not None else "before its first part"
         reissue = list(handle.in_flight.values())
         if current is not None and current.compact:
             where = "while compacting a batch"  # no file to blame: moving rows within a slot
@@ -247,23 +247,23 @@ class ProducerPool:
         if self.losses_since_progress > MAX_LOSSES_WITHOUT_PROGRESS:
             raise StokerRunError(f"{message}; {self.losses_since_progress} producers lost in a row without a "
                                  "batch finished in between, giving up")
-        return Loss(message, reissue)
+        return LostProducer(message, reissue)
 
     def remember_unusable(self, kind: str, skipped: dict[int, str]) -> None:
-        """Files a producer could not decode: later tasks skip them without reading them again. One it could not
+        """Files a producer could not decode: later parts skip them without reading them again. One it could not
         read is not remembered: a read error (EIO, EMFILE) may pass."""
         self.unusable.update(((kind, sample), reason) for sample, reason in skipped.items()
                              if not reason.startswith(UNREADABLE))
 
-    def _skip_known_unusable(self, task: Task) -> Task:
-        if not self.unusable or task.compact:
-            return task
-        kind = task.work.kind
-        part = task.work.sample_ids[task.first:task.end].tolist()
-        known = {s: self.unusable[(kind, s)] for s in part if (kind, s) in self.unusable}
-        return replace(task, skip={**known, **task.skip}) if known else task
+    def _skip_known_unusable(self, part: Part) -> Part:
+        if not self.unusable or part.compact:
+            return part
+        kind = part.work.kind
+        samples = part.work.sample_ids[part.first:part.end].tolist()
+        known = {s: self.unusable[(kind, s)] for s in samples if (kind, s) in self.unusable}
+        return replace(part, skip={**known, **part.skip}) if known else part
 
-    def _skip_reason(self, handle: Handle, how: str, external: bool, current: Task, sample: int) -> str | None:
+    def _skip_reason(self, handle: Handle, how: str, external: bool, current: Part, sample: int) -> str | None:
         """Why to skip the file a lost producer was decoding, or None to build its batch again unchanged."""
         who = f"producer {handle.producer} (pid {handle.process.pid}) {how}"
         if not external:
@@ -276,11 +276,11 @@ class ProducerPool:
         return f"{who} on this file, {kills} producers in a row (out of memory? the OOM killer sends SIGKILL)"
 
     def starting(self) -> int:
-        """Active producers that have not finished a task yet (still importing, or on their first)."""
+        """Active producers that have not finished a part yet (still importing, or on their first)."""
         return sum(1 for h in self.active if h.working_since is None)
 
     def all_working_since(self) -> float | None:
-        """When the last of the active producers finished its first task (None: one has not yet)."""
+        """When the last of the active producers finished its first part (None: one has not yet)."""
         times = [h.working_since for h in self.active]
         return None if not times or None in times else max(t for t in times if t is not None)
 
@@ -300,7 +300,7 @@ class ProducerPool:
         return (busy / ready_s if ready_s > 0 else 0.0), busy, read
 
     def _note_ready(self) -> None:
-        """A producer past its imports writes its status row while it waits for a task: one that no task reached
+        """A producer past its imports writes its status row while it waits for a part: one that no part reached
         (every slot's parts already held by others) is ready, and idle, all the same."""
         for handle in self.handles.values():
             if handle.ready_since is None:
@@ -312,7 +312,7 @@ class ProducerPool:
         """Idempotent: tell every producer to stop, join, terminate stragglers, release the queues."""
         handles, self.handles = list(self.handles.values()), {}
         for handle in handles:
-            handle.tasks.cancel_join_thread()
+            handle.parts.cancel_join_thread()
         stop_processes([h.process for h in handles], timeout_s)
         for handle in handles:
-            handle.tasks.close()
+            handle.parts.close()

@@ -23,7 +23,7 @@ from stoker.data.dataset import Skipped
 from stoker.data.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
 from stoker.data.index import read_file
 from stoker.data.user_dataset import DatasetSource
-from stoker.pipeline.plan import Work, sample_rng
+from stoker.pipeline.plan import BatchPlan, sample_rng
 from stoker.pipeline.ring import RingSpec, SlotRing
 
 
@@ -61,13 +61,13 @@ class ProducerSetup:
 
 
 @dataclass(frozen=True)
-class Task:
+class Part:
     """Build part of a batch: samples `first` to `stop` of `work` into the same rows of `slot`, compacted over
-    unusable files from row `first` on (several producers fill one slot at once, each its own rows). A task with
+    unusable files from row `first` on (several producers fill one slot at once, each its own rows). A part with
     `compact` builds nothing: it moves each part's rows down so the slot holds its samples contiguously."""
 
-    task_id: int
-    work: Work
+    part_id: int
+    work: BatchPlan
     slot: int
     skip: dict[int, str] = field(default_factory=dict)  # sample id -> why: a previous producer died on it
     first: int = 0
@@ -84,9 +84,9 @@ class Task:
 
 
 @dataclass(frozen=True)
-class TaskDone:
+class PartDone:
     producer: int
-    task_id: int
+    part_id: int
     count: int
     skipped: dict[int, Skipped]  # sample id -> the file and why it could not be used
     busy_s: float
@@ -103,8 +103,8 @@ STATUS_IDLE = -1
 PRODUCER_NICENESS = 5
 
 
-def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> None:
-    """Process entry point: build batches until told to stop, retired (a None task) or orphaned."""
+def producer_main(producer: int, setup: ProducerSetup, parts, outbox, stop) -> None:
+    """Process entry point: build batches until told to stop, retired (a None part) or orphaned."""
     name_process(f"stoker producer {producer}")
     exit_with_parent()
     make_decode_warnings_errors()
@@ -113,7 +113,7 @@ def producer_main(producer: int, setup: ProducerSetup, tasks, outbox, stop) -> N
     nice_producer(os.getpid())
     ring = SlotRing.attach(setup.ring)
     try:
-        _serve(producer, setup, ring, tasks, outbox, stop)
+        _serve(producer, setup, ring, parts, outbox, stop)
     except BaseException as error:  # carried to the controller as a value, never lost
         outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
@@ -131,33 +131,33 @@ def nice_producer(pid: int) -> None:
         pass
 
 
-def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, tasks, outbox, stop) -> None:
+def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, parts, outbox, stop) -> None:
     watch = ParentWatch()
     status = ring.status[producer]
     for source in (setup.train, setup.val):
         if isinstance(source, DatasetSource):
             source.load()  # idle meanwhile: a start-up, not a hang on the first item
-    previous: Task | None = None
+    previous: Part | None = None
     while not stop.is_set() and not watch.parent_gone():
         status[:] = (STATUS_IDLE, 0, time.monotonic_ns())
         try:
-            task = tasks.get(timeout=POLL_S)
+            part = parts.get(timeout=POLL_S)
         except queue.Empty:
             continue
-        if task is None:
+        if part is None:
             return
         started = time.perf_counter()
-        if previous is not None and faults.wants("producer-batch", "repeat-batch", f"task={task.task_id};"):
-            task = replace(task, work=previous.work, first=previous.first, stop=previous.stop)
-        previous = task
+        if previous is not None and faults.wants("producer-batch", "repeat-batch", f"part={part.part_id};"):
+            part = replace(part, work=previous.work, first=previous.first, stop=previous.stop)
+        previous = part
         skipped: dict[int, Skipped] = {}
         reads = ReadClock()
-        if task.compact:
-            count = compact_slot(task, ring, status)
+        if part.compact:
+            count = compact_slot(part, ring, status)
         else:
-            count, skipped = build_batch(task, setup, ring, status, reads)
-        faults.maybe_inject("producer-result", f"task={task.task_id};", outbox)
-        outbox.send(TaskDone(producer, task.task_id, count, skipped, time.perf_counter() - started, reads.seconds))
+            count, skipped = build_batch(part, setup, ring, status, reads)
+        faults.maybe_inject("producer-result", f"part={part.part_id};", outbox)
+        outbox.send(PartDone(producer, part.part_id, count, skipped, time.perf_counter() - started, reads.seconds))
 
 
 @dataclass
@@ -174,25 +174,25 @@ class ReadClock:
             self.seconds += time.perf_counter() - started
 
 
-def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing, status: np.ndarray,
+def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.ndarray,
                 reads: ReadClock | None = None) -> tuple[int, dict[int, Skipped]]:
-    """Write the task's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
-    by id). A task that is the whole batch also sets the slot's count; for parts the engine does (`parts.py`)."""
-    work = task.work
+    """Write the part's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
+    by id). A part that is the whole batch also sets the slot's count; for parts the engine does (`parts.py`)."""
+    work = part.work
     if setup.transport_only:
-        return _copy_ready_made(task, ring), {}
+        return _copy_ready_made(part, ring), {}
     source = setup.train if work.kind == "train" else setup.val
     assert source is not None, "validation work is scheduled only when there is a validation split"
     augment = setup.augment if work.kind == "train" else "none"
-    images, labels, ids = ring.images_of(work.kind)[task.slot], ring.labels[task.slot], ring.ids[task.slot]
+    images, labels, ids = ring.images_of(work.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]
     reads = reads or ReadClock()
-    count = task.first
+    count = part.first
     skipped: dict[int, Skipped] = {}
-    for position in range(task.first, task.end):
+    for position in range(part.first, part.end):
         sample_id = int(work.sample_ids[position])
-        status[:] = (task.task_id, position, time.monotonic_ns())
-        if sample_id in task.skip:
-            skipped[sample_id] = Skipped(source.paths[sample_id], task.skip[sample_id])
+        status[:] = (part.part_id, position, time.monotonic_ns())
+        if sample_id in part.skip:
+            skipped[sample_id] = Skipped(source.paths[sample_id], part.skip[sample_id])
             continue
         if faults.armed():
             faults.maybe_inject("producer", source.paths[sample_id])
@@ -209,42 +209,42 @@ def build_batch(task: Task, setup: ProducerSetup, ring: SlotRing, status: np.nda
             continue
         ids[count] = sample_id
         count += 1
-    if _whole_batch(task):
-        ring.counts[task.slot] = count
-    return count - task.first, skipped
+    if _whole_batch(part):
+        ring.counts[part.slot] = count
+    return count - part.first, skipped
 
 
-def _whole_batch(task: Task) -> bool:
-    return task.first == 0 and task.end == len(task.work.sample_ids)
+def _whole_batch(part: Part) -> bool:
+    return part.first == 0 and part.end == len(part.work.sample_ids)
 
 
-def compact_slot(task: Task, ring: SlotRing, status: np.ndarray) -> int:
+def compact_slot(part: Part, ring: SlotRing, status: np.ndarray) -> int:
     """Move every part's rows down behind the previous part's, in plan order; returns the slot's count. Rows only
     move down and each part's rows are read before any later part's are written, so one pass suffices."""
-    status[:] = (task.task_id, task.compact[0][0], time.monotonic_ns())
+    status[:] = (part.part_id, part.compact[0][0], time.monotonic_ns())
     row = 0
-    for first, count in task.compact:
+    for first, count in part.compact:
         if first != row:
-            for array in (ring.images_of(task.work.kind)[task.slot], ring.labels[task.slot], ring.ids[task.slot]):
+            for array in (ring.images_of(part.work.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]):
                 array[row:row + count] = array[first:first + count]  # numpy copies overlapping ranges safely
         row += count
-    ring.counts[task.slot] = row
+    ring.counts[part.slot] = row
     return row
 
 
-def _copy_ready_made(task: Task, ring: SlotRing) -> int:
+def _copy_ready_made(part: Part, ring: SlotRing) -> int:
     """Fill the slot from an image made once per process: what is left to time is slots and queues. Every sample
     is written from one small source, as the decoder writes each sample from the image it just made; a whole
     ready-made batch as the source would add a 9.6 MB read from memory per batch that no real producer does
     (measured: the producer's part of a batch took 0.56 ms that way, 0.30 ms this way)."""
-    images = ring.images_of(task.work.kind)[task.slot]
-    rows = slice(task.first, task.end)
+    images = ring.images_of(part.work.kind)[part.slot]
+    rows = slice(part.first, part.end)
     np.copyto(images[rows], _ready_made(images.shape[1:]))
-    ring.labels[task.slot, rows] = 0
-    ring.ids[task.slot, rows] = task.work.sample_ids[rows]
-    if _whole_batch(task):
-        ring.counts[task.slot] = task.end
-    return task.end - task.first
+    ring.labels[part.slot, rows] = 0
+    ring.ids[part.slot, rows] = part.work.sample_ids[rows]
+    if _whole_batch(part):
+        ring.counts[part.slot] = part.end
+    return part.end - part.first
 
 
 @functools.cache

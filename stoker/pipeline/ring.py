@@ -32,7 +32,7 @@ _ALIGN = 64
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module names it only from 3.13
 _madvise = ctypes.CDLL(None, use_errno=True).madvise
 _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-STATUS_FIELDS = 3  # per producer: task id being built, position in the batch, heartbeat (monotonic ns)
+STATUS_FIELDS = 3  # per producer: part id being built, position in the batch, heartbeat (monotonic ns)
 
 
 @dataclass(frozen=True)

@@ -15,25 +15,25 @@ from typing import Any
 
 from stoker.common.checkpoint import Position, checkpoint_dir
 from stoker.pipeline.messages import Batch, Save, ValEnd
-from stoker.pipeline.plan import EpochPlan, Work
+from stoker.pipeline.plan import BatchPlan, EpochPlan
 
 
 @dataclass(frozen=True)
-class Item:
+class Entry:
     row: int
     global_step: int
-    work: Work | None = None  # a batch to build, or
+    work: BatchPlan | None = None  # a batch to build, or
     message: Any = None  # a message that needs no slot (ValEnd, Save)
     resume_at: Position | None = None  # set on the last item of a row: where training continues after it
 
 
 @dataclass(frozen=True)
-class Issue:
+class Placement:
     """A batch to build: for `rank`, at `seq` in its stream, into `slot`."""
 
     rank: int
     seq: int
-    work: Work
+    work: BatchPlan
     slot: int
     global_step: int
 
@@ -49,9 +49,9 @@ class Scheduler:
         self.free_slots = deque(range(num_slots))
         self._streams = [self._stream(first_rank + rank, epochs, start, has_val, checkpoint_every, run_dir)
                          for rank in range(self.num_ranks)]
-        self._items: list[dict[int, Item]] = [{} for _ in range(self.num_ranks)]  # issued, not yet delivered
+        self._items: list[dict[int, Entry]] = [{} for _ in range(self.num_ranks)]  # issued, not yet delivered
         self._last_row_issued = [-1] * self.num_ranks
-        self._peeked: list[Item | None] = [None] * self.num_ranks
+        self._peeked: list[Entry | None] = [None] * self.num_ranks
         self._next_seq = [0] * self.num_ranks
         self._outstanding = [0] * self.num_ranks  # issued, holding a slot
         self._ready: list[dict[int, Any]] = [{} for _ in range(self.num_ranks)]
@@ -63,7 +63,7 @@ class Scheduler:
         self.saves_issued: set[int] = set()  # global steps a Save was handed out for
 
     def _stream(self, rank: int, epochs: int, start: Position, has_val: bool, checkpoint_every: int,
-                run_dir: Path) -> Iterator[Item]:
+                run_dir: Path) -> Iterator[Entry]:
         plan, row = self.plan, 0
         steps = plan.steps_per_epoch
         for epoch in range(start.epoch, epochs):
@@ -71,17 +71,17 @@ class Scheduler:
                 global_step = epoch * steps + step
                 after = Position(epoch + (step + 1) // steps, (step + 1) % steps, global_step + 1)
                 work = plan.train_work(epoch, step, rank)
-                yield Item(row, global_step, work=work, resume_at=after)
+                yield Entry(row, global_step, work=work, resume_at=after)
                 if checkpoint_every and (global_step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                    yield Item(row, global_step, message=_save(run_dir, after),
+                    yield Entry(row, global_step, message=_save(run_dir, after),
                                resume_at=after)
                 row += 1
             after = Position(epoch + 1, 0, (epoch + 1) * steps)
             if has_val:
                 for index in range(plan.val_batches(rank)):
-                    yield Item(row, after.global_step - 1, work=plan.val_work(epoch, index, rank))
-                yield Item(row, after.global_step - 1, message=ValEnd(epoch), resume_at=after)
-            yield Item(row, after.global_step - 1, message=_save(run_dir, after),
+                    yield Entry(row, after.global_step - 1, work=plan.val_work(epoch, index, rank))
+                yield Entry(row, after.global_step - 1, message=ValEnd(epoch), resume_at=after)
+            yield Entry(row, after.global_step - 1, message=_save(run_dir, after),
                        resume_at=after)
             row += 1
 
@@ -98,7 +98,7 @@ class Scheduler:
             self._skip_validation_row = self._limit_row
         return self._limit_row
 
-    def issue_one(self) -> Issue | None:
+    def issue_one(self) -> Placement | None:
         """The next batch to build, for the rank with the fewest batches in flight; slot-less items (a rank with
         no samples in a short last step, ValEnd, Save) go straight to the ready side on the way."""
         for rank in sorted(range(self.num_ranks), key=lambda r: self._outstanding[r]):
@@ -109,7 +109,7 @@ class Scheduler:
             assert item.work is not None  # an item that needs a slot has work
             slot = self.free_slots.popleft()
             self._outstanding[rank] += 1
-            return Issue(rank, self._take(rank), item.work, slot, item.global_step)
+            return Placement(rank, self._take(rank), item.work, slot, item.global_step)
         return None
 
     def waits_for_slot(self) -> bool:
@@ -117,7 +117,7 @@ class Scheduler:
         slot holds a batch being built, or built and not yet taken): the ring, not the plan, holds it back."""
         return any((item := self._peek(rank)) is not None and _needs_slot(item) for rank in range(self.num_ranks))
 
-    def _peek(self, rank: int) -> Item | None:
+    def _peek(self, rank: int) -> Entry | None:
         if self._peeked[rank] is None:
             self._peeked[rank] = next(self._streams[rank], None)
         while (item := self._peeked[rank]) is not None and self._skipped(item):
@@ -127,7 +127,7 @@ class Scheduler:
             return None
         return item
 
-    def _skipped(self, item: Item) -> bool:
+    def _skipped(self, item: Entry) -> bool:
         if item.row != self._skip_validation_row:
             return False
         return isinstance(item.message, ValEnd) or (item.work is not None and item.work.kind == "val")
@@ -143,13 +143,13 @@ class Scheduler:
         self._next_seq[rank] += 1
         return self._next_seq[rank] - 1
 
-    def _message(self, item: Item, slot: int | None) -> Any:
+    def _message(self, item: Entry, slot: int | None) -> Any:
         if item.work is None:
             return item.message
         work = item.work
         return Batch(work.kind, work.epoch, work.step, item.global_step, slot, work.step_samples)
 
-    def complete(self, issue: Issue) -> None:
+    def complete(self, issue: Placement) -> None:
         """A producer finished the batch: it can be handed over once every earlier one has been."""
         self._ready[issue.rank][issue.seq] = self._message(self._items[issue.rank][issue.seq], issue.slot)
 
@@ -177,7 +177,7 @@ class Scheduler:
                    for rank in range(self.num_ranks))
 
 
-def _needs_slot(item: Item) -> bool:
+def _needs_slot(item: Entry) -> bool:
     return item.work is not None and len(item.work.sample_ids) > 0
 
 

@@ -172,7 +172,7 @@ class Replica:
         self.clock = StepClock(ops)
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
-        self.unreported: list[_DoneStep] = []
+        self.unreported: list[_StepInFlight] = []
         self.ema = ModelEma(build_model(setup.model, setup.num_classes).to(self.device), self.model,
                             recipe.ema) if recipe.ema else None
         if setup.compile:  # before the first collective: a peer's compile must not time it out
@@ -247,7 +247,7 @@ class Replica:
             digest = self.averager.digest()
         # Copied to the host before the step's end event: read once that event has completed, with no sync.
         loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
-        self.unreported.append(_DoneStep(batch, ids, loss, self.clock.end(averaged), digest, time.monotonic()))
+        self.unreported.append(_StepInFlight(batch, ids, loss, self.clock.end(averaged), digest, time.monotonic()))
         if len(self.unreported) >= self.report_every:
             # The first step is reported at once (the controller times the run from it); later ones only once
             # the device has done them: waiting here would leave the device idle while the host catches up.
@@ -425,7 +425,7 @@ class _BestModel:
 
 
 @dataclass
-class _DoneStep:
+class _StepInFlight:
     """A step the device may still be working on, until it is reported."""
 
     batch: Batch

@@ -79,7 +79,7 @@ def test_producer_killed_halfway_through_sending_its_result_breaks_only_its_own_
     """Half a message on the pipe, then SIGKILL: with one queue shared by every producer this garbles the stream
     (or leaves its lock held); with a pipe per producer the controller sees that pipe close and re-issues."""
     run_cli(*train_args(textures, tmp_path / "run", "--devices", "cpu:2", "--producers", "2", "--epochs", "2"),
-            env=fault("producer-result:sigkill-mid-message:task=5;", once_dir=tmp_path))
+            env=fault("producer-result:sigkill-mid-message:part=5;", once_dir=tmp_path))
     summary = read_summary(tmp_path / "run")
     assert summary["status"] == "completed"
     assert summary["samples_consumed"] == [120, 120]

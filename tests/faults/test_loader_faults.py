@@ -62,7 +62,7 @@ def test_a_producer_killed_holding_two_batches_has_all_of_them_rebuilt(textures)
     train, _ = textures
     undisturbed, _, _, _ = _epoch_killing_the_fullest_producer(train, None)
     images, seen, summary, held = _epoch_killing_the_fullest_producer(train, 1)
-    assert sum(held) == 2 * 8 and len(held) > 2  # two batches of 8, in more tasks than the trainer's two
+    assert sum(held) == 2 * 8 and len(held) > 2  # two batches of 8, in more parts than the trainer's two
     assert sorted(seen) == list(range(120))
     assert summary["duplicate_samples"] == summary["missing_samples"] == 0
     assert len(images) == len(undisturbed) and all(torch.equal(a, b) for a, b in zip(images, undisturbed))
@@ -112,8 +112,8 @@ STARTUP_S = 15.0
 
 @pytest.mark.timeout(120)
 def test_a_producer_stuck_starting_is_replaced_while_another_works(monkeypatch, tmp_path):
-    """Its dataset never finished unpickling: before, its tasks waited in its queue for ever (no hang clock runs
-    before a task begins) and the epoch never ended."""
+    """Its dataset never finished unpickling: before, its parts waited in its queue for ever (no hang clock runs
+    before a part begins) and the epoch never ended."""
     from tests.helpers.slow_load import FirstLoadNeverEnds
 
     monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", STARTUP_S)

@@ -292,11 +292,11 @@ def test_a_hung_producer_with_two_consumers_at_default_timeouts_is_recovered(tex
 
 
 def test_a_batch_delivered_twice_is_counted_and_reported(textures, tmp_path):
-    """The producer of task 5 writes the batch it built before (task 4) again: one batch of 8 samples is trained
-    on twice and the 8 samples of task 5 never."""
+    """The producer of part 5 writes the batch it built before (part 4) again: one batch of 8 samples is trained
+    on twice and the 8 samples of part 5 never."""
     run_dir = tmp_path / "run"
     result = run_cli(*train_args(textures, run_dir, "--devices", "cpu:1", "--producers", "1", "--epochs", "1"),
-                     env=fault("producer-batch:repeat-batch:task=5;"))
+                     env=fault("producer-batch:repeat-batch:part=5;"))
     summary = read_summary(run_dir)
     assert summary["status"] == "completed"
     assert summary["duplicate_samples"] == 8 and summary["missing_samples"] == 8

@@ -12,7 +12,7 @@ import torch
 import stoker
 from stoker.data.imaging import make_decode_warnings_errors
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch
+from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import SlotRing
 from stoker.training.feed import DeviceLoader
 from stoker.training.models import build_model
@@ -109,7 +109,7 @@ def _concatenated_batch(train, plan, step, seed, size):
         parts = []
         loader = DeviceLoader(ring, torch.device("cpu"))
         for rank in range(2):
-            build_batch(Task(rank, plan.train_work(0, step, rank), rank), setup, ring, ring.status[0])
+            build_batch(Part(rank, plan.train_work(0, step, rank), rank), setup, ring, ring.status[0])
             images, labels, _ = loader.take(rank, lambda slot: None)
             parts.append((images, labels))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

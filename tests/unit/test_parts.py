@@ -12,10 +12,10 @@ from PIL import Image
 
 from stoker.data.imaging import make_decode_warnings_errors
 from stoker.pipeline.parts import Assembler, part_bounds, parts_per_batch
-from stoker.pipeline.plan import Work
-from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch, compact_slot
+from stoker.pipeline.plan import BatchPlan
+from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch, compact_slot
 from stoker.pipeline.ring import SlotRing
-from stoker.pipeline.scheduler import Issue
+from stoker.pipeline.scheduler import Placement
 
 BATCH = 16
 SIZE = 24
@@ -46,9 +46,9 @@ def ring():
     ring.close()
 
 
-def work() -> Work:
+def work() -> BatchPlan:
     order = np.random.default_rng(1).permutation(BATCH).astype(np.int64)  # plan order is not id order
-    return Work("train", 0, 0, 0, order, BATCH)
+    return BatchPlan("train", 0, 0, 0, order, BATCH)
 
 
 def slot_contents(ring: SlotRing, slot: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
@@ -57,19 +57,19 @@ def slot_contents(ring: SlotRing, slot: int) -> tuple[int, np.ndarray, np.ndarra
 
 
 def build_whole(ring, setup) -> tuple:
-    build_batch(Task(0, work(), 1), setup, ring, ring.status[0])
+    build_batch(Part(0, work(), 1), setup, ring, ring.status[0])
     return slot_contents(ring, 1)
 
 
 def build_in_parts(ring, setup, parts: int, finish_order) -> tuple:
     assembler = Assembler(ring, parts)
-    tasks = assembler.split(Issue(0, 0, work(), 0, 0))
+    parts = assembler.split(Placement(0, 0, work(), 0, 0))
     ring.images[0] = 255  # garbage a previous batch left: nothing of it may show through
     issued = compaction = None
-    for index in finish_order(len(tasks)):
-        task = tasks[index]
-        count, _ = build_batch(task, setup, ring, ring.status[0])
-        issued, compaction = assembler.done(task, count)
+    for index in finish_order(len(parts)):
+        part = parts[index]
+        count, _ = build_batch(part, setup, ring, ring.status[0])
+        issued, compaction = assembler.done(part, count)
     if compaction is not None:
         compact_slot(compaction, ring, ring.status[0])
         issued, _ = assembler.done(compaction, 0)
@@ -97,20 +97,20 @@ def test_a_compaction_lost_half_way_is_redone_from_the_parts_it_moved(source, ri
     setup = ProducerSetup(ring.spec, source, None, "standard", seed=3)
     whole = build_whole(ring, setup)
     assembler = Assembler(ring, 4)
-    tasks = assembler.split(Issue(0, 0, work(), 0, 0))
+    parts = assembler.split(Placement(0, 0, work(), 0, 0))
     compaction = None
-    for task in tasks:
-        count, _ = build_batch(task, setup, ring, ring.status[0])
-        _, compaction = assembler.done(task, count)
+    for part in parts:
+        count, _ = build_batch(part, setup, ring, ring.status[0])
+        _, compaction = assembler.done(part, count)
     assert compaction is not None
-    half = Task(-1, compaction.work, 0, compact=compaction.compact[:3])  # killed after moving three parts
+    half = Part(-1, compaction.work, 0, compact=compaction.compact[:3])  # killed after moving three parts
     compact_slot(half, ring, ring.status[0])
     again = assembler.again(compaction)
     moved = [first for first, _ in compaction.compact[1:]]
     assert [t.first for t in again] == [f for f in moved if f != sum(n for g, n in compaction.compact if g < f)]
-    for task in again:
-        count, _ = build_batch(task, setup, ring, ring.status[0])
-        issued, compaction_again = assembler.done(task, count)
+    for part in again:
+        count, _ = build_batch(part, setup, ring, ring.status[0])
+        issued, compaction_again = assembler.done(part, count)
     assert compaction_again is not None and compaction_again.compact == compaction.compact
     compact_slot(compaction_again, ring, ring.status[0])
     issued, _ = assembler.done(compaction_again, 0)
@@ -119,11 +119,11 @@ def test_a_compaction_lost_half_way_is_redone_from_the_parts_it_moved(source, ri
 
 def test_full_parts_need_no_compaction_and_set_the_count(ring):
     assembler = Assembler(ring, 4)
-    tasks = assembler.split(Issue(0, 0, Work("val", 0, 0, 0, np.arange(10, dtype=np.int64), 10), 1, 0))
-    assert [(t.first, t.end) for t in tasks] == [(0, 2), (2, 5), (5, 8), (8, 10)]
-    for task in tasks[:-1]:
-        assert assembler.done(task, task.end - task.first) == (None, None)
-    issued, compaction = assembler.done(tasks[-1], 1)  # only the last part short: nothing to move
+    parts = assembler.split(Placement(0, 0, BatchPlan("val", 0, 0, 0, np.arange(10, dtype=np.int64), 10), 1, 0))
+    assert [(t.first, t.end) for t in parts] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    for part in parts[:-1]:
+        assert assembler.done(part, part.end - part.first) == (None, None)
+    issued, compaction = assembler.done(parts[-1], 1)  # only the last part short: nothing to move
     assert issued is not None and compaction is None and ring.counts[1] == 9
 
 

@@ -7,7 +7,7 @@ import time
 from stoker.observe.metrics import RunStats, time_shares
 from stoker.pipeline.messages import StepReport
 from stoker.pipeline.pool import Handle, ProducerPool
-from stoker.pipeline.producer import STATUS_IDLE, TaskDone
+from stoker.pipeline.producer import STATUS_IDLE, PartDone
 from stoker.pipeline.ring import SlotRing
 
 
@@ -43,17 +43,17 @@ def test_a_run_whose_reports_arrive_late_keeps_every_consumer_under_100_percent(
 def test_producers_count_from_when_they_are_ready_and_one_no_task_reached_counts_idle():
     # 16 producers forked at once spend seconds importing; counted as idle from their fork, producers busy 96% of
     # the time once started read "idle 48%: they lack work" in the verdict. A producer past its imports that no
-    # task reached (the slots' parts all held by others) is idle, though: it must count.
+    # part reached (the slots' parts all held by others) is idle, though: it must count.
     ring = SlotRing.create(num_slots=1, batch_size=1, image_size=8, num_status=3)
     try:
         pool = ProducerPool(setup=None, ring=ring, mailbox=None, stop=None, capacity=3, hang_timeout_s=60.0)  # type: ignore[arg-type]
         forked = time.monotonic_ns() - 10_000_000_000  # 10 s ago
         pool.handles = {i: Handle(i, None, None, forked_ns=forked) for i in range(3)}  # type: ignore[arg-type]
         ring.status[:] = (STATUS_IDLE, 0, forked)  # as the pool writes them at the fork
-        pool.finished(TaskDone(producer=0, task_id=1, count=8, skipped={}, busy_s=5.0))  # began 5 s ago
-        ring.status[1] = (STATUS_IDLE, 0, time.monotonic_ns() - 2_000_000_000)  # waiting for a task for 2 s
-        pool.take_utilization(1.0)  # the window producer 0's first task ended in
-        pool.finished(TaskDone(producer=0, task_id=2, count=8, skipped={}, busy_s=0.6))
+        pool.finished(PartDone(producer=0, part_id=1, count=8, skipped={}, busy_s=5.0))  # began 5 s ago
+        ring.status[1] = (STATUS_IDLE, 0, time.monotonic_ns() - 2_000_000_000)  # waiting for a part for 2 s
+        pool.take_utilization(1.0)  # the window producer 0's first part ended in
+        pool.finished(PartDone(producer=0, part_id=2, count=8, skipped={}, busy_s=0.6))
         utilization, busy_s, _ = pool.take_utilization(1.0)
     finally:
         ring.close()

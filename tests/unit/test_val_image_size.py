@@ -11,8 +11,8 @@ from PIL import Image
 
 from stoker.common.config import ConfigError, make_config
 from stoker.data.imaging import make_decode_warnings_errors
-from stoker.pipeline.plan import Work
-from stoker.pipeline.producer import ProducerSetup, Source, Task, build_batch
+from stoker.pipeline.plan import BatchPlan
+from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.training.feed import DeviceLoader
 from tests.unit.test_feed import IMAGENET_MEAN, IMAGENET_STD, FakeOps
@@ -77,8 +77,8 @@ def test_a_slot_holds_a_batch_of_the_larger_side():
 def test_validation_batches_are_resized_and_centre_cropped_at_the_validation_side(pictures, ring):
     source, arrays = pictures
     setup = ProducerSetup(ring.spec, source, source, "standard", seed=0)
-    work = Work("val", 0, 0, 0, np.arange(BATCH, dtype=np.int64), BATCH)
-    count, skipped = build_batch(Task(0, work, 1), setup, ring, ring.status[0])
+    work = BatchPlan("val", 0, 0, 0, np.arange(BATCH, dtype=np.int64), BATCH)
+    count, skipped = build_batch(Part(0, work, 1), setup, ring, ring.status[0])
     assert (count, skipped) == (BATCH, {})
     assert ring.val_images[1].shape == (BATCH, VAL_SIDE, VAL_SIDE, 3)
     for row, array in enumerate(arrays):
@@ -98,13 +98,13 @@ def test_training_batches_keep_their_side_and_bytes_in_slots_sized_for_validatio
     without --val-image-size holds."""
     source, _ = pictures
     setup = ProducerSetup(ring.spec, source, source, "standard", seed=0)
-    train = Work("train", 0, 0, 0, np.arange(BATCH, dtype=np.int64)[::-1].copy(), BATCH)
-    build_batch(Task(0, Work("val", 0, 0, 0, np.arange(BATCH, dtype=np.int64), BATCH), 0), setup, ring,
+    train = BatchPlan("train", 0, 0, 0, np.arange(BATCH, dtype=np.int64)[::-1].copy(), BATCH)
+    build_batch(Part(0, BatchPlan("val", 0, 0, 0, np.arange(BATCH, dtype=np.int64), BATCH), 0), setup, ring,
                 ring.status[0])
-    build_batch(Task(1, train, 0), setup, ring, ring.status[0])
+    build_batch(Part(1, train, 0), setup, ring, ring.status[0])
     plain = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=TRAIN_SIDE, num_status=1)
     try:
-        build_batch(Task(1, train, 0), ProducerSetup(plain.spec, source, source, "standard", seed=0), plain,
+        build_batch(Part(1, train, 0), ProducerSetup(plain.spec, source, source, "standard", seed=0), plain,
                     plain.status[0])
         assert ring.images[0].shape == plain.images[0].shape == (BATCH, TRAIN_SIDE, TRAIN_SIDE, 3)
         assert np.array_equal(ring.images[0], plain.images[0])
