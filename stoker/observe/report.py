@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.common.config import names_where
 from stoker.common.terminal import printable
 
 REPORT_PNG = "report.png"
@@ -125,12 +126,9 @@ def describe(runs: list[RunRecord]) -> str:
     return "\n".join(lines)
 
 
-PER_RUN_SETTINGS = ("out", "resume")  # differ between any two runs: not what makes them differ
-
-
 def differing_settings(runs: list[RunRecord]) -> list[str]:
     """The settings that differ between the runs compared, one line each with every run's value."""
-    names = sorted({name for run in runs for name in run.settings} - set(PER_RUN_SETTINGS))
+    names = sorted({name for run in runs for name in run.settings} - names_where("per_run"))
     differing = [name for name in names if len({json.dumps(run.settings.get(name)) for run in runs}) > 1]
     if not differing:
         return ["settings: the same" if all(run.settings for run in runs) else "settings: not recorded"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
-from stoker.common.config import RUN_CONFIG_FILE, TrainConfig
+from stoker.common.config import RUN_CONFIG_FILE, TrainConfig, names_where
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
 from stoker.common.files import write_json
 from stoker.common.procs import (
@@ -116,8 +116,7 @@ class Controller:
 
     def _shared_settings(self) -> dict[str, Any]:
         """What every machine must agree on (paths and producer counts are each machine's own business)."""
-        local = {"out", "resume", "data", "val", "devices", "producers", "min_producers", "initial_producers",
-                 "max_producers", "log_every_s", "report", "tensorboard"}
+        local = names_where("machine_local")
         return {**{k: v for k, v in self.config.as_json().items() if k not in local},
                 "consumers_per_machine": self.num_consumers, "train_files": len(self.data.train),
                 "val_files": len(self.data.val or ()), "classes": list(self.data.train.classes)}

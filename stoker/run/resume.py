@@ -4,8 +4,8 @@ this start's, before any process starts.
 A resume trains the batches the plan would have given the run it continues: a setting that changes the plan (the
 data, the seed, the batch size, the model, the optimizer, the arithmetic, ...) or a class list that changed (a
 renamed class folder shifts every later label) would silently train another run from its weights. Which settings
-may change is declared once, beside the fields (`config.MAY_CHANGE_ON_RESUME`); every other one is compared, so a
-setting added later is compared too unless it is declared.
+may change is declared on each field (`Setting.may_change_on_resume`); every other one is compared, so a setting
+added later is compared too unless it declares otherwise.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from stoker.common.config import (
     BUILTIN_IMAGE_SIZE,
     DEFAULT_IMAGE_SIZE,
     MAY_CHANGE_ON_RESUME,
-    UNRECORDED_MEANT,
     TrainConfig,
+    unrecorded_meant,
 )
 
 
@@ -51,11 +51,11 @@ def check_resumable(folder: Path, meta: dict[str, Any], config: TrainConfig, cla
 def setting_differences(recorded: Any, config: TrainConfig) -> list[str]:
     """'name: checkpoint X, now Y' for every plan-changing setting that differs. A setting the checkpoint does not
     record (added to stoker after it was written) counts as what runs did then: its default, or the value
-    `config.UNRECORDED_MEANT` names when the default changed what is trained."""
+    its `Setting.unrecorded` names when the default changed what is trained."""
     if not isinstance(recorded, dict):
         return ["the checkpoint records no settings"]
     now = config.as_json()
-    defaults = {**TrainConfig().as_json(), **UNRECORDED_MEANT}
+    defaults = {**TrainConfig().as_json(), **unrecorded_meant()}
     recorded = {**recorded, "image_size": _image_size(recorded)}
     now = {**now, "image_size": config.resolved_image_size}
     differences = []

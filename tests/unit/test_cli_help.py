@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from stoker.cli import GROUPS, TRAIN_FLAGS, main
-from stoker.common.config import TrainConfig
+from stoker.cli import main
+from stoker.common.config import FIELD_NAMES, GROUPS, TrainConfig, help_group
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def _sections(text: str) -> dict[str, str]:
 def test_the_groups_come_in_order_and_hold_their_flags(help_text):
     sections = _sections(help_text)
     assert [title for title in sections if title in GROUPS] == list(GROUPS)
-    for name, (_, _, group) in TRAIN_FLAGS.items():
+    for name in FIELD_NAMES:
+        group = help_group(name)
         assert re.search(rf"^  --{name.replace('_', '-')}\b", sections[group], re.MULTILINE), (name, group)
     assert "--quiet" in sections["output"] and "--json" in sections["output"]
 
