@@ -54,7 +54,8 @@ class Setting:
     value stops the start with exit code 2 naming it (`run/resume.py`). `machine_local`: each machine of a
     multi-machine run has its own (paths, producer counts); the others must agree. `per_run`: differs between any
     two runs, so a comparison of two runs does not list it. `unrecorded`: what runs did before the setting
-    existed, where that is not its default (a checkpoint written then is compared with it)."""
+    existed, where that is not its default (a checkpoint written then is compared with it). `loader`:
+    `stoker.Loader` takes it as a keyword, meaning what it means here."""
 
     help: str
     metavar: str
@@ -63,6 +64,7 @@ class Setting:
     machine_local: bool = False
     per_run: bool = False
     unrecorded: Any = _UNSET
+    loader: bool = False
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -107,7 +109,7 @@ class DataSettings:
         "standard (random resized crop + flip) | noflip | none | trivial (standard + TrivialAugment) | randaug "
         "(standard + RandAugment, 2 ops at magnitude 9)", "MODE", group=RECIPE)] = "standard"
     max_bad_fraction: Annotated[Real, Setting(
-        "stop when more than this share of files is unusable", "F", may_change_on_resume=True)] = Field(
+        "stop when more than this share of files is unusable", "F", may_change_on_resume=True, loader=True)] = Field(
         default=0.1, ge=0.0, le=1.0)
     # Validation's side (short side resized, centre crop) when it differs from training's: FFCV trains at 160-192
     # and tests at 224-256 (Touvron et al. 2019, "Fixing the train-test resolution discrepancy"). Validation only
@@ -143,20 +145,20 @@ class FeedSettings:
         default=64, ge=1, le=65536)
     producers: Annotated[int | Literal["auto"], BeforeValidator(_not_a_bool), Setting(
         "auto (fork more when consumers wait) or a fixed count", "M", may_change_on_resume=True,
-        machine_local=True)] = "auto"
+        machine_local=True, loader=True)] = "auto"
     min_producers: Annotated[Count, Setting("lower bound for --producers auto", "A", may_change_on_resume=True,
-                                            machine_local=True)] = Field(default=1, ge=1, le=MAX_PRODUCERS)
+                                            machine_local=True, loader=True)] = Field(default=1, ge=1, le=MAX_PRODUCERS)
     initial_producers: Annotated[MaybeCount, Setting(
         "where --producers auto starts (default: --min-producers)", "M", may_change_on_resume=True,
         machine_local=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
     max_producers: Annotated[MaybeCount, Setting(
         "upper bound for --producers auto (default: 8 per core, at most 128, reached only while forks pay)", "B",
-        may_change_on_resume=True, machine_local=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
+        may_change_on_resume=True, machine_local=True, loader=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
     # A third of the collective timeout: a hung file is detected, its batch rebuilt and the waiting rank trained
     # while its peers still wait in the averaging collective (at equal timeouts they gave up first).
     producer_timeout_s: Annotated[Real, Setting(
         "seconds without progress on one file before a producer counts as hung", "S", group=EXPERT,
-        may_change_on_resume=True)] = Field(default=20.0, gt=0)
+        may_change_on_resume=True, loader=True)] = Field(default=20.0, gt=0)
     slots_per_consumer: Annotated[Count, Setting("batch slots in shared memory per consumer", "K", group=EXPERT,
                                                  may_change_on_resume=True)] = Field(default=4, ge=2, le=64)
 
@@ -191,7 +193,7 @@ class DeviceSettings:
     precision: Annotated[Literal["fp32", "bf16", "fp16"], Setting(
         "fp32 | bf16 | fp16: autocast over fp32 weights (fp16 with a gradient scaler)", "P")] = "fp32"
     channels_last: Annotated[bool, Setting("true | false: feed the model channels_last input or plain NCHW", "BOOL",
-                                           group=EXPERT)] = True
+                                           group=EXPERT, loader=True)] = True
     compile: Annotated[bool, Setting("true | false: torch.compile the model in each consumer", "BOOL",
                                      group=EXPERT)] = False
     deterministic: Annotated[bool, Setting(

@@ -15,43 +15,27 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from stoker.common.devices import available_cores, check_devices_form, resolve_devices
+from stoker.common.config import check_data_path
+from stoker.common.devices import available_cores, resolve_devices
 from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
 from stoker.observe.evaluation import per_class_accuracy, whole_confusion
 from stoker.training.evaluation import ValTotals
+from stoker.use.feed_settings import Feed
 from stoker.use.inference import LoadedModel, load, normalize
 from stoker.use.loader import Loader
 
 log = logging.getLogger(__name__)
 
 MAX_BAD_FRACTION = 1.0  # every image may be bad: each is listed, none stops the command
-
-
-@dataclass(frozen=True)
-class Feed:
-    """How the images are read and where the model runs."""
-
-    devices: str = "auto"
-    batch_size: int = 64
-    producers: int | Literal["auto"] = "auto"
-
-    def __post_init__(self) -> None:
-        try:
-            check_devices_form(self.devices)
-        except ValueError as error:
-            raise ValueError(f"devices={self.devices!r}: {error}") from None
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size!r}: expected an integer >= 1")
-        if self.producers != "auto" and (not isinstance(self.producers, int) or self.producers < 1):
-            raise ValueError(f"producers={self.producers!r}: expected 'auto' or an integer >= 1")
+DEFAULT_FEED = Feed()
 
 
 @dataclass(frozen=True)
@@ -90,7 +74,7 @@ def scored_batches(loaded: LoadedModel, index: PackedIndex, feed: Feed,
                    skipped: dict[str, str]) -> Iterator[Scored]:
     """The model's logits for every usable sample of `index`; what the producers could not use lands in
     `skipped` (path: reason) once the pass ends."""
-    replicas = Replicas(loaded, resolve_devices(feed.devices))
+    replicas = Replicas(loaded, resolve_devices("cpu:1" if feed.devices == "cpu" else feed.devices))
     loader = Loader(index, batch_size=feed.batch_size, image_size=loaded.image_size, augment="none",
                     producers=feed.producers, device=None, drop_last=False, max_bad_fraction=MAX_BAD_FRACTION)
     with loader:
@@ -107,9 +91,7 @@ def scored_batches(loaded: LoadedModel, index: PackedIndex, feed: Feed,
 def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.ndarray]:
     """The labelled data and, per class of the data, the model's output for it; a class the model does not know
     is an error naming it (and what the model knows)."""
-    if not (data.is_dir() or data.is_file() or "{" in str(data)):
-        raise ValueError(f"data={str(data)!r} is not a folder, a .tar shard, a list file or a brace pattern "
-                         "(expected an ImageFolder root or WebDataset-layout shards)")
+    check_data_path("data", data)
     index = load_source(data)
     known = {name: k for k, name in enumerate(classes)}
     unknown = [name for name in index.classes if name not in known]
@@ -121,7 +103,7 @@ def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.nd
     return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
 
 
-def evaluate(model_file: Path, data: Path, feed: Feed = Feed(), model: str | None = None) -> dict[str, Any]:
+def evaluate(model_file: Path, data: Path, feed: Feed = DEFAULT_FEED, model: str | None = None) -> dict[str, Any]:
     """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`. `model`: the
     `module:function` the card names, which its module's import needs (`--model`; `inference.rebuild`)."""
     loaded = load(model_file, model=model)
@@ -165,7 +147,7 @@ class Prediction:
     error: str = ""  # why the file could not be used (then no classes)
 
 
-def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = Feed(),
+def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = DEFAULT_FEED,
             model: str | None = None) -> tuple[int, list[Prediction]]:
     """(k, predictions): the top-k classes (k at most the model's classes) and their probabilities for every
     image in `images` (recursively), bad files included with their reason; sorted by path. `model`: as for

@@ -10,6 +10,7 @@ process group exists. The producers start at the first `iter()` and live until `
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -18,15 +19,27 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
 from stoker.common.checkpoint import Position
-from stoker.common.config import Augment
+from stoker.common.config import (
+    BUILTIN_IMAGE_SIZE,
+    DEFAULT_IMAGE_SIZE,
+    Augment,
+    DataSettings,
+    DeviceSettings,
+    FeedSettings,
+    RunSettings,
+    check_data_path,
+    check_section,
+    names_where,
+    setting_names,
+)
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT, MAX_PRODUCERS, POLL_S, Mailbox, StokerRunError, check_memory_for_producers
+from stoker.common.procs import CONTEXT, POLL_S, Mailbox, StokerRunError, check_memory_for_producers
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
@@ -48,9 +61,6 @@ from stoker.training.streams import ops_for
 log = logging.getLogger(__name__)
 
 SCALE_WINDOW_S = 1.0  # as the controller's
-AUGMENTS = ("standard", "noflip", "none")
-DEFAULT_IMAGE_SIZE = 224
-BUILTIN_IMAGE_SIZE = 32
 MIN_SLOTS = 4  # the trainer's slots_per_consumer
 # Whole batches each producer may hold. The Loader reads completions and hands out work only inside next(): while the
 # user's loop trains or waits in DDP's all_reduce, a producer holding one batch (the engine's MAX_IN_FLIGHT parts)
@@ -183,26 +193,27 @@ class Loader:
     are (HWC uint8 image of `image_size`, integer label)."""
 
     def __init__(self, data: str | Path | Any | None, batch_size: int, image_size: int | None = None,
-                 augment: Augment = "standard", seed: int = 0, producers: int | Literal["auto"] = "auto",
-                 device: str | torch.device | None = "auto", drop_last: bool = False, min_producers: int = 1,
-                 max_producers: int | None = None, channels_last: bool = True, producer_timeout_s: float = 20.0,
-                 max_bad_fraction: float = 0.1, metrics_file: str | Path | None = None) -> None:
-        _check_settings(dict(batch_size=batch_size, image_size=image_size, augment=augment, seed=seed,
-                             producers=producers, min_producers=min_producers, max_producers=max_producers,
-                             producer_timeout_s=producer_timeout_s, max_bad_fraction=max_bad_fraction,
-                             drop_last=drop_last, channels_last=channels_last, metrics_file=metrics_file))
-        self.batch_size = batch_size
-        self.augment: Augment = augment
-        self.seed = seed
-        self.producers = producers
-        self.min_producers = min_producers
-        self.max_producers = max_producers
+                 augment: Augment = "standard", seed: int = 0, device: str | torch.device | None = "auto",
+                 drop_last: bool = False, **settings: Any) -> None:
+        """`settings`: any of LOADER_SETTINGS, named and checked as `stoker train`'s flags of the same name (the
+        same sections validate them), and `metrics_file`: where the engine's events go as JSON lines."""
+        own = {"metrics_file": settings.pop("metrics_file", None)}
+        sections = _check_settings(data, dict(batch_size=batch_size, image_size=image_size, augment=augment,
+                                              seed=seed, **settings))
+        feed, data_settings = sections[FeedSettings], sections[DataSettings]
+        _check_own(drop_last=drop_last, **own)
+        self.batch_size = feed.batch_size
+        self.augment: Augment = data_settings.augment
+        self.seed = sections[RunSettings].seed
+        self.producers = feed.producers
+        self.min_producers = feed.min_producers
+        self.max_producers = feed.max_producers
         self.device_setting = _check_device(device)
         self.drop_last = drop_last
-        self.channels_last = channels_last
-        self.producer_timeout_s = producer_timeout_s
-        self.max_bad_fraction = max_bad_fraction
-        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
+        self.channels_last = sections[DeviceSettings].channels_last
+        self.producer_timeout_s = feed.producer_timeout_s
+        self.max_bad_fraction = data_settings.max_bad_fraction
+        self.metrics_file = Path(own["metrics_file"]) if own["metrics_file"] is not None else None
         self.source, self.image_size, self.classes, self.refused = _open_data(data, image_size)
         self.sampler = EpochSampler(self)
         self.epoch = 0
@@ -542,9 +553,6 @@ def _open_data(data: str | Path | Any | None, image_size: int | None
         size = image_size or _first_item_size(data)
         return DatasetSource(data, size), size, (), ()
     root = Path(data) if data is not None else builtin_dataset()[0]
-    if data is not None and not (root.is_dir() or root.is_file() or "{" in str(root)):
-        raise ValueError(f"data={str(root)!r} is not a folder, a .tar shard, a list file or a brace pattern "
-                         "(expected an ImageFolder root or WebDataset-layout shards)")
     index = load_source(root)
     log_refused(index.skipped)
     size = image_size or (BUILTIN_IMAGE_SIZE if data is None else DEFAULT_IMAGE_SIZE)
@@ -561,47 +569,31 @@ def _first_item_size(dataset: Any) -> int:
     return int(shape[0])
 
 
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python, not a batch size
+# The keywords a Loader takes beyond its own arguments: the settings that declare `loader=True`.
+LOADER_SETTINGS = names_where("loader")
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _check_settings(data: Any, values: dict[str, Any]) -> dict[type, Any]:
+    """Every setting before anything starts, by the sections `stoker train` checks them with: the same error for
+    the same value. `values`: the arguments named as train's settings, and the keywords."""
+    signature = inspect.signature(Loader.__init__).parameters
+    unknown = sorted(set(values) - LOADER_SETTINGS - set(signature))
+    if unknown:
+        raise TypeError(f"stoker.Loader got unexpected setting(s) {', '.join(unknown)}; it takes "
+                        f"{', '.join(sorted(LOADER_SETTINGS))} and metrics_file")
+    if isinstance(data, (str, Path)):
+        check_data_path("data", Path(data))
+    return {section: check_section(section, {name: value for name, value in values.items()
+                                             if name in setting_names(section)})
+            for section in (FeedSettings, DataSettings, DeviceSettings, RunSettings)}
 
 
-def _check_settings(settings: dict[str, Any]) -> None:
-    """Every setting before anything starts, each error naming the setting, the value and what is allowed."""
-    v, most = settings, MAX_PRODUCERS
-    least = v["min_producers"] if _integer(v["min_producers"]) else 1
-    checks = [
-        ("batch_size", _integer(v["batch_size"]) and v["batch_size"] >= 1, "an integer >= 1"),
-        ("image_size", v["image_size"] is None or (_integer(v["image_size"]) and 8 <= v["image_size"] <= 2048),
-         "None or an integer from 8 to 2048"),
-        ("augment", v["augment"] in AUGMENTS, " | ".join(AUGMENTS)),
-        ("seed", _integer(v["seed"]) and v["seed"] >= 0, "an integer >= 0"),
-        ("producers", v["producers"] == "auto" or (_integer(v["producers"]) and 1 <= v["producers"] <= most),
-         f"'auto' or an integer from 1 to {most}"),
-        ("min_producers", _integer(v["min_producers"]) and 1 <= v["min_producers"] <= most,
-         f"an integer from 1 to {most}"),
-        ("max_producers", v["max_producers"] is None or (_integer(v["max_producers"])
-                                                         and least <= v["max_producers"] <= most),
-         f"None or an integer from min_producers ({least}) to {most}"),
-        ("producers", not (_integer(v["producers"]) and _integer(v["max_producers"])
-                           and v["producers"] > v["max_producers"]),
-         f"no more than max_producers ({v['max_producers']})"),
-        ("producer_timeout_s", _number(v["producer_timeout_s"]) and v["producer_timeout_s"] > 0,
-         "a number of seconds > 0"),
-        ("max_bad_fraction", _number(v["max_bad_fraction"]) and 0 <= v["max_bad_fraction"] <= 1,
-         "a fraction from 0 to 1"),
-        ("drop_last", isinstance(v["drop_last"], bool), "True or False"),
-        ("channels_last", isinstance(v["channels_last"], bool), "True or False"),
-        ("metrics_file", v["metrics_file"] is None or (isinstance(v["metrics_file"], (str, Path))
-                                                       and Path(v["metrics_file"]).parent.is_dir()),
-         "None or a file in an existing folder"),
-    ]
-    for name, ok, allowed in checks:
-        if not ok:
-            raise ValueError(f"{name}={v[name]!r}: expected {allowed}")
+def _check_own(drop_last: Any, metrics_file: Any) -> None:
+    """The Loader's own arguments, which no command of stoker's shares."""
+    if not isinstance(drop_last, bool):
+        raise ValueError(f"drop_last={drop_last!r}: expected True or False")
+    if metrics_file is not None and not (isinstance(metrics_file, (str, Path)) and Path(metrics_file).parent.is_dir()):
+        raise ValueError(f"metrics_file={metrics_file!r}: expected None or a file in an existing folder")
 
 
 def _check_device(device: str | torch.device | None) -> str | None:

@@ -45,11 +45,12 @@ def _feed_flags(parser: argparse.ArgumentParser) -> None:
                         help="the model the file was trained with, when it is code of your own: a model file "
                         "that names a module:function is refused unless you name the same one here (a model "
                         "file must not choose what code runs); a built-in model needs none")
+    # Checked as train's settings of the same names are (use/evaluate.Feed), before torch is imported.
     parser.add_argument("--devices", default="auto", metavar="SPEC",
                         help="auto | cpu | cuda | cuda:0,1: a model replica on each (default auto)")
-    parser.add_argument("--batch-size", type=_positive, default=DEFAULT_BATCH_SIZE, metavar="B",
+    parser.add_argument("--batch-size", default=DEFAULT_BATCH_SIZE, metavar="B",
                         help=f"images per batch (default {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--producers", type=_producers, default="auto", metavar="M",
+    parser.add_argument("--producers", default="auto", metavar="M",
                         help="auto (fork more while the devices wait) or a fixed count (default auto)")
 
 
@@ -63,46 +64,24 @@ def _positive(text: str) -> int:
     return value
 
 
-def _producers(text: str) -> int | str:
-    from stoker.common.procs import MAX_PRODUCERS
+def _check_settings(args: argparse.Namespace) -> Any:
+    """The settings that need neither the model nor the images, checked before either is read; the feed's."""
+    from stoker.use.feed_settings import Feed
 
-    if text == "auto":
-        return text
-    count = _positive(text)
-    if count > MAX_PRODUCERS:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected 'auto' or an integer from 1 to {MAX_PRODUCERS}")
-    return count
-
-
-def _check_settings(args: argparse.Namespace) -> None:
-    """The settings that do not need the model or the images, checked before either is read: a bad one used to
-    end in an IndexError from the device list, or (--json) in FileNotFoundError after the whole evaluation."""
-    from stoker.common.devices import check_devices_form
-
-    if args.devices != "cpu":
-        try:
-            check_devices_form(args.devices)
-        except ValueError as error:
-            raise ValueError(f"devices={args.devices!r}: {error} (or 'cpu': one CPU replica)") from None
+    feed = Feed(devices=args.devices, batch_size=args.batch_size, producers=args.producers)
     json_file = getattr(args, "json", None)
     if json_file is not None and str(json_file) != "-" and not json_file.parent.is_dir():
         raise ValueError(f"json={str(json_file)!r}: the folder {str(json_file.parent)!r} does not exist "
                          "(expected a file in an existing folder, or '-' for stdout)")
-
-
-def _feed(args: argparse.Namespace) -> Any:
-    from stoker.use.evaluate import Feed
-
-    devices = "cpu:1" if args.devices == "cpu" else args.devices
-    return Feed(devices=devices, batch_size=args.batch_size, producers=args.producers)
+    return feed
 
 
 def eval_command(args: argparse.Namespace) -> int:
     def run() -> None:
-        _check_settings(args)  # before torch is imported
+        feed = _check_settings(args)
         from stoker.observe.eval_report import eval_table
         from stoker.use.evaluate import evaluate
-        result = evaluate(args.model_file, args.data, _feed(args), model=args.model_code)
+        result = evaluate(args.model_file, args.data, feed, model=args.model_code)
         to_stdout = args.json is not None and str(args.json) == "-"
         print(eval_table(result), file=sys.stderr if to_stdout else sys.stdout)
         if to_stdout:
@@ -116,10 +95,10 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def predict_command(args: argparse.Namespace) -> int:
     def run() -> None:
-        _check_settings(args)  # before torch is imported
+        feed = _check_settings(args)
         from stoker.use.evaluate import predict, prediction_rows
 
-        k, predictions = predict(args.model_file, args.images, args.top_k, _feed(args), model=args.model_code)
+        k, predictions = predict(args.model_file, args.images, args.top_k, feed, model=args.model_code)
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerows(prediction_rows(predictions, k))
         bad = sum(1 for p in predictions if p.error)

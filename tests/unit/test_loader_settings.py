@@ -24,7 +24,7 @@ class Squares:
 
 @pytest.mark.parametrize("setting,value", [
     ("batch_size", 0), ("augment", "flip"), ("producers", 0), ("image_size", 4), ("seed", -1), ("device", "tpu:0"),
-    ("batch_size", True), ("producers", True), ("producer_timeout_s", "5"), ("max_bad_fraction", None),
+    ("batch_size", True), ("producers", True), ("producer_timeout_s", "soon"), ("max_bad_fraction", None),
     ("drop_last", "yes"), ("channels_last", None), ("device", "mps"), ("device", "meta"),
     ("metrics_file", "/no/such/folder/metrics.jsonl")])
 def test_a_bad_setting_is_named_before_anything_starts(textures, setting, value):
@@ -33,7 +33,7 @@ def test_a_bad_setting_is_named_before_anything_starts(textures, setting, value)
 
 
 def test_more_fixed_producers_than_max_producers_is_refused(textures):
-    with pytest.raises(ValueError, match=r"^producers=5: expected no more than max_producers \(2\)"):
+    with pytest.raises(ValueError, match=r"^producers=5 is above max_producers=2"):
         stoker.Loader(textures[0], batch_size=8, producers=5, max_producers=2)
 
 
