@@ -16,16 +16,16 @@ import threading
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import cast
 
 import cv2
 import numpy as np
 import simplejpeg
 from PIL import Image
 
+from stoker.common.choices import Augment
 from stoker.data.policies import POLICIES, apply_policy
 
-Augment = Literal["standard", "noflip", "none", "trivial", "randaug"]
 FLIPPED = ("standard", "trivial", "randaug")  # the augmentations with a random horizontal flip
 
 # Pillow decodes only these; most Pillow CVEs are in formats it would otherwise auto-detect.

@@ -51,7 +51,6 @@ from stoker.training.consumer import consumer_main
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
 from stoker.training.models import build_model, check_model
-from stoker.training.recipe import recipe_setup
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
 if TYPE_CHECKING:
@@ -98,8 +97,6 @@ class Controller:
         if config.lr_head_multiplier != 1.0:
             check_head_multiplier(build_model(config.model, len(self.data.train.classes)), config.model,
                                   config.lr_head_multiplier)
-        self.recipe = recipe_setup(config, len(self.data.train.classes), self.plan.steps_per_epoch,
-                                   config.resume is not None)
         self.run_dir = Path(config.out or config.resume or rundir.default_run_dir())
         # Held until run() ends: taken before the folder is looked at, so two starts cannot both find it free.
         self.run_lock = rundir.RunDirLock(self.run_dir, self.cluster.node)
@@ -283,7 +280,7 @@ class Controller:
                                                         self.config.collective_timeout_s)
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  self.data.train.classes, self.plan.steps_per_epoch * self.config.epochs,
-                                 self.resume_from, self.recipe, self.run_dir)
+                                 self.plan.steps_per_epoch, self.resume_from, self.run_dir)
         for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)

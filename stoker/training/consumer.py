@@ -22,6 +22,13 @@ import torch
 import torch.distributed as dist
 
 from stoker.common import checkpoint, faults
+from stoker.common.config import (
+    AveragingSettings,
+    DeviceSettings,
+    ModelSettings,
+    OptimizerSettings,
+    RecipeSettings,
+)
 from stoker.common.devices import available_cores
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
 from stoker.pipeline.messages import (
@@ -45,7 +52,7 @@ from stoker.training.evaluation import ValTotals
 from stoker.training.feed import DeviceLoader
 from stoker.training.groups import optimizer_groups
 from stoker.training.models import build_model
-from stoker.training.recipe import Recipe, RecipeSetup, RecipeSpec
+from stoker.training.recipe import Recipe, RecipeSpec
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.training.schedule import LearningRate
 from stoker.training.streams import ops_for
@@ -58,40 +65,34 @@ EMA_MODEL_FILE = "model_ema.pt"  # beside model.pt, saved the same way
 
 @dataclass(frozen=True)
 class ConsumerSetup:
+    """Where a consumer stands in the job, and the run's settings it trains by, as the sections the controller
+    validated."""
+
     rank: int  # global, over every machine's consumers
     local_rank: int  # on this machine: how the controller knows this consumer
     world_size: int
     device: str
     store: StoreAddress
     ring: RingSpec
-    model: str
     num_classes: int
-    optimizer: str
-    lr: float
-    schedule: str
     total_steps: int
-    momentum: float
-    weight_decay: float
-    sync_every: int
-    outer: OuterSpec | None
-    overlap_averaging: bool
-    average_in_backward: bool
-    seed: int
     num_threads: int
-    collective_timeout_s: float
-    check_replicas_every: int
     resume_from: Path | None
-    precision: accel.Precision = "fp32"
-    channels_last: bool = True
-    compile: bool = False
-    deterministic: bool = False
-    recipe: RecipeSetup | None = None  # None: cross-entropy on the labels, nothing else
+    seed: int
+    model_settings: ModelSettings  # init: None on resume, which continues from its checkpoint
+    optim: OptimizerSettings
+    recipe: RecipeSettings
+    averaging: AveragingSettings
+    hardware: DeviceSettings
+    warmup_steps: int = 0
     model_card: model_file.ModelCard | None = None  # written into model.pt beside the weights (None: plain weights)
     best_model: Path | None = None  # where rank 0 keeps the model of the best validation accuracy so far
 
     @property
-    def recipe_setup(self) -> RecipeSetup:
-        return self.recipe or RecipeSetup(RecipeSpec(self.num_classes, self.seed))
+    def outer(self) -> OuterSpec | None:
+        averaging = self.averaging
+        return None if averaging.outer_optimizer == "none" else OuterSpec(
+            averaging.outer_optimizer, averaging.outer_lr, averaging.outer_momentum)
 
 
 class Stopped(Exception):
@@ -148,47 +149,49 @@ class Replica:
             torch.cuda.set_device(self.device)
         self.stop = stop
         self.watch = ParentWatch()
-        accel.configure_backends(setup.deterministic)
+        accel.configure_backends(setup.hardware.deterministic)
         self.store = _join_group(setup)
         self.host_group = exchange.host_group()
-        self.model = build_model(setup.model, setup.num_classes).to(self.device)
-        recipe = setup.recipe_setup
-        self.recipe = Recipe(recipe.spec)
-        self.learning_rate = LearningRate(setup.lr, setup.schedule, setup.total_steps, recipe.warmup_steps)  # type: ignore[arg-type]
+        self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
+        self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
+        self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
         # fp16's gradient scaler steps the whole model after unscaling, and clipping needs every gradient's
         # norm first: no group can step during backward.
-        in_backward = setup.average_in_backward and setup.precision != "fp16" and not recipe.spec.clip_grad_norm
-        self.averager = Averager(self.model, setup.sync_every, setup.world_size, setup.ring.batch_size,
-                                 setup.outer, setup.overlap_averaging, in_backward)
+        averaging = setup.averaging
+        in_backward = (averaging.average_in_backward and setup.hardware.precision != "fp16"
+                       and not setup.recipe.clip_grad_norm)
+        self.averager = Averager(self.model, averaging.sync_every, setup.world_size, setup.ring.batch_size,
+                                 setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
-        self.forward = accel.compiled(self.model, _compile_threads(setup)) if setup.compile else self.model
-        self.precision = accel.MixedPrecision(setup.precision, self.device)
+        self.forward = accel.compiled(self.model, _compile_threads(setup)) if setup.hardware.compile else self.model
+        self.precision = accel.MixedPrecision(setup.hardware.precision, self.device)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
         # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
         # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
-        self.loader = DeviceLoader(ring, self.device, setup.channels_last, ops)
+        self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops)
         self.clock = StepClock(ops)
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_StepInFlight] = []
-        self.ema = ModelEma(build_model(setup.model, setup.num_classes).to(self.device), self.model,
-                            recipe.ema) if recipe.ema else None
-        if setup.compile:  # before the first collective: a peer's compile must not time it out
+        ema = setup.recipe.ema
+        self.ema = ModelEma(build_model(setup.model_settings.model, setup.num_classes).to(self.device), self.model,
+                            ema) if ema else None
+        if setup.hardware.compile:  # before the first collective: a peer's compile must not time it out
             warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
-                           setup.ring.image_size, setup.num_classes, setup.channels_last, setup.ring.val_size)
+                           setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
             warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
-            if recipe.init is not None:
-                self._load_init(recipe.init)
+            if setup.model_settings.init is not None:
+                self._load_init(setup.model_settings.init)
             _broadcast_initial_state(self.averager)
             if self.averager.outer is not None:
                 self.averager.outer.reset_anchor()
             if self.ema is not None:
-                self.ema = ModelEma(self.ema.model, self.model, recipe.ema)
+                self.ema = ModelEma(self.ema.model, self.model, ema)
         self.first_wait_s: float | None = None
         self.val_totals = ValTotals(setup.num_classes, self.device)
         self.ema_val_totals = ValTotals(setup.num_classes, self.device) if self.ema is not None else None
@@ -234,7 +237,7 @@ class Replica:
             # A simulated device's time comes before the gradients exist: averaging that starts during backward
             # must not hide behind it.
             faults.simulated_delay(faults.STEP_TIME_ENV)
-            clip = self.recipe.spec.clip_grad_norm
+            clip = self.recipe.spec.settings.clip_grad_norm
             self.precision.backward_and_step(loss, self.optimizer, self._clip if clip else None)
         self.clock.computed()
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
@@ -242,7 +245,7 @@ class Replica:
         if averaged and self.ema is not None:  # the EMA of the averaged model: the same on every replica
             self.ema.update(self.model, batch.global_step)
         digest = None
-        every = self.setup.check_replicas_every
+        every = self.setup.averaging.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
         # Copied to the host before the step's end event: read once that event has completed, with no sync.
@@ -381,7 +384,7 @@ class Replica:
         work.post("loaded")
 
     def _rank_zero_work(self, name: str) -> exchange.RankZeroWork:
-        return exchange.RankZeroWork(self.store, name, exchange.allowance_s(self.setup.collective_timeout_s,
+        return exchange.RankZeroWork(self.store, name, exchange.allowance_s(self.setup.averaging.collective_timeout_s,
                                                                             self.model), self._check_alive)
 
     def _check_alive(self) -> None:
@@ -454,13 +457,13 @@ def _next_message(ready, stop, watch: ParentWatch, when_idle):
 
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
-    recipe = setup.recipe_setup
-    groups = optimizer_groups(model, setup.weight_decay, recipe.no_decay_norm_bias, recipe.lr_head_multiplier)
-    if setup.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=setup.lr, weight_decay=setup.weight_decay,
+    optim = setup.optim
+    groups = optimizer_groups(model, optim.weight_decay, optim.no_decay_norm_bias, optim.lr_head_multiplier)
+    if optim.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=optim.lr, weight_decay=optim.weight_decay,
                                  **accel.fused_option(torch.optim.AdamW, device))
-    return torch.optim.SGD(groups, lr=setup.lr, momentum=setup.momentum,
-                           weight_decay=setup.weight_decay, **accel.fused_option(torch.optim.SGD, device))
+    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum,
+                           weight_decay=optim.weight_decay, **accel.fused_option(torch.optim.SGD, device))
 
 
 def _compile_threads(setup: ConsumerSetup) -> int:
@@ -471,10 +474,10 @@ def _compile_threads(setup: ConsumerSetup) -> int:
 
 
 def _join_group(setup: ConsumerSetup) -> dist.Store:
-    timeout = timedelta(seconds=setup.collective_timeout_s)
+    timeout = timedelta(seconds=setup.averaging.collective_timeout_s)
     if setup.store.local:
         bind_to_loopback()
-    store = setup.store.connect(setup.world_size, setup.collective_timeout_s)
+    store = setup.store.connect(setup.world_size, setup.averaging.collective_timeout_s)
     options = group_options(torch.device(setup.device))
     os.environ.update(options.env)  # read when the backend starts, so before init
     dist.init_process_group(options.backend, store=store, rank=setup.rank, world_size=setup.world_size,

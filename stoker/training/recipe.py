@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stoker.common.config import TrainConfig
+from stoker.common.config import RecipeSettings
 from stoker.pipeline.plan import step_rng
 
 ERASE_SCALE = (0.02, 0.33)  # RandomErasing's defaults (Zhong et al. 2017; torchvision, timm)
@@ -27,17 +26,15 @@ CUTMIX_SWITCH = 0.5  # with both mixup and cutmix on, each batch takes one of th
 
 @dataclass(frozen=True)
 class RecipeSpec:
+    """The recipe's settings, and what its random draws and one-hot targets need besides."""
+
     num_classes: int
     seed: int
-    label_smoothing: float = 0.0
-    mixup: float = 0.0
-    cutmix: float = 0.0
-    random_erasing: float = 0.0
-    clip_grad_norm: float = 0.0
+    settings: RecipeSettings = RecipeSettings()
 
     @property
     def soft_targets(self) -> bool:
-        return bool(self.label_smoothing or self.mixup or self.cutmix)
+        return bool(self.settings.label_smoothing or self.settings.mixup or self.settings.cutmix)
 
 
 @dataclass(frozen=True)
@@ -56,19 +53,19 @@ class Recipe:
     def prepare(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step: int,
                 rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(images, targets) for the loss: labels as they are when nothing is soft, else class probabilities."""
-        spec = self.spec
-        if not (spec.random_erasing or spec.soft_targets):
+        spec, settings = self.spec, self.spec.settings
+        if not (settings.random_erasing or spec.soft_targets):
             return images, labels
         rng = step_rng(spec.seed, epoch, step, rank)
-        if spec.random_erasing:
-            erase(images, erasing_boxes(images.shape, spec.random_erasing, rng))
+        if settings.random_erasing:
+            erase(images, erasing_boxes(images.shape, settings.random_erasing, rng))
         if not spec.soft_targets:
             return images, labels
         targets = F.one_hot(labels, spec.num_classes).to(images.dtype)
-        mix = draw_mix(images.shape, spec.mixup, spec.cutmix, rng)
+        mix = draw_mix(images.shape, settings.mixup, settings.cutmix, rng)
         if mix is not None and len(labels) > 1:
             images, targets = apply_mix(images, targets, mix)
-        return images, smooth(targets, spec.label_smoothing)
+        return images, smooth(targets, settings.label_smoothing)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if targets.dtype == torch.int64:
@@ -76,8 +73,8 @@ class Recipe:
         return soft_cross_entropy(logits, targets)
 
     def clip(self, parameters: list[torch.nn.Parameter]) -> None:
-        if self.spec.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(parameters, self.spec.clip_grad_norm)
+        if self.spec.settings.clip_grad_norm:
+            torch.nn.utils.clip_grad_norm_(parameters, self.spec.settings.clip_grad_norm)
 
 
 def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -152,24 +149,3 @@ def erase(images: torch.Tensor, boxes: list[tuple[int, int, int, int, int]]) -> 
     """Erased to 0 after normalization: the dataset's mean colour (torchvision's default value)."""
     for sample, top, left, height, width in boxes:
         images[sample, :, top:top + height, left:left + width] = 0
-
-
-@dataclass(frozen=True)
-class RecipeSetup:
-    """The consumer's part of the recipe: what a step does to its batch, and what starts and follows the model."""
-
-    spec: RecipeSpec
-    warmup_steps: int = 0
-    ema: float = 0.0  # decay; 0: no EMA
-    init: Path | None = None
-    lr_head_multiplier: float = 1.0
-    no_decay_norm_bias: bool = True
-
-
-def recipe_setup(config: TrainConfig, num_classes: int, steps_per_epoch: int, resuming: bool) -> RecipeSetup:
-    """The consumers' recipe from the run's settings (`--init` only for a new run: a resumed one continues from its
-    checkpoint)."""
-    spec = RecipeSpec(num_classes, config.seed, config.label_smoothing, config.mixup, config.cutmix,
-                      config.random_erasing, config.clip_grad_norm)
-    return RecipeSetup(spec, int(round(config.warmup_epochs * steps_per_epoch)), config.ema,
-                       None if resuming else config.init, config.lr_head_multiplier, config.no_decay_norm_bias)

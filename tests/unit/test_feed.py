@@ -332,8 +332,8 @@ def _replica_on(ops: FakeOps, ring: SlotRing):
     from stoker.training.schedule import LearningRate
 
     replica = Replica.__new__(Replica)
-    replica.setup = SimpleNamespace(rank=0, local_rank=0, lr=0.01, schedule="constant", total_steps=100,
-                                    check_replicas_every=0)
+    replica.setup = SimpleNamespace(rank=0, local_rank=0, total_steps=100,
+                                    averaging=SimpleNamespace(check_replicas_every=0))
     # A linear model: the fake device's ordering is under test, not the network (labels go up to 23).
     replica.model = replica.forward = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 30))
     replica.averager = Averager(replica.model, 1, 1, 4)

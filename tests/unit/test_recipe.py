@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stoker.common.config import RecipeSettings
 from stoker.training.ema import ModelEma
 from stoker.training.groups import head_parameter_names, parameter_groups
 from stoker.training.models import build_model
@@ -33,7 +34,7 @@ def test_label_smoothing_matches_torch() -> None:
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(16, 10, generator=generator)
     labels = torch.randint(0, 10, (16,), generator=generator)
-    recipe = Recipe(RecipeSpec(10, seed=0, label_smoothing=0.1))
+    recipe = Recipe(RecipeSpec(10, seed=0, settings=RecipeSettings(label_smoothing=0.1)))
     images, targets = recipe.prepare(torch.zeros(16, 3, 8, 8), labels, epoch=0, step=0, rank=0)
     ours = recipe.loss(logits, targets)
     assert torch.allclose(ours, F.cross_entropy(logits, labels, label_smoothing=0.1), atol=1e-6)
