@@ -160,7 +160,7 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
     min_w = math.ceil(width * out_w / box.width)
     # libjpeg-turbo decodes damaged scan data without error and only warns: a file cut short gets its missing part
     # grey, one with a zeroed stretch ending in a whole EOI decodes the zeros as pixels. Strict, every warning is an
-    # error, and it costs nothing on a good file (the same decode: measured in the README).
+    # error, and it costs nothing on a good file (the same decode: measured in docs/benchmarks.md).
     try:
         image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
     except ValueError as error:
@@ -233,7 +233,7 @@ def _may_lack_rows(image: Image.Image) -> bool:
     """Whether a decoded PNG could be one whose image data ended early: Pillow's image starts zeroed, and the
     rows (or, interlaced, the odd rows of the last pass) its data lacked stay zero, so one of the last two rows is
     all zero bytes. Only then is the stream inflated again to be sure: on a whole file that check alone cost
-    36% of an RGBA decode and 60% of a palette one (measured in the README)."""
+    36% of an RGBA decode and 60% of a palette one (measured in docs/benchmarks.md)."""
     if image.height <= 2:
         return True
     for row in (image.height - 2, image.height - 1):

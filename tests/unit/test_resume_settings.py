@@ -55,3 +55,27 @@ def test_the_segments_of_a_summary_stoker_wrote_are_kept(tmp_path):
                "throughput_samples_per_s": 120.0}
     (tmp_path / "summary.json").write_text(json.dumps({"segments": [segment]}))
     assert previous_segments(tmp_path) == [segment]
+
+
+# config.json as the single flat TrainConfig (before the settings were sections) wrote it, recorded from that code.
+FLAT_CONFIG_JSON = (
+    '{"data": "DATA", "val": null, "val_fraction": 0.1, "model": "resnet8", "image_size": null, "augment": "standard", '
+    '"devices": "auto", "producers": "auto", "min_producers": 1, "initial_producers": null, "max_producers": null, '
+    '"batch_size": 64, "epochs": 2, "optimizer": "sgd", "lr": 0.05, "schedule": "cosine", "momentum": 0.9, '
+    '"weight_decay": 0.0005, "sync_every": 1, "outer_optimizer": "none", "outer_lr": 0.7, "outer_momentum": 0.9, '
+    '"overlap_averaging": false, "average_in_backward": true, "seed": 0, "out": null, "resume": null, '
+    '"checkpoint_every": 0, "slots_per_consumer": 4, "check_replicas_every": 0, "collective_timeout_s": 60.0, '
+    '"producer_timeout_s": 20.0, "max_bad_fraction": 0.1, "log_every_s": 10.0, "report": true, "tensorboard": false, '
+    '"precision": "fp32", "channels_last": true, "compile": false, "deterministic": false, "init": null, '
+    '"lr_head_multiplier": 1.0, "warmup_epochs": 0.0, "label_smoothing": 0.0, "mixup": 0.0, "cutmix": 0.0, '
+    '"ema": 0.0, "clip_grad_norm": 0.0, "no_decay_norm_bias": true, "random_erasing": 0.0, "val_image_size": null}')
+
+
+def test_a_run_folder_written_before_the_sections_resumes_with_its_own_settings(tmp_path):
+    recorded = json.loads(FLAT_CONFIG_JSON.replace("DATA", str(tmp_path)))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(recorded))
+    resumed = make_config({"resume": str(run), "epochs": 3})  # `--resume RUN_DIR --epochs 3`
+    assert {**resumed.as_json(), "resume": None, "epochs": 2} == recorded
+    assert setting_differences(recorded, resumed) == []  # the checkpoint's copy: nothing that changes the plan
