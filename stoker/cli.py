@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     # The report's INFO lines ("Using categorical units ...", "generated new fontManager") are no news to a user;
     # a user's own model or dataset module keeps its INFO lines.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    for handler in logging.getLogger().handlers:  # file names in log lines printable (issue 24 item 15)
+    for handler in logging.getLogger().handlers:  # file names in log lines printable: a name may hold escape codes
         handler.addFilter(EscapedArguments())
     args = build_parser().parse_args(argv)
     if args.command in ("bench", "pack", "eval", "predict"):

@@ -5,7 +5,7 @@
 - **b** compute-heavy: a CPU consumer training resnet14 on the built-in textures (auto must not starve it);
 - **c** simulated latency: every file read waits `--read-latency-ms`, every step holds its consumer `--step-ms`;
 - **d** simulated GPU consumer: the photos of (a), every step a `--step-ms` sleep that leaves the core free;
-- **e** issue 23's latency workload: every file read waits 25 ms (remote storage), 500x375 JPEGs, the model of (a),
+- **e** the latency workload: every file read waits 25 ms (remote storage), 500x375 JPEGs, the model of (a),
   64 px, batch 32, 2 epochs, fixed 4 and 16 producers (`--counts`) at the default slots against auto. Input
   capacity must follow the producers, not the slots: 16 at least 3.5x 4, auto at least 0.9 of the best.
 

@@ -5,7 +5,7 @@ pickled objects): the weights under `state_dict` (what `--init` and a plain `loa
 the card: the model as `--model` takes it, the class names in output order, the image size, and the validation
 preprocessing (the centre square of 0.875 of the short side resized to the image size, stoker's decoder; then
 (x / 255 - mean) / std). Without the card the same weights scored 76.5% with a plain resize and 96.8% with
-stoker's own decode on 400 digits (issue 25): the preprocessing is part of the model.
+stoker's own decode on 400 digits (docs/benchmarks.md): the preprocessing is part of the model.
 """
 
 from __future__ import annotations

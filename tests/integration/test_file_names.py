@@ -1,5 +1,5 @@
 """File names reach the terminal printable: control characters escaped, never written raw (an escape sequence
-clears the screen, a newline forges a log line); summary.json keeps the real names (issue 24 item 15)."""
+clears the screen, a newline forges a log line); summary.json keeps the real names."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""GPU tests that would catch the faults of issue 23 (the `gpu` marker: skipped where no GPU is, and the suite
+"""GPU tests that would catch the CUDA path's known faults (the `gpu` marker: skipped where no GPU is, and the suite
 stops instead of skipping when nvidia-smi lists GPUs that torch cannot see). Written without a GPU at hand: each
 states what it would catch. The whole GPU check (`tools/gpu-check.sh`) is sized for under 8 minutes on one GPU."""
 

@@ -1,4 +1,4 @@
-"""What a new user meets on the command line (issue 25): a diverged run fails naming the step (--quiet staying quiet
+"""What a new user meets on the command line: a diverged run fails naming the step (--quiet staying quiet
 is checked in tests/integration/test_report.py, on a run that validates)."""
 
 from __future__ import annotations

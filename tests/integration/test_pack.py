@@ -1,5 +1,5 @@
 """`stoker pack` through the real CLI, killed and interrupted: a pack is written whole or not at all, into an empty
-folder unless told, and its workers never outlive it (issue 24 item 13)."""
+folder unless told, and its workers never outlive it."""
 
 from __future__ import annotations
 

@@ -177,7 +177,7 @@ def test_a_plain_need_at_start_up_forks_at_once_and_jumps_as_far_as_the_cores_al
 
 
 def test_a_start_up_jump_is_judged_against_the_producers_pace_not_the_rings():
-    # Recorded (issue 23's latency workload, one producer): training starts on 3 batches the ring held, served at
+    # Recorded (the latency workload, one producer): training starts on 3 batches the ring held, served at
     # once, then each step waits 0.85 s for the one producer. The window read 195 samples/s; the producer's pace
     # was 37. The jump to 4 brought 150: judged against 195, it was retired (-23%) and the run stayed at 1. The
     # window's stall (55%) also counts the ring's steps: the producer's steps waited 99% of their time, so the jump

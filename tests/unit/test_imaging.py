@@ -363,7 +363,7 @@ def test_png_with_a_side_past_libpngs_limit_goes_to_pillow():
     assert (out == 90).all()
 
 
-# ---- issue 24: decode caps on every path, image data that ends early, zeroed JPEG scans, checksums named --------
+# ---- decode caps on every path, image data that ends early, zeroed JPEG scans, checksums named --------
 
 def with_image_data(png: bytes, raw_fraction: float) -> bytes:
     """The PNG with its IDAT chunks replaced by one whole zlib stream (end marker included) of only the first

@@ -144,7 +144,7 @@ def test_a_superseded_entry_is_removed_only_once_no_live_process_maps_it(tmp_pat
     assert not dropped_folder.exists()
 
 
-# ---- issue 24 item 4: the cache checks what it hands out, and is not needed to run -----------------------------
+# ---- the cache checks what it hands out, and is not needed to run -----------------------------
 
 def cached_entry(tmp_path) -> tuple:
     make_tree(tmp_path / "data")

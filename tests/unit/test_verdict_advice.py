@@ -1,4 +1,4 @@
-"""The verdict's producer advice agrees with its own figures (issue 25 item 5: "producers at budget (4/3, busy 82%):
+"""The verdict's producer advice agrees with its own figures ("producers at budget (4/3, busy 82%):
 give them more cores (--max-producers)" where 3 was a limit the autoscaler set after an unpaid fork, the ceiling
 was 6 and the live line said 3/3)."""
 
@@ -55,7 +55,7 @@ def _verdict(**figures) -> str:
 
 
 def test_producers_idle_but_not_for_want_of_a_slot_are_not_told_to_raise_the_slots():
-    # Issue 23's latency workload under auto (measured): the producers forked to 16 spent their first seconds
+    # The latency workload under auto (measured): the producers forked to 16 spent their first seconds
     # importing, so counted from their fork they were busy 69%, and the verdict said "raise --slots-per-consumer"
     # though no batch waited for a slot while a consumer waited. Once started they waited on reads (96% of their
     # busy time).
@@ -68,7 +68,7 @@ def test_producers_idle_but_not_for_want_of_a_slot_are_not_told_to_raise_the_slo
 
 
 def test_idle_producers_are_not_told_to_get_more_cores():
-    # A run's figures (issue 23, the latency workload with 16 producers at 4 slots): consumers waited 16% of the
+    # A run's figures (the latency workload with 16 producers at 4 slots): consumers waited 16% of the
     # time while the 16 producers were busy 19%: cores were not what they lacked.
     text = _verdict(compute=0.84, input_wait=0.16, producers=16, producer_budget=16, producer_utilization=0.19)
     assert "input-bound" in text and "more cores" not in text and "idle 81%" in text, text
