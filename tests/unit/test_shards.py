@@ -180,7 +180,7 @@ def test_a_changed_shard_is_read_again_alone(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cache" / "shards").iterdir()} == files
 
 
-# ---- issue 24: crafted headers, strict labels, repeated keys, stamps that see a replaced shard, messages -------
+# ---- crafted headers, strict labels, repeated keys, stamps that see a replaced shard, messages -------
 
 INDEX_ONE_SHARD = """
 import resource, sys
