@@ -21,7 +21,8 @@ import numpy as np
 
 from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
-from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling, plain_need
+from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.gauges import EventLog, ProducerGauges
 from stoker.pipeline.parts import Assembler, parts_per_batch
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
 from stoker.pipeline.producer import Part, PartDone, ProducerFailed, ProducerSetup, SampleSource
@@ -39,12 +40,6 @@ class Accounting(Protocol):
     def expect(self, epoch: int, sample_ids: np.ndarray) -> None: ...
 
     def record_skipped(self, epoch: int | None, skipped: dict[int, Skipped]) -> None: ...
-
-
-class EventLog(Protocol):
-    """Where events go (`observe.metrics.MetricsLog` is one)."""
-
-    def write(self, event: str, **fields: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -80,58 +75,67 @@ def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_statu
     check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status, val_image_size).nbytes)
 
 
-class Engine:
-    """Creates the ring and starts `counts.initial` producers, each holding at most `max_in_flight` parts. Batches
-    are split into parts for `MAX_IN_FLIGHT` places per producer of the budget (`parts.py`); a deeper queue lets a
-    producer hold more of them, as far as the ring's free slots allow."""
+@dataclass(frozen=True)
+class Build:
+    """What the engine builds: the samples, how they are augmented and into what ring, and how a producer's
+    trouble is judged."""
 
-    def __init__(self, train: SampleSource, val: SampleSource | None, augment: Any, seed: int, num_slots: int,
-                 batch_size: int, image_size: int, counts: ProducerCounts, hang_timeout_s: float,
-                 max_bad_fraction: float, mailbox: Mailbox, stop: Any, accounting: Accounting,
-                 events: EventLog, val_image_size: int | None = None, max_in_flight: int = MAX_IN_FLIGHT) -> None:
-        self.num_slots = num_slots
+    train: SampleSource
+    val: SampleSource | None
+    augment: Any
+    seed: int
+    batch_size: int
+    image_size: int
+    num_slots: int
+    producer_timeout_s: float
+    max_bad_fraction: float
+    val_image_size: int | None = None
+    max_in_flight: int = MAX_IN_FLIGHT  # parts a producer may hold
+
+    @property
+    def total_files(self) -> int:
+        return len(self.train.paths) + (len(self.val.paths) if self.val is not None else 0)
+
+
+class Engine:
+    """Creates the ring and starts `counts.initial` producers, each holding at most `build.max_in_flight` parts.
+    Batches are split into parts for `MAX_IN_FLIGHT` places per producer of the budget (`parts.py`); a deeper queue
+    lets a producer hold more of them, as far as the ring's free slots allow. The producers' figures are kept in
+    `gauges` (`gauges.py`); the engine routes work."""
+
+    def __init__(self, build: Build, counts: ProducerCounts, mailbox: Mailbox, stop: Any, accounting: Accounting,
+                 events: EventLog) -> None:
+        self.build = build
+        self.num_slots = build.num_slots
         self.budget = budget = counts.budget
         self.autoscaler = counts.autoscaler()
-        self.max_bad_fraction = max_bad_fraction
-        self.total_files = len(train.paths) + (len(val.paths) if val is not None else 0)
         self.accounting = accounting
         self.events = events
-        self.started = time.monotonic()
+        self.gauges = ProducerGauges(budget, events)
         self.scheduler: Scheduler | None = None
         self.parts: dict[int, Part] = {}  # part id -> the part it builds, given to a producer and not yet done
         self.pending_parts: deque[Part] = deque()  # parts of issued batches waiting for a free producer
         self.part_ids = iter(range(1 << 62))
         self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
-        self.timeline: list[dict[str, Any]] = []
-        self.producer_busy = (0.0, 0.0)  # (busy producer-seconds per producer, seconds): utilization over the run
-        self.producer_reading = (0.0, 0.0)  # (producer-seconds reading files, busy producer-seconds) over the run
-        self.window_read_share = 0.0
-        # Producer-seconds per producer spent idle while a batch waited for a free slot (from training on): the
-        # verdict's evidence that the slots, not the producers, are the limit.
-        self.slot_bound_s = 0.0
-        self._slot_bound: tuple[float, float] | None = None  # (since, the share of producers idle then)
-        self.last_window = (0.0, 0.0, 0.0, 0.0)  # the latest window's (busy, seconds, reading, busy producer-s)
-        self.training = False  # a window with training steps has been seen: run totals count from then on
-        # How fast auto answers: when a window first showed a plain need, and when the first fork came.
-        self.plain_need_s: float | None = None
-        self.first_fork_s: float | None = None
         self.pool: ProducerPool | None = None
         self.closed = False
         sweep_dead_segments()
-        self.ring = SlotRing.create(num_slots, batch_size, image_size, budget, val_image_size)
-        self.assembler = Assembler(self.ring, parts_per_batch(batch_size, num_slots, budget, MAX_IN_FLIGHT))
+        self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size)
+        self.assembler = Assembler(self.ring, parts_per_batch(build.batch_size, build.num_slots, budget,
+                                                              MAX_IN_FLIGHT))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
-            setup = ProducerSetup(self.ring.spec, train, val, augment, seed)
-            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget, hang_timeout_s, max_in_flight)
+            setup = ProducerSetup(self.ring.spec, build.train, build.val, build.augment, build.seed)
+            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget, build.producer_timeout_s,
+                                     build.max_in_flight)
             for _ in range(counts.initial):
                 self.pool.grow()
         except BaseException:
             self.close()
             raise
-        self.producers_initial = counts.initial
-        self.record_producers("start")
+        self.gauges.producers_initial = counts.initial
+        self.gauges.record_producers("start", self.num_active)
 
     def follow(self, scheduler: Scheduler) -> None:
         """Build what `scheduler` orders from now on, in a ring whose slots are all free again: batches of an
@@ -164,7 +168,7 @@ class Engine:
                     self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
                 self.pending_parts.extend(self.assembler.split(issued))
             self._assign(self.pending_parts.popleft())
-        self._note_slot_bound(idle_for_a_slot)
+        self.gauges.note_slot_bound(idle_for_a_slot)
 
     def _idle_for_a_slot(self) -> float:
         """After the scheduler found nothing to issue: the share of producers idle while a consumer has no batch
@@ -174,16 +178,6 @@ class Engine:
         if not self.delivered or min(self.delivered) > 0 or not self.scheduler.waits_for_slot():
             return 0.0
         return self.pool.idle_share()
-
-    def _note_slot_bound(self, idle_share: float) -> None:
-        """The state holds until the next dispatch: under the controller a finished part or a taken batch, each
-        followed by one, changes it; the Loader dispatches in `next()`, so between its calls the state is the one
-        seen when the user's step began (an underestimate: producers that finish meanwhile idle uncounted)."""
-        now = time.monotonic()
-        if self._slot_bound is not None and self.training:
-            since, share = self._slot_bound
-            self.slot_bound_s += (now - since) * share
-        self._slot_bound = (now, idle_share) if idle_share > 0 else None
 
     def _assign(self, part: Part) -> None:
         assert self.pool is not None
@@ -241,10 +235,10 @@ class Engine:
             self.scheduler.complete(issued)
 
     def _check_bad_fraction(self) -> None:
-        bad = len(self.accounting.skipped)
-        if bad > self.max_bad_fraction * self.total_files:
-            raise StokerRunError(f"{bad} of {self.total_files} files are unusable so far, more than "
-                                 f"max_bad_fraction={self.max_bad_fraction}; each is named in the log, and in "
+        bad, total, most = len(self.accounting.skipped), self.build.total_files, self.build.max_bad_fraction
+        if bad > most * total:
+            raise StokerRunError(f"{bad} of {total} files are unusable so far, more than "
+                                 f"max_bad_fraction={most}; each is named in the log, and in "
                                  "skipped_files (the run's summary.json, a Loader's summary())")
 
     def check_producers(self) -> None:
@@ -263,45 +257,26 @@ class Engine:
     # ---- scaling ------------------------------------------------------------------------------------------------
 
     def take_utilization(self, elapsed_s: float) -> float:
-        """Producers' busy share over the window that ends now (a part counts in the window it ends in); the share
-        of their busy time spent reading files is kept for the window's measurement and the verdict."""
+        """Producers' busy share over the window that ends now (a part counts in the window it ends in)."""
         assert self.pool is not None
-        utilization, busy_s, read_s = self.pool.take_utilization(elapsed_s)
-        utilization = min(1.0, utilization)
-        self.last_window = (utilization * elapsed_s, elapsed_s, read_s, busy_s)
-        self.window_read_share = min(1.0, read_s / busy_s) if busy_s > 0 else 0.0
-        if self.training:
-            self._count_window()
-        return utilization
-
-    def _count_window(self) -> None:
-        """Run totals from the first window in which consumers trained on: the verdict sets them beside the
-        consumers' wait after their first batch (before it, producers idle on a full ring while consumers start)."""
-        busy, seconds, read_s, busy_s = self.last_window
-        self.last_window = (0.0, 0.0, 0.0, 0.0)
-        self.producer_busy = (self.producer_busy[0] + busy, self.producer_busy[1] + seconds)
-        self.producer_reading = (self.producer_reading[0] + read_s, self.producer_reading[1] + busy_s)
+        return self.gauges.take_window(elapsed_s, *self.pool.take_utilization(elapsed_s))
 
     def autoscale(self, window: Window) -> None:
         """Let the autoscaler decide on the window's measurement (completed here with what only the engine knows:
         its clock, the producers still starting, the share of their time spent reading), and carry it out. Called
         for windows in which consumers trained."""
         assert self.pool is not None
-        if not self.training:
-            self.training = True
-            self._count_window()
+        gauges = self.gauges
+        gauges.training_began()
         if self.autoscaler is None:
             return
         ended_s = time.monotonic() if window.ended_s is None else window.ended_s
-        window = replace(window, ended_s=ended_s, starting=self.pool.starting(), read_share=self.window_read_share,
+        window = replace(window, ended_s=ended_s, starting=self.pool.starting(), read_share=gauges.window_read_share,
                          working_since=self.pool.all_working_since())
         decision = self.autoscaler.decide(window)
-        if self.plain_need_s is None and plain_need(window):
-            self.plain_need_s = round(ended_s - self.started, 3)
-        if self.first_fork_s is None and decision.change > 0:
-            self.first_fork_s = round(ended_s - self.started, 3)
+        gauges.note_decision(window, decision.change, ended_s)
         self.events.write("autoscale", change=decision.change, reason=decision.reason,
-                          t_decided=round(ended_s - self.started, 3), **decision.measurement)
+                          t_decided=gauges.since_start(ended_s), **decision.measurement)
         if decision.change > 0:
             spawning = time.monotonic()
             started = sum(self.pool.grow() is not None for _ in range(decision.change))
@@ -314,14 +289,7 @@ class Engine:
         for _ in range(-decision.change):
             self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
-            self.record_producers(decision.reason, decision.measurement)
-
-    def record_producers(self, reason: str, measurement: dict[str, Any] | None = None) -> None:
-        count = self.num_active
-        behind = {"measurement": measurement} if measurement else {}
-        self.timeline.append({"t": round(time.monotonic() - self.started, 3), "producers": count, "reason": reason,
-                              **behind})
-        self.events.write("producers", count=count, reason=reason, **behind)
+            gauges.record_producers(decision.reason, self.num_active, decision.measurement)
 
     @property
     def num_active(self) -> int:
@@ -335,27 +303,9 @@ class Engine:
         """The count the producers are held to now: fixed, the ceiling, or the most that paid."""
         return self.autoscaler.limit if self.autoscaler is not None else self.budget
 
-    def producer_utilization(self) -> float:
-        busy, seconds = self.producer_busy
-        return busy / seconds if seconds else 0.0
-
-    def producer_read_share(self) -> float:
-        """Of the producers' busy time over the run, the share spent reading files (storage, not the CPU)."""
-        read, busy = self.producer_reading
-        return min(1.0, read / busy) if busy else 0.0
-
     def verdict_fields(self) -> dict[str, Any]:
-        """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers: the
-        count of now against the limit of now, how busy they were and what kept them busy."""
-        return {"producers": self.timeline[-1]["producers"] if self.timeline else 0,
-                "producer_budget": self.producer_limit(), "producer_utilization": self.producer_utilization(),
-                "producer_ceiling": self.budget, "producer_read_share": self.producer_read_share(),
-                "producer_slot_bound": self.producer_slot_bound()}
-
-    def producer_slot_bound(self) -> float:
-        """The share of the producers' time (from training on) spent idle while a batch waited for a free slot."""
-        seconds = self.producer_busy[1]
-        return min(1.0, self.slot_bound_s / seconds) if seconds else 0.0
+        """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers."""
+        return self.gauges.verdict_fields(self.producer_limit())
 
     # ---- the end ------------------------------------------------------------------------------------------------
 
@@ -375,11 +325,5 @@ class Engine:
 
 def producer_fields(engine: Engine | None) -> dict[str, Any]:
     """The summary's producer counts (all zero when the run stopped before the engine started), and how fast auto
-    answered a plain need: seconds into the run of the first window that showed one and of the first fork."""
-    timeline = engine.timeline if engine is not None else []
-    return {"producers_initial": engine.producers_initial if engine is not None else 0,
-            "producers_final": timeline[-1]["producers"] if timeline else 0,
-            "producers_max": engine.max_alive if engine is not None else 0,
-            "producers_timeline": timeline,
-            "autoscale_plain_need_s": engine.plain_need_s if engine is not None else None,
-            "autoscale_first_fork_s": engine.first_fork_s if engine is not None else None}
+    answered a plain need."""
+    return engine.gauges.summary_fields(engine.max_alive) if engine is not None else ProducerGauges.no_fields()

@@ -20,9 +20,7 @@ from stoker.common.files import write_json
 from stoker.common.procs import (
     CONTEXT,
     POLL_S,
-    Mailbox,
     StokerRunError,
-    check_memory_for_producers,
     describe_exit,
     name_process,
     start,
@@ -33,19 +31,19 @@ from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
-from stoker.pipeline.autoscale import StepStamp, Window, static_budget
-from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space
+from stoker.pipeline.autoscale import StepStamp, static_budget
+from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver
+from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import check_hang_timeout
 from stoker.pipeline.scheduler import Scheduler
-from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.checkpoints import Checkpoints
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
-from stoker.run.outcome import run_summary
+from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
 from stoker.training.groups import check_head_multiplier
@@ -58,7 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SCALE_WINDOW_S = 1.0
 
 
 class Controller:
@@ -85,9 +82,6 @@ class Controller:
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
                                                    available_cores())
-        check_ring_space(self.num_slots, config.batch_size, self.image_size, self.counts.budget, self.val_image_size)
-        check_memory_for_producers(self.counts.initial, "producers" if config.producers != "auto"
-                                   else "initial_producers (or min_producers)")
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         if self.val_image_size != self.image_size:
@@ -146,15 +140,20 @@ class Controller:
         return {"train": len(self.data.train), "val": len(self.data.val or ())}
 
     def _reset_state(self) -> None:
-        self._engine: Engine | None = None  # ring, producers, the order of work, autoscaling
+        config = self.config
+        build = Build(self.data.train, self.data.val, config.augment, config.seed, config.batch_size,
+                      self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
+                      self.val_image_size)
+        # Ring, producers, the order of work, autoscaling; started with the run.
+        self.driver = EngineDriver(build, self.counts, "producers" if config.producers != "auto"
+                                   else "initial_producers (or min_producers)")
         self.consumers: list = []
         self.ready_queues: list = []
         self.store: dist.Store | None = None
         self.local_store: LocalStore | None = None
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
-        name_semaphores_for_sweeping()  # before the first one: a kill -9 of the group leaves them otherwise
-        self.stop = CONTEXT.Event()
-        self.mailbox = Mailbox()
+        self.stop = self.driver.stop
+        self.mailbox = self.driver.mailbox
         self.witness = FailureWitness(self.consumers, self.mailbox, self.config.collective_timeout_s)
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
@@ -245,16 +244,11 @@ class Controller:
         # First: children started after it write their warnings above the live panel, not through it.
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
-        sweep_dead_semaphores()
         sweep_dead_stores()
         config = self.config
-        self._engine = Engine(self.data.train, self.data.val, config.augment, config.seed, self.num_slots,
-                              config.batch_size, self.image_size, self.counts, config.producer_timeout_s,
-                              config.max_bad_fraction, self.mailbox, self.stop, self.stats, self.metrics,
-                              val_image_size=self.val_image_size)
         self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.num_slots, self.data.val is not None,
                                    config.checkpoint_every, self.run_dir, self.cluster.first_rank, self.num_consumers)
-        self.engine.follow(self.scheduler)
+        self.driver.start(self.stats, self.metrics, self.scheduler)
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
         self.metrics.write("start", devices=self.devices, producers=self.counts.initial, config=config.as_json(),
@@ -295,8 +289,9 @@ class Controller:
             self._follow_interrupts()
             self.engine.dispatch()
             self._deliver(window)
-            self._handle_messages(window)
-            self._check_processes()
+            for message in self.driver.pump(POLL_S):  # the producers' go to the engine
+                self._handle(message, window)
+            self._check_consumers()
             self.checkpoints.record_commits(self.metrics)
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
                 self._close_window(window, time.monotonic() - window_started)
@@ -348,10 +343,6 @@ class Controller:
         for ready in self.ready_queues:
             ready.put(Finish(self.run_dir / "model.pt"))
 
-    def _handle_messages(self, window: WindowTotals) -> None:
-        for message in self.mailbox.receive(timeout_s=POLL_S):
-            self._handle(message, window)
-
     def _handle(self, message: Any, window: WindowTotals) -> None:
         now = time.monotonic()
         if isinstance(message, SlotFree):
@@ -383,8 +374,6 @@ class Controller:
             if not causes and self.cluster.multi:
                 causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
             raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
-        else:
-            self.engine.handle(message)  # a producer's
 
     def _compare_replicas(self, report: StepReport) -> None:
         identical = self.stats.record_digest(report)
@@ -393,7 +382,7 @@ class Controller:
             if not identical:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
 
-    def _check_processes(self) -> None:
+    def _check_consumers(self) -> None:
         for rank, process in enumerate(self.consumers):
             if not process.is_alive() and rank not in self.finished:
                 self._read_last_messages(rank)
@@ -401,39 +390,32 @@ class Controller:
                     continue
                 self.witness.log_reported_failures()
                 raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
-        self.engine.check_producers()
 
     def _read_last_messages(self, rank: int) -> None:
         """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
-        while rank not in self.finished and (messages := self.mailbox.receive(timeout_s=POLL_S)):
+        while rank not in self.finished and (messages := self.driver.pump(POLL_S)):
             for message in messages:
                 self._handle(message, WindowTotals())
 
     def _close_window(self, window: WindowTotals, elapsed_s: float) -> None:
         """Every SCALE_WINDOW_S: record the pipeline's state and let the autoscaler decide."""
         consumer_time = max(1e-9, elapsed_s * self.num_consumers)
-        utilization = self.engine.take_utilization(elapsed_s)
         queue_fill = window.queue_fill / max(1, window.queue_samples)
         self.last_queue_fill = queue_fill
         parts = (window.compute_s, window.wait_s, window.averaging_s, consumer_time)
         compute, wait, averaging = time_shares(*parts, host_s=window.host_s)
-        self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=self.engine.num_active,
-                               producer_budget=self.engine.producer_limit(), producer_utilization=utilization,
-                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging,
-                               host=host_share(*parts, window.host_s))
-        self.metrics.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2),
-                           queue_fill=round(queue_fill, 4), producers=self.split.producers,
-                           producer_utilization=round(utilization, 4), compute=round(self.split.compute, 4),
-                           input_wait=round(self.split.input_wait, 4), averaging=round(self.split.averaging, 4),
-                           host=round(self.split.host, 4))
-        if window.steps == 0 or self.finishing:
-            return
+        host = host_share(*parts, window.host_s)
+        producers = self.engine.num_active
         n = self.num_consumers  # a rate of all consumers: their mean time in steps, as train_s
-        self.engine.autoscale(Window(
-            stall=self.split.input_wait, queue_fill=queue_fill, utilization=utilization,
-            producers=self.split.producers, samples=window.samples, steps=window.steps,
+        utilization = self.driver.close_window(
+            elapsed_s, window.samples, window.steps, queue_fill, wait,
             train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / n,
-            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n) for s in window.stamps)))
+            shares={"compute": compute, "input_wait": wait, "averaging": averaging, "host": host},
+            decide=not self.finishing,
+            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n) for s in window.stamps))
+        self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=producers,
+                               producer_budget=self.engine.producer_limit(), producer_utilization=utilization,
+                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
@@ -448,8 +430,7 @@ class Controller:
 
     @property
     def engine(self) -> Engine:
-        assert self._engine is not None, "the engine starts with the run"
-        return self._engine
+        return self.driver.engine
 
     def _show(self, final: bool = False) -> None:
         if not (final or self.view.due()):
@@ -464,7 +445,8 @@ class Controller:
             loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,
-            producer_budget=self.engine.producer_limit(), producer_utilization=self.engine.producer_utilization(),
+            producer_budget=self.engine.producer_limit(),
+            producer_utilization=self.engine.gauges.producer_utilization(),
             verdict=self.run_verdict().text,
             host=tuple(self.stats.host_fractions())))
 
@@ -477,17 +459,13 @@ class Controller:
         self.closed = True
         if hasattr(self, "view"):
             self.view.close()
-        self.stop.set()
-        if self._engine is not None:
-            self._engine.stop_producers()
+        self.driver.stop_producers()
         stop_processes(self.consumers, timeout_s=10.0)
         stop_processes(CONTEXT.active_children(), timeout_s=5.0)  # one a signal caught between start and record
         for channel in self.ready_queues:
             channel.cancel_join_thread()
             channel.close()
-        self.mailbox.close()
-        if self._engine is not None:
-            self._engine.close()
+        self.driver.close()
         self.checkpoints.close(self.metrics)
         checkpoint.discard_incomplete(self.run_dir)
         if self.local_store is not None:
@@ -495,4 +473,13 @@ class Controller:
         self.agreement = self.store = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
-        return run_summary(self, status, error)
+        classes = list(self.data.train.classes)
+        return run_summary(RunFacts(
+            stats=self.stats, ledger=self.ledger, val_reports=self.val_reports, final_digests=self.final_digests,
+            gpu_memory=[self.finished[rank].memory for rank in sorted(self.finished)], world=self.cluster.world,
+            machines=self.cluster.nodes, devices=self.devices,
+            producers=producer_fields(self.driver.engine if self.driver.started else None),
+            samples_expected=self.plan.samples_per_epoch, verdict=self.run_verdict().as_json(),
+            checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
+            image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
+            started=self.started), status, error)

@@ -3,18 +3,43 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stoker.observe.evaluation import val_summary
-from stoker.pipeline.engine import producer_fields
+from stoker.observe.metrics import RunStats
+from stoker.observe.summary import Ledger
+from stoker.pipeline.messages import ValReport
 from stoker.training.model_file import BEST_MODEL_FILE, ModelFileError, read_model
 
-if TYPE_CHECKING:
-    from stoker.run.controller import Controller
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the summary is made of, as the controller holds it at the end."""
+
+    stats: RunStats
+    ledger: Ledger  # the parts of the run before this one
+    val_reports: list[ValReport]
+    final_digests: dict[int, str]  # global rank -> the replica's hash at the end
+    gpu_memory: list[dict[str, int]]  # per local consumer that finished
+    world: int
+    machines: int
+    devices: list[str]
+    producers: dict[str, Any]  # `pipeline.engine.producer_fields`
+    samples_expected: int
+    verdict: dict[str, Any]
+    checkpoint: Path | None
+    run_dir: Path
+    classes: list[str]
+    ema: bool
+    image_size: int
+    val_image_size: int
+    start_step: int
+    started: float  # time.monotonic() at the start
 
 
-def run_summary(run: Controller, status: str, error: str | None) -> dict[str, Any]:
+def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]:
     last_epoch = max(run.stats.epochs, default=None)
     last_val = run.val_reports[-1] if run.val_reports else None
     digests = run.final_digests
@@ -23,12 +48,12 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         **({"error": error} if error else {}),
         "epochs": len(run.stats.completed_epochs),
         "steps": run.stats.consumers[0].steps,
-        "num_consumers": run.cluster.world,
-        "machines": run.cluster.nodes,
+        "num_consumers": run.world,
+        "machines": run.machines,
         "devices": run.devices,
-        "gpu_memory": [run.finished[rank].memory for rank in sorted(run.finished)],
-        **producer_fields(run._engine),
-        "samples_expected": run.plan.samples_per_epoch,
+        "gpu_memory": run.gpu_memory,
+        **run.producers,
+        "samples_expected": run.samples_expected,
         "samples_consumed": [a.consumed() for _, a in sorted(run.stats.epochs.items())],
         **run.stats.accounting(),
         "epoch_accounting": run.stats.epoch_accounting(),
@@ -37,26 +62,26 @@ def run_summary(run: Controller, status: str, error: str | None) -> dict[str, An
         "averaging_fraction": run.stats.averaging_fractions(),
         "compute_fraction": run.stats.compute_fractions(),
         "host_fraction": run.stats.host_fractions(),
-        "verdict": run.run_verdict().as_json(),
+        "verdict": run.verdict,
         "throughput_samples_per_s": round(run.stats.throughput(), 2),
         "val_accuracy": last_val.accuracy if last_val else None,
         "val_loss": last_val.loss if last_val else None,
         "train_loss": run.stats.train_loss(last_epoch) if last_epoch is not None else None,
-        "replicas_identical": bool(digests) and len(digests) == run.cluster.world
+        "replicas_identical": bool(digests) and len(digests) == run.world
                               and run.stats.replicas_identical(digests),
         "replica_mismatch_steps": run.stats.mismatched_steps(),
-        "checkpoint": str(run.checkpoints.last) if run.checkpoints.last else None,
+        "checkpoint": str(run.checkpoint) if run.checkpoint else None,
         "model": str(run.run_dir / "model.pt") if status == "completed" else None,
         **best_model_fields(run.run_dir / BEST_MODEL_FILE),
-        **val_summary(last_val, list(run.data.train.classes)),
-        "model_ema": str(run.run_dir / "model_ema.pt") if status == "completed" and run.config.ema else None,
-        "classes": list(run.data.train.classes),
+        **val_summary(last_val, run.classes),
+        "model_ema": str(run.run_dir / "model_ema.pt") if status == "completed" and run.ema else None,
+        "classes": run.classes,
         "image_size": run.image_size,
         "val_image_size": run.val_image_size,
-        "start_step": run.start_at.global_step,
+        "start_step": run.start_step,
         "wall_s": round(time.monotonic() - run.started, 3),
     }
-    return run.ledger.whole_run(summary, run.stats, run.start_at.global_step)
+    return run.ledger.whole_run(summary, run.stats, run.start_step)
 
 
 def best_model_fields(path: Path) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from stoker.common.config import (
     setting_names,
 )
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT, POLL_S, Mailbox, StokerRunError, check_memory_for_producers
+from stoker.common.procs import POLL_S, StokerRunError
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
@@ -47,20 +47,19 @@ from stoker.data.sources import load_source, log_refused
 from stoker.data.user_dataset import DatasetSource, check_dataset, unpack_item
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
-from stoker.pipeline.autoscale import Window, static_budget
-from stoker.pipeline.engine import Engine, ProducerCounts, check_ring_space, producer_fields
+from stoker.pipeline.autoscale import static_budget
+from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver
+from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.parts import parts_per_batch
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import MAX_IN_FLIGHT
 from stoker.pipeline.scheduler import Scheduler
-from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
 from stoker.training.feed import DeviceLoader
 from stoker.training.streams import ops_for
 
 log = logging.getLogger(__name__)
 
-SCALE_WINDOW_S = 1.0  # as the controller's
 MIN_SLOTS = 4  # the trainer's slots_per_consumer
 # Whole batches each producer may hold. The Loader reads completions and hands out work only inside next(): while the
 # user's loop trains or waits in DDP's all_reduce, a producer holding one batch (the engine's MAX_IN_FLIGHT parts)
@@ -320,22 +319,20 @@ class Loader:
                                               static_budget(trains_on, cores), cores)
         self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
         parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)  # as the engine splits
-        check_ring_space(self.num_slots, self.batch_size, self.image_size, counts.budget)
-        check_memory_for_producers(counts.initial)
-        name_semaphores_for_sweeping()  # before the first one: what a kill -9 of the user's process leaves is swept
-        sweep_dead_semaphores()
-        self.stop = CONTEXT.Event()
-        self.mailbox = Mailbox()
+        augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
+        build = Build(self.source, None, augment, self.seed, self.batch_size, self.image_size, self.num_slots,
+                      self.producer_timeout_s, self.max_bad_fraction, max_in_flight=QUEUED_BATCHES * parts)
+        self.driver = EngineDriver(build, counts)  # the ring's and the producers' room checked
         self.events = _Events(self.metrics_file)
         self.stats.steps_per_epoch, self.stats.first_rank = self.plan.steps_per_epoch, rank
-        augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
         self._books = _LookaheadBooks(self.stats)
-        self._engine = Engine(self.source, None, augment, self.seed, self.num_slots, self.batch_size,
-                              self.image_size, counts, self.producer_timeout_s, self.max_bad_fraction, self.mailbox,
-                              self.stop, self._books, self.events, max_in_flight=QUEUED_BATCHES * parts)
+        try:
+            self._engine = self.driver.start(self._books, self.events)
+        except BaseException:
+            _shut_down(self.driver, self.events, os.getpid())
+            raise
         # With the loader, at garbage collection, or at the interpreter's exit; never after a fork's copy of it.
-        self._finalizer = weakref.finalize(self, _shut_down, self._engine, self.stop, self.mailbox, self.events,
-                                           os.getpid())
+        self._finalizer = weakref.finalize(self, _shut_down, self.driver, self.events, os.getpid())
         self._pin = torch.cuda.is_available()
         self._first_batch = True
         try:
@@ -434,10 +431,7 @@ class Loader:
     def _pump(self, timeout_s: float) -> None:
         """Producers' reports in, dead producers replaced, new work out, finished batches collected in order."""
         engine = self._require_engine()
-        for message in self.mailbox.receive(timeout_s):
-            engine.handle(message)
-        engine.check_producers()
-        engine.dispatch()
+        self.driver.pump(timeout_s)  # a Loader's mailbox holds only the producers' messages
         for _, message in engine.deliverable():
             if isinstance(message, Batch):
                 self._ready.append(message)
@@ -477,9 +471,7 @@ class Loader:
             if time.monotonic() > deadline:
                 raise StokerRunError(f"{engine.building} batch(es) were still being built after "
                                      f"{3 * self.producer_timeout_s:.0f} s")
-            for message in self.mailbox.receive(POLL_S):
-                engine.handle(message)
-            engine.check_producers()
+            self.driver.pump(POLL_S, dispatch=False)  # no new work for the scheduler being left
 
     def _require_engine(self) -> Engine:
         if self._engine is None or self.closed:
@@ -521,25 +513,15 @@ class Loader:
             self._window = _Window(now)
 
     def _close_window(self, window: _Window, elapsed_s: float) -> None:
-        engine = self._require_engine()
-        utilization = engine.take_utilization(elapsed_s)
-        stall = min(1.0, window.wait_s / elapsed_s)
-        fill = window.fill / max(1, window.steps)
-        self.events.write("pipeline", samples_per_s=round(window.samples / elapsed_s, 2), queue_fill=round(fill, 4),
-                          producers=engine.num_active, producer_utilization=round(utilization, 4),
-                          input_wait=round(stall, 4))
-        engine.autoscale(Window(stall=stall, queue_fill=fill, utilization=utilization, producers=engine.num_active,
-                                samples=window.samples, steps=window.steps, train_s=elapsed_s))
+        self.driver.close_window(elapsed_s, window.samples, window.steps, window.fill / max(1, window.steps),
+                                 min(1.0, window.wait_s / elapsed_s), train_s=elapsed_s)
 
 
-
-def _shut_down(engine: Engine, stop: Any, mailbox: Mailbox, events: _Events, owner_pid: int) -> None:
+def _shut_down(driver: EngineDriver, events: _Events, owner_pid: int) -> None:
     """Stop event, producers joined (or killed), then the ring unlinked; in the process that started them only."""
     if os.getpid() != owner_pid:
         return
-    stop.set()
-    engine.close()
-    mailbox.close()
+    driver.close()
     events.close()
 
 

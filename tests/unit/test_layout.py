@@ -94,3 +94,28 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from stoker.run.controller import Controller\nimport stoker.common.files\n")
     assert _stoker_imports(module) == [(1, "run"), (1, "run"), (2, "common")]
+
+
+def test_the_engine_and_the_loader_take_at_most_eight_parameters():
+    import inspect
+
+    from stoker.pipeline.engine import Engine
+    from stoker.use.loader import Loader
+
+    for cls in (Engine, Loader):
+        parameters = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        assert len(parameters) <= 8, (cls.__name__, parameters)
+
+
+def test_no_module_imports_one_that_imports_it():
+    """Module-level and TYPE_CHECKING imports between stoker's modules form no cycle."""
+    modules = {".".join(m.relative_to(PACKAGE.parent).with_suffix("").parts): m for m in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("stoker."):
+                targets |= {t for t in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if t in modules}
+        graph[name] = targets - {name}
+    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if a in graph.get(b, ()) and a < b)
+    assert cycles == []

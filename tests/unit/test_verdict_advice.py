@@ -8,6 +8,7 @@ import numpy as np
 
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.pipeline.autoscale import Autoscaler
+from stoker.pipeline.gauges import ProducerGauges
 from stoker.pipeline.messages import StepReport
 
 
@@ -38,11 +39,11 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
     engine.budget, engine.pool = 6, None
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
-    engine.timeline = [{"producers": n} for n in (1, 2, 3, 4, 3)]
-    engine.producer_busy = (8.2, 10.0)
-    engine.producer_reading = (0.1, 8.2)  # decoding, not reading, kept them busy
-    engine.slot_bound_s = 0.0
-    controller._engine = engine
+    engine.gauges = gauges = ProducerGauges(6, events=None)
+    gauges.timeline = [{"producers": n} for n in (1, 2, 3, 4, 3)]
+    gauges.producer_busy = (8.2, 10.0)
+    gauges.producer_reading = (0.1, 8.2)  # decoding, not reading, kept them busy
+    controller.driver._engine = engine
     for step, now in enumerate((1.0, 2.0, 3.0)):  # half of every step spent waiting for input
         controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
     text = controller.run_verdict().text
@@ -100,12 +101,13 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     from stoker.use.loader import Loader
 
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool, engine.producers_initial = 6, None, 1
-    engine.plain_need_s = engine.first_fork_s = None
+    engine.budget, engine.pool = 6, None
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
-    engine.timeline = [{"producers": n} for n in (1, 2)]
-    engine.producer_busy, engine.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
-    engine.slot_bound_s = 6.0  # ... while batches waited for a free slot
+    engine.gauges = gauges = ProducerGauges(6, events=None)
+    gauges.producers_initial = 1
+    gauges.timeline = [{"producers": n} for n in (1, 2)]
+    gauges.producer_busy, gauges.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
+    gauges.slot_bound_s = 6.0  # ... while batches waited for a free slot
     loader = Loader.__new__(Loader)
     loader.stats, loader._engine, loader.info = RunStats(1, 100, 0), engine, None
     for step, now in enumerate((1.0, 2.0, 3.0)):

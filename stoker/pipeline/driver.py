@@ -1,0 +1,101 @@
+"""The one way to drive the engine: start it, pump it, close a scaling window, stop it.
+
+`stoker train`'s controller and `stoker.Loader` both drive an engine through this; what differs between them is
+what they do with a batch once it is deliverable and where their step figures come from, not the engine's life.
+The controller's consumers report on the same mailbox as the producers: `pump` routes the producers' messages to
+the engine and hands the rest back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from stoker.common.procs import CONTEXT, Mailbox, check_memory_for_producers
+from stoker.pipeline.autoscale import StepStamp, Window
+from stoker.pipeline.engine import Accounting, Build, Engine, ProducerCounts, check_ring_space
+from stoker.pipeline.gauges import EventLog
+from stoker.pipeline.scheduler import Scheduler
+from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_semaphores
+
+SCALE_WINDOW_S = 1.0  # how often the pipeline is recorded and the autoscaler decides
+
+
+class EngineDriver:
+    """`EngineDriver(build, counts, ...)` checks that the ring and the producers fit (user errors, before any
+    process starts) and makes the stop event and the mailbox; `start` creates the ring and the producers."""
+
+    def __init__(self, build: Build, counts: ProducerCounts, memory_setting: str = "producers") -> None:
+        check_ring_space(build.num_slots, build.batch_size, build.image_size, counts.budget, build.val_image_size)
+        check_memory_for_producers(counts.initial, memory_setting)
+        self.build = build
+        self.counts = counts
+        name_semaphores_for_sweeping()  # before the first one: what a kill -9 of this process leaves is swept
+        sweep_dead_semaphores()
+        self.stop = CONTEXT.Event()
+        self.mailbox = Mailbox()
+        self._engine: Engine | None = None
+        self.closed = False
+
+    def start(self, accounting: Accounting, events: EventLog, scheduler: Scheduler | None = None) -> Engine:
+        """The ring and the producers; they build what `scheduler` orders (or what a later `follow` gives)."""
+        self._engine = Engine(self.build, self.counts, self.mailbox, self.stop, accounting, events)
+        if scheduler is not None:
+            self._engine.follow(scheduler)
+        return self._engine
+
+    @property
+    def engine(self) -> Engine:
+        assert self._engine is not None, "start() creates the engine"
+        return self._engine
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    def pump(self, timeout_s: float, dispatch: bool = True) -> list[Any]:
+        """Up to `timeout_s` for messages: the producers' go to the engine, the others are returned; then lost
+        producers are replaced and (with `dispatch`) new work handed out."""
+        engine = self.engine
+        own = [message for message in self.mailbox.receive(timeout_s) if not engine.handle(message)]
+        engine.check_producers()
+        if dispatch:
+            engine.dispatch()
+        return own
+
+    def deliverable(self) -> Iterator[tuple[int, Any]]:
+        return self.engine.deliverable()
+
+    def close_window(self, elapsed_s: float, samples: int, steps: int, queue_fill: float, input_wait: float,
+                     train_s: float, shares: dict[str, float] | None = None, decide: bool = True,
+                     stamps: tuple[StepStamp, ...] = ()) -> float:
+        """The window that ends now: a `pipeline` event (the samples' rate, the ready queue, the producers and
+        `shares` of the consumers' time, by default just the input wait), then the autoscaler's turn when
+        consumers trained in it and `decide`. Returns the producers' utilization over the window."""
+        engine = self.engine
+        utilization = engine.take_utilization(elapsed_s)
+        shares = {"input_wait": input_wait} if shares is None else shares
+        engine.events.write("pipeline", samples_per_s=round(samples / elapsed_s, 2), queue_fill=round(queue_fill, 4),
+                            producers=engine.num_active, producer_utilization=round(utilization, 4),
+                            **{name: round(share, 4) for name, share in shares.items()})
+        if steps and decide:
+            engine.autoscale(Window(stall=input_wait, queue_fill=queue_fill, utilization=utilization,
+                                    producers=engine.num_active, samples=samples, steps=steps, train_s=train_s,
+                                    stamps=stamps))
+        return utilization
+
+    def stop_producers(self) -> None:
+        """The stop event, then the producers joined (or killed); the ring stays until `close`."""
+        self.stop.set()
+        if self._engine is not None:
+            self._engine.stop_producers()
+
+    def close(self) -> None:
+        """Idempotent: producers stopped, the mailbox closed, then the ring unlinked."""
+        if self.closed:
+            return
+        self.closed = True
+        self.stop_producers()
+        self.mailbox.close()
+        if self._engine is not None:
+            self._engine.close()
