@@ -21,13 +21,18 @@ from stoker.pipeline.semaphores import name_semaphores_for_sweeping, sweep_dead_
 SCALE_WINDOW_S = 1.0  # how often the pipeline is recorded and the autoscaler decides
 
 
-class EngineDriver:
-    """`EngineDriver(build, counts, ...)` checks that the ring and the producers fit (user errors, before any
-    process starts) and makes the stop event and the mailbox; `start` creates the ring and the producers."""
+def check_room(build: Build, counts: ProducerCounts, memory_setting: str = "producers") -> None:
+    """That /dev/shm holds the ring and memory the first producers: user errors, raised before anything starts
+    (the controller checks before the machines of a run meet)."""
+    check_ring_space(build.num_slots, build.batch_size, build.image_size, counts.budget, build.val_image_size)
+    check_memory_for_producers(counts.initial, memory_setting)
 
-    def __init__(self, build: Build, counts: ProducerCounts, memory_setting: str = "producers") -> None:
-        check_ring_space(build.num_slots, build.batch_size, build.image_size, counts.budget, build.val_image_size)
-        check_memory_for_producers(counts.initial, memory_setting)
+
+class EngineDriver:
+    """`EngineDriver(build, counts)` makes the stop event and the mailbox (after `check_room`); `start` creates
+    the ring and the producers."""
+
+    def __init__(self, build: Build, counts: ProducerCounts) -> None:
         self.build = build
         self.counts = counts
         name_semaphores_for_sweeping()  # before the first one: what a kill -9 of this process leaves is swept

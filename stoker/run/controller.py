@@ -32,7 +32,7 @@ from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_shar
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
 from stoker.pipeline.autoscale import StepStamp, static_budget
-from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver
+from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
@@ -82,6 +82,11 @@ class Controller:
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
                                                    available_cores())
+        self.build = Build(self.data.train, self.data.val, config.augment, config.seed, config.batch_size,
+                           self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
+                           self.val_image_size)
+        check_room(self.build, self.counts, "producers" if config.producers != "auto"
+                   else "initial_producers (or min_producers)")
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)
         check_model(config.model, len(self.data.train.classes), self.image_size)
         if self.val_image_size != self.image_size:
@@ -140,13 +145,7 @@ class Controller:
         return {"train": len(self.data.train), "val": len(self.data.val or ())}
 
     def _reset_state(self) -> None:
-        config = self.config
-        build = Build(self.data.train, self.data.val, config.augment, config.seed, config.batch_size,
-                      self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
-                      self.val_image_size)
-        # Ring, producers, the order of work, autoscaling; started with the run.
-        self.driver = EngineDriver(build, self.counts, "producers" if config.producers != "auto"
-                                   else "initial_producers (or min_producers)")
+        self.driver = EngineDriver(self.build, self.counts)  # ring, producers, order of work; started with the run
         self.consumers: list = []
         self.ready_queues: list = []
         self.store: dist.Store | None = None
@@ -321,7 +320,7 @@ class Controller:
             self.scheduler.cut(row)
 
     def _deliver(self, window: WindowTotals) -> None:
-        for rank, message in self.engine.deliverable():
+        for rank, message in self.driver.deliverable():
             self.ready_queues[rank].put(message)
             if faults.armed() and getattr(message, "kind", None) == "val":
                 faults.maybe_inject("controller", f"val batch {message.step} of epoch {message.epoch} handed over")
@@ -405,7 +404,7 @@ class Controller:
         parts = (window.compute_s, window.wait_s, window.averaging_s, consumer_time)
         compute, wait, averaging = time_shares(*parts, host_s=window.host_s)
         host = host_share(*parts, window.host_s)
-        producers = self.engine.num_active
+        producers, limit = self.engine.num_active, self.engine.producer_limit()  # as the autoscaler found them
         n = self.num_consumers  # a rate of all consumers: their mean time in steps, as train_s
         utilization = self.driver.close_window(
             elapsed_s, window.samples, window.steps, queue_fill, wait,
@@ -414,7 +413,7 @@ class Controller:
             decide=not self.finishing,
             stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n) for s in window.stamps))
         self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=producers,
-                               producer_budget=self.engine.producer_limit(), producer_utilization=utilization,
+                               producer_budget=limit, producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host)
 
     def run_verdict(self) -> Verdict:

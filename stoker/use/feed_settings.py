@@ -19,7 +19,10 @@ class Feed:
     producers: int | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        check_section(DeviceSettings, {"devices": "cpu:1" if self.devices == "cpu" else self.devices})
+        try:
+            check_section(DeviceSettings, {"devices": "cpu:1" if self.devices == "cpu" else self.devices})
+        except ValueError as error:
+            raise type(error)(f"{error} (or 'cpu': one CPU replica)") from None
         feed = check_section(FeedSettings, {"batch_size": self.batch_size, "producers": self.producers})
         object.__setattr__(self, "batch_size", feed.batch_size)  # as the section reads it: "64" is 64
         object.__setattr__(self, "producers", feed.producers)

@@ -48,7 +48,7 @@ from stoker.data.user_dataset import DatasetSource, check_dataset, unpack_item
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.pipeline.autoscale import static_budget
-from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver
+from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.parts import parts_per_batch
@@ -213,7 +213,7 @@ class Loader:
         self.producer_timeout_s = feed.producer_timeout_s
         self.max_bad_fraction = data_settings.max_bad_fraction
         self.metrics_file = Path(own["metrics_file"]) if own["metrics_file"] is not None else None
-        self.source, self.image_size, self.classes, self.refused = _open_data(data, image_size)
+        self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size)
         self.sampler = EpochSampler(self)
         self.epoch = 0
         self._position = Position(0, 0, 0)  # the next batch to hand out
@@ -322,7 +322,8 @@ class Loader:
         augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
         build = Build(self.source, None, augment, self.seed, self.batch_size, self.image_size, self.num_slots,
                       self.producer_timeout_s, self.max_bad_fraction, max_in_flight=QUEUED_BATCHES * parts)
-        self.driver = EngineDriver(build, counts)  # the ring's and the producers' room checked
+        check_room(build, counts)
+        self.driver = EngineDriver(build, counts)
         self.events = _Events(self.metrics_file)
         self.stats.steps_per_epoch, self.stats.first_rank = self.plan.steps_per_epoch, rank
         self._books = _LookaheadBooks(self.stats)
@@ -430,9 +431,9 @@ class Loader:
 
     def _pump(self, timeout_s: float) -> None:
         """Producers' reports in, dead producers replaced, new work out, finished batches collected in order."""
-        engine = self._require_engine()
+        self._require_engine()
         self.driver.pump(timeout_s)  # a Loader's mailbox holds only the producers' messages
-        for _, message in engine.deliverable():
+        for _, message in self.driver.deliverable():
             if isinstance(message, Batch):
                 self._ready.append(message)
             # The scheduler's end-of-epoch Save is the trainer's business: a loader has nothing to save.
@@ -559,7 +560,7 @@ def _check_settings(data: Any, values: dict[str, Any]) -> dict[type, Any]:
     """Every setting before anything starts, by the sections `stoker train` checks them with: the same error for
     the same value. `values`: the arguments named as train's settings, and the keywords."""
     signature = inspect.signature(Loader.__init__).parameters
-    unknown = sorted(set(values) - LOADER_SETTINGS - set(signature))
+    unknown = sorted(set(values) - LOADER_SETTINGS - (set(signature) - {"self", "settings"}))
     if unknown:
         raise TypeError(f"stoker.Loader got unexpected setting(s) {', '.join(unknown)}; it takes "
                         f"{', '.join(sorted(LOADER_SETTINGS))} and metrics_file")

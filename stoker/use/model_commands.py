@@ -45,7 +45,7 @@ def _feed_flags(parser: argparse.ArgumentParser) -> None:
                         help="the model the file was trained with, when it is code of your own: a model file "
                         "that names a module:function is refused unless you name the same one here (a model "
                         "file must not choose what code runs); a built-in model needs none")
-    # Checked as train's settings of the same names are (use/evaluate.Feed), before torch is imported.
+    # Checked as train's settings of the same names are (use/feed_settings.Feed), before torch is imported.
     parser.add_argument("--devices", default="auto", metavar="SPEC",
                         help="auto | cpu | cuda | cuda:0,1: a model replica on each (default auto)")
     parser.add_argument("--batch-size", default=DEFAULT_BATCH_SIZE, metavar="B",

@@ -98,3 +98,14 @@ def test_rank_and_world_size_are_read_at_the_first_iter(textures, monkeypatch):
         batches = list(loader)
     assert loader.info.rank == 1 and loader.info.world_size == 2
     assert len(batches) == len(loader) == 8  # ceil(120 / (8 x 2)): each rank gets its part of every step
+
+
+def test_the_loader_keeps_the_values_its_settings_were_checked_as(textures):
+    loader = stoker.Loader(textures[0], batch_size="8", image_size="16", producers="2")
+    assert (loader.batch_size, loader.image_size, loader.producers) == (8, 16, 2)
+    loader.close()
+
+
+def test_an_unknown_keyword_is_refused_naming_it(textures):
+    with pytest.raises(TypeError, match="unexpected setting.*settings"):
+        stoker.Loader(textures[0], batch_size=8, settings=3)
