@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from stoker.common.config import AveragingSettings
 from stoker.common.faults import CHECKPOINT_READ_ENV, CHECKPOINT_WRITE_ENV
 from stoker.training import rendezvous
 from stoker.training.consumer import _join_group
@@ -67,4 +68,5 @@ class _Setup:
     """The fields of ConsumerSetup that joining the group reads."""
 
     def __init__(self, device: str, store: rendezvous.StoreAddress) -> None:
-        self.device, self.store, self.rank, self.world_size, self.collective_timeout_s = device, store, 0, 1, 5.0
+        self.device, self.store, self.rank, self.world_size = device, store, 0, 1
+        self.averaging = AveragingSettings(collective_timeout_s=5.0)
