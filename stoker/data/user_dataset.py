@@ -126,6 +126,10 @@ class DatasetSource:
             self._torch_threads_set = True
 
 
+# Far above any class count, and what every label type on the way holds (a slot's int64, a GPU's int32 index).
+MAX_LABEL = 2**31 - 1
+
+
 def unpack_item(item: Any, index: int) -> tuple[Any, int]:
     """(image, label) of item `index`, the label a class index >= 0 (an int, a NumPy integer, a 0-d tensor)."""
     try:
@@ -135,8 +139,9 @@ def unpack_item(item: Any, index: int) -> tuple[Any, int]:
     number = _plain(label)
     if isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, np.integer)):
         raise ValueError(f"dataset[{index}]: the label is {_describe(label)}; expected an integer class index >= 0")
-    if number < 0:
-        raise ValueError(f"dataset[{index}]: the label is {int(number)}; expected a class index >= 0")
+    if not 0 <= number <= MAX_LABEL:
+        raise ValueError(f"dataset[{index}]: the label is {int(number)}; expected a class index from 0 to "
+                         f"{MAX_LABEL}")
     return image, int(number)
 
 

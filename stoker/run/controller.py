@@ -48,6 +48,7 @@ from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
+from stoker.training.model_file import BEST_MODEL_FILE
 from stoker.training.models import build_model, check_model
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
@@ -130,6 +131,7 @@ class Controller:
                 resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
                                        self._sample_counts(), self.plan.steps_per_epoch)
                 self.resume_accounting = read_accounting(folder, meta)
+                self._set_aside_discarded_best(meta["position"]["epoch"])
                 found = (str(folder), meta["position"], meta["num_consumers"], None)
             except (ValueError, checkpoint.CheckpointError) as failure:  # RunDirError, ResumeError
                 found = (None, None, None, str(failure))
@@ -140,6 +142,13 @@ class Controller:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
         return Position(**position), Path(folder)
+
+    def _set_aside_discarded_best(self, epochs_done: int) -> None:
+        aside = resume.set_aside_later_best(self.run_dir, epochs_done)
+        if aside is not None:
+            log.warning("%s chose its model in an epoch after the checkpoint this run resumes from (%d epochs "
+                        "done); it is now %s, and this run's validations choose the best again",
+                        BEST_MODEL_FILE, epochs_done, aside.name)
 
     def _sample_counts(self) -> dict[str, int]:
         return {"train": len(self.data.train), "val": len(self.data.val or ())}

@@ -20,6 +20,7 @@ from stoker.common.config import (
     TrainConfig,
     unrecorded_meant,
 )
+from stoker.training.model_file import BEST_MODEL_FILE, ModelFileError, read_model
 
 
 class ResumeError(ValueError):
@@ -89,3 +90,24 @@ def _sample_differences(recorded: Any, samples: dict[str, int]) -> list[str]:
         return []
     return [f"{kind} samples: checkpoint {recorded.get(kind)}, now {count}" for kind, count in samples.items()
             if recorded.get(kind) != count]
+
+
+DISCARDED_BEST_FILE = "model_best.discarded.pt"
+
+
+def set_aside_later_best(run_dir: Path, epochs_done: int) -> Path | None:
+    """A resume that falls back to an older checkpoint discards the epochs after it: a model_best.pt one of them
+    chose is set aside (renamed, not deleted), so the resumed run's own validations choose the best again and the
+    summary never names a model of epochs that no longer happened. Returns where it went, or None."""
+    best = run_dir / BEST_MODEL_FILE
+    if not best.exists():
+        return None
+    try:
+        epoch = read_model(best)[0].epoch
+    except ModelFileError:
+        return None  # the consumer warns and replaces it at the first validation
+    if epoch is None or epoch <= epochs_done:
+        return None
+    aside = run_dir / DISCARDED_BEST_FILE
+    best.replace(aside)
+    return aside

@@ -11,6 +11,7 @@ stoker's own decode on 400 digits (docs/benchmarks.md): the preprocessing is par
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import zipfile
 from dataclasses import asdict, dataclass, replace
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 BEST_MODEL_FILE = "model_best.pt"
 Kind = Literal["final", "best", "ema"]
+KINDS = ("final", "best", "ema")
 
 
 class ModelFileError(ValueError):
@@ -113,7 +115,10 @@ def read_model(path: Path) -> tuple[ModelCard, dict[str, torch.Tensor]]:
     if not isinstance(state, dict) or not state or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         raise ModelFileError(f"{path}: its 'state_dict' is not a mapping of names to tensors")
-    return _card(path, loaded.get("card")), state
+    card = _card(path, loaded.get("card"))
+    if problem := _head_problem(card, state):
+        raise ModelFileError(f"{path}: {problem}")
+    return card, state
 
 
 def _load(path: Path) -> Any:
@@ -164,9 +169,37 @@ def _card_problem(card: ModelCard) -> str | None:
     numbers = (*card.mean, *card.std, card.crop_fraction)
     if len(card.mean) != 3 or len(card.std) != 3 or not all(isinstance(v, float) for v in numbers):
         return "has no mean and std of 3 numbers each"
-    if min(card.std) <= 0 or not 0 < card.crop_fraction <= 1:
-        return f"has std {card.std} or crop_fraction {card.crop_fraction} out of range"
+    if not all(map(math.isfinite, numbers)) or min(card.std) <= 0 or not 0 < card.crop_fraction <= 1:
+        return (f"has mean {card.mean}, std {card.std} or crop_fraction {card.crop_fraction} out of range "
+                "(finite numbers, std above 0, crop_fraction in (0, 1])")
+    return _record_problem(card)
+
+
+def _record_problem(card: ModelCard) -> str | None:
+    """The card's account of where it came from: a resume steers by `val_accuracy` (which model_best.pt a later
+    validation replaces), so it is a fraction or nothing, never a string or 5.0."""
+    if card.kind not in KINDS:
+        return f"has kind {card.kind!r} (expected one of {', '.join(KINDS)})"
+    if card.epoch is not None and (type(card.epoch) is not int or card.epoch < 1):
+        return f"has epoch {card.epoch!r} (expected an integer from 1)"
+    accuracy = card.val_accuracy
+    if accuracy is not None and (type(accuracy) is not float or not 0.0 <= accuracy <= 1.0):
+        return f"has val_accuracy {accuracy!r} (expected a fraction from 0 to 1)"
     return None
+
+
+def _head_problem(card: ModelCard, state: dict[str, torch.Tensor]) -> str | None:
+    """The card's class count sizes the model built for the weights: a count no weight has as its outputs (a
+    forged card listing 500,000 classes beside a 10-class head) is refused before anything that size is built.
+    Any classifier with K outputs holds a weight of K rows (a linear or 1x1-convolution head), wherever its
+    architecture puts it."""
+    outputs = {tensor.shape[0] for tensor in state.values() if tensor.dim() >= 2}
+    if card.num_classes in outputs:
+        return None
+    heads = [f"{name} {tuple(t.shape)}" for name, t in state.items() if t.dim() >= 2][-1:]
+    return (f"its card lists {card.num_classes} classes, but no weight in its state_dict has {card.num_classes} "
+            f"outputs (the last weight is {heads[0] if heads else 'absent'}): the card does not belong to "
+            "these weights")
 
 
 def _describe(loaded: Any) -> str:

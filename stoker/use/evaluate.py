@@ -23,6 +23,7 @@ from torch import nn
 
 from stoker.common.config import check_data_path
 from stoker.common.devices import available_cores, resolve_devices
+from stoker.common.terminal import printable
 from stoker.data.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
@@ -99,7 +100,7 @@ def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.nd
         shown = ", ".join(repr(n) for n in unknown[:10]) + (f" and {len(unknown) - 10} more" if len(unknown) > 10
                                                              else "")
         raise ValueError(f"data={str(data)!r}: class folder(s) {shown} are not classes of the model (it knows "
-                         f"{', '.join(classes[:20])}{', ...' if len(classes) > 20 else ''})")
+                         f"{', '.join(map(printable, classes[:20]))}{', ...' if len(classes) > 20 else ''})")
     return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
 
 

@@ -362,6 +362,13 @@ class Loader:
         if "world_size" in state and state["world_size"] != world:
             raise ValueError(f"load_state_dict: the state was saved with world_size={state['world_size']}, this job "
                              f"has {world}; resume with the same number of ranks")
+        steps = self._plan(world).steps_per_epoch
+        for key, below in (("epoch", None), ("step", steps)):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0 or (
+                    below is not None and value >= below):
+                bound = f"from 0 to {below - 1} (this loader has {below} batches per epoch)" if below else ">= 0"
+                raise ValueError(f"load_state_dict: the state's {key} is {value!r}; expected an integer {bound}")
 
     # ---- an epoch -----------------------------------------------------------------------------------------------
 

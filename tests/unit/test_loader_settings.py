@@ -53,7 +53,7 @@ def test_a_torch_device_is_taken_as_its_name(textures):
     (3, r"dataset\[0\]: expected a pair \(image, label\), got int 3"),
     ((np.zeros((8, 8, 3), np.uint8), "cat"), r"dataset\[0\]: the label is str 'cat'; expected an integer"),
     ((np.zeros((8, 8, 3), np.uint8), 2.0), r"the label is float 2.0"),
-    ((np.zeros((8, 8, 3), np.uint8), -1), r"the label is -1; expected a class index >= 0"),
+    ((np.zeros((8, 8, 3), np.uint8), -1), r"the label is -1; expected a class index from 0 to 2147483647"),
 ])
 def test_a_dataset_item_that_is_not_an_image_and_a_class_index_names_its_index(item, expected):
     with pytest.raises(ValueError, match=expected):
@@ -64,6 +64,13 @@ def test_a_dataset_item_that_is_not_an_image_and_a_class_index_names_its_index(i
 def test_integer_labels_of_numpy_and_torch_are_taken(label):
     source = DatasetSource([(np.zeros((8, 8, 3), np.uint8), label)], 8)
     assert source.fill(0, np.empty((8, 8, 3), np.uint8), seed=0, epoch=0) == 1
+
+
+def test_a_label_too_large_for_any_class_count_names_its_item():
+    items = [(np.zeros((8, 8, 3), np.uint8), 1)] * 5 + [(np.zeros((8, 8, 3), np.uint8), 10**30)]
+    source = DatasetSource(items, 8)  # found by the producer that builds item 5, not by the constructor's look at 0
+    with pytest.raises(ValueError, match=r"^dataset\[5\]: the label is 10{30}; expected a class index from 0 to "):
+        source.fill(5, np.empty((8, 8, 3), np.uint8), seed=0, epoch=0)
 
 
 def test_a_missing_folder_is_named(tmp_path):
@@ -109,3 +116,24 @@ def test_the_loader_keeps_the_values_its_settings_were_checked_as(textures):
 def test_an_unknown_keyword_is_refused_naming_it(textures):
     with pytest.raises(TypeError, match="unexpected setting.*settings"):
         stoker.Loader(textures[0], batch_size=8, settings=3)
+
+
+@pytest.mark.parametrize("key,value,expected", [
+    ("step", -3, "step is -3; expected an integer from 0 to"),
+    ("step", 10_000, "step is 10000; expected an integer from 0 to"),
+    ("step", 2.5, "step is 2.5"),
+    ("epoch", -1, "epoch is -1; expected an integer >= 0"),
+    ("epoch", "1", "epoch is '1'"),
+])
+def test_a_state_whose_position_is_outside_the_epoch_is_refused(textures, key, value, expected):
+    """A step of -3 trained 16 samples twice, one past len() gave an empty epoch: refused before any batch."""
+    loader = stoker.Loader(textures[0], batch_size=8, device="cpu")
+    state = loader.state_dict()
+    assert state["step"] == 0 and state["epoch"] == 0
+    last = len(loader) - 1
+    loader.load_state_dict({**state, "step": last})  # the last batch is a place to resume from
+    with pytest.raises(ValueError, match=f"^load_state_dict: the state's {expected}"):
+        loader.load_state_dict({**state, key: value})
+    if key == "step" and value == 10_000:
+        with pytest.raises(ValueError, match=f"from 0 to {last} \\(this loader has {last + 1} batches per epoch\\)"):
+            loader.load_state_dict({**state, key: value})

@@ -84,3 +84,16 @@ def test_a_card_naming_a_module_runs_it_only_when_model_names_it(tmp_path, monke
     else:
         assert len(out.strip().splitlines()) == 6 + 1  # a header and a row per image
     sys.modules.pop("planted")  # (monkeypatch.delitem would put it back at teardown)
+
+
+def test_the_classes_a_model_knows_reach_the_terminal_escaped(tmp_path):
+    from stoker.use.evaluate import eval_index
+
+    folder = tmp_path / "data" / "zebra"
+    folder.mkdir(parents=True)
+    Image.new("RGB", (16, 16)).save(folder / "a.png")
+    with pytest.raises(ValueError) as refused:
+        eval_index(tmp_path / "data", ("cat", "\x1b[2Jdog"))  # a card's class name that would clear the screen
+    message = str(refused.value)
+    assert "'zebra' are not classes of the model (it knows cat, \\x1b[2Jdog)" in message
+    assert "\x1b" not in message

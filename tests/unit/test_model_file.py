@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 import os
+import re
 import struct
 import sys
 import threading
@@ -375,3 +376,70 @@ def test_the_ending_says_which_epoch_model_best_is_from(tmp_path):
     assert ("model_best.pt", "the best validation accuracy, 87.50%, at epoch 2") in run_files(summary, tmp_path)
     assert all(name != "model_best.pt" for name, _ in run_files({**summary, "model_best": None, "best_epoch": None},
                                                                   tmp_path))
+
+
+def _forged_card(path: Path, **card_fields) -> Path:
+    """A model file whose card was edited after training: the archive is whole, only the card lies."""
+    saved_model(path)
+    loaded = torch.load(path, weights_only=True)
+    loaded["card"].update(card_fields)
+    torch.save(loaded, path)
+    return path
+
+
+def test_a_card_listing_more_classes_than_its_head_is_refused_before_a_model_that_size_is_built(tmp_path,
+                                                                                                 monkeypatch):
+    import stoker.use.inference as inference
+
+    path = _forged_card(tmp_path / "model.pt", classes=[f"c{k}" for k in range(500_000)])
+    built: list[int] = []
+    monkeypatch.setattr(inference, "build_model", lambda name, k: built.append(k) or build_model(name, k))
+    with pytest.raises(ModelFileError, match="lists 500000 classes, but no weight in its state_dict has 500000 "
+                                             r"outputs \(the last weight is head.weight \(3, "):
+        stoker.load(path)
+    with pytest.raises(ModelFileError, match="500000 classes"):
+        stoker.load(path, model=lambda num_classes: built.append(num_classes) or build_model("resnet8", 3))
+    assert built == []  # refused from the file alone: nothing of 500,000 outputs was ever allocated
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("val_accuracy", "x", "val_accuracy 'x' (expected a fraction from 0 to 1)"),
+    ("val_accuracy", 5.0, "val_accuracy 5.0"),
+    ("val_accuracy", float("nan"), "val_accuracy nan"),
+    ("epoch", -2, "epoch -2 (expected an integer from 1)"),
+    ("kind", "weights", "kind 'weights'"),
+    ("mean", [0.5, float("nan"), 0.5], "mean (0.5, nan, 0.5), std"),
+    ("std", [0.2, float("inf"), 0.2], "std (0.2, inf, 0.2) or"),
+])
+def test_a_card_value_out_of_range_is_refused_with_the_file_and_the_value(tmp_path, field, value, expected):
+    path = _forged_card(tmp_path / "model_best.pt", **{"kind": "best", "epoch": 1, "val_accuracy": 0.5, field: value})
+    with pytest.raises(ModelFileError, match=f"model_best.pt: its card has .*{re.escape(expected)}"):
+        read_model(path)
+
+
+def test_a_resume_does_not_trust_a_forged_best_accuracy(tmp_path, caplog):
+    from stoker.run.outcome import best_model_fields
+    from stoker.training.consumer import _BestModel
+
+    card = model_card("resnet8", CLASSES, 32)
+    for forged in ("x", 5.0):
+        path = _forged_card(tmp_path / "model_best.pt", kind="best", epoch=1, val_accuracy=forged)
+        with caplog.at_level(logging.WARNING):
+            best = _BestModel(path, card, resumed=True)
+        assert best.accuracy is None and "the next validation replaces it" in caplog.text
+        best.offer(build_model("resnet8", 3), 2, 0.4)  # an honest 40% replaces the forged 500%
+        assert read_model(path)[0].val_accuracy == 0.4
+        assert best_model_fields(path)["best_val_accuracy"] == 0.4
+
+
+def test_a_resume_from_an_older_checkpoint_sets_aside_the_best_model_of_the_discarded_epochs(tmp_path):
+    from stoker.run.resume import DISCARDED_BEST_FILE, set_aside_later_best
+    from stoker.training.model_file import save_best
+
+    card = model_card("resnet8", CLASSES, 32)
+    save_best(tmp_path / "model_best.pt", build_model("resnet8", 3).state_dict(), card, 3, 0.9)
+    assert set_aside_later_best(tmp_path, epochs_done=3) is None  # epoch 3 was validated before the checkpoint
+    assert (tmp_path / "model_best.pt").exists()
+    assert set_aside_later_best(tmp_path, epochs_done=2) == tmp_path / DISCARDED_BEST_FILE
+    assert not (tmp_path / "model_best.pt").exists()
+    assert read_model(tmp_path / DISCARDED_BEST_FILE)[0].epoch == 3  # kept, not deleted
