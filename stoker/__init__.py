@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["Loader", "TrainConfig", "load", "train"]
 
 
-def train(config: TrainConfig | None = None, *, show_progress: bool = True, **settings: Any) -> dict[str, Any]:
-    """Train with `config` (or the given settings) and return the summary written to RUN_DIR/summary.json.
+def train(config: TrainConfig | None = None, *, show_progress: bool = True, quiet: bool = False,
+          **settings: Any) -> dict[str, Any]:
+    """Train with `config` (or the given settings, named as `stoker train`'s flags) and return the summary written
+    to RUN_DIR/summary.json. `quiet=True`, as `--quiet`: no live panel, no progress or epoch lines (the same as
+    `show_progress=False`).
 
     Raises `stoker.common.config.ConfigError` for a bad setting before any process starts. The run's own failures are
     reported in the summary (`status` "failed" with `error`), like on the command line.
@@ -42,7 +45,7 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, **se
         config = config.replace(**settings)
     from stoker.run.controller import Controller  # after the settings: a bad one is reported without torch's import
 
-    return Controller(config, show_progress=show_progress).run()
+    return Controller(config, show_progress=show_progress and not quiet).run()
 
 
 def load(source: str | Path, device: str = "cpu",

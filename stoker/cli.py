@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import shutil
@@ -26,8 +27,46 @@ from stoker.common.terminal import EscapedArguments
 
 USAGE_ERROR = 2
 
+
+class StokerParser(argparse.ArgumentParser):
+    """stoker's parsers (each command's too: `add_subparsers` makes them of their parent's class). A flag is
+    spelled in full (argparse's abbreviations took `--epoch 3` for `--epochs 3`), and a flag a command does not
+    know is reported with that command's usage and the nearest flag it has, not the top level's usage."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> argparse.Namespace:  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = self._command_parser(parsed)
+            command.error(f"unrecognized arguments: {' '.join(unknown)}{command.nearest_flag(unknown)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> StokerParser:
+        """The innermost (sub)command the arguments chose: `stoker bench loader`'s parser for its flags."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(parsed, action.dest, None))
+                if isinstance(chosen, StokerParser):
+                    return chosen._command_parser(parsed)
+        return self
+
+    def nearest_flag(self, unknown: list[str]) -> str:
+        flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        for word in unknown:
+            if word.startswith("--"):
+                flag = word.split("=", 1)[0]
+                close = [f for f in flags if f.startswith(flag)] or difflib.get_close_matches(flag, flags, n=1,
+                                                                                             cutoff=0.75)
+                if close:
+                    return f" (did you mean {' or '.join(close[:3])}?)"
+        return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stoker", description="Train image classifiers on several devices at "
+    parser = StokerParser(prog="stoker", description="Train image classifiers on several devices at "
                                      "once, with producer processes that keep every device busy.")
     parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True)

@@ -63,3 +63,56 @@ def test_version_is_the_projects_with_torchs():
         main(["--version"])
     assert exit.value.code == 0
     assert out.getvalue().startswith(f"stoker {project['version']} (torch {importlib.metadata.version('torch')}")
+
+
+def _usage_error(capsys, *argv: str) -> list[str]:
+    with pytest.raises(SystemExit) as stopped:
+        main(list(argv))
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("argv,usage,message", [
+    (["train", "--epoch", "3"], "usage: stoker train",
+     "stoker train: error: unrecognized arguments: --epoch 3 (did you mean --epochs?)"),
+    (["train", "--image-sise", "64"], "usage: stoker train",
+     "stoker train: error: unrecognized arguments: --image-sise 64 (did you mean --image-size?)"),
+    (["train", "--zzz"], "usage: stoker train", "stoker train: error: unrecognized arguments: --zzz"),
+    (["bench", "loader", "--step", "3"], "usage: stoker bench loader",
+     "stoker bench loader: error: unrecognized arguments: --step 3 (did you mean --steps?)"),
+    (["eval", "m.pt", "--data", "d", "--batch", "8"], "usage: stoker eval",
+     "stoker eval: error: unrecognized arguments: --batch 8 (did you mean --batch-size?)"),
+])
+def test_a_flag_is_spelled_in_full_and_an_unknown_one_is_the_commands_error(capsys, argv, usage, message):
+    """argparse's abbreviations took `--epoch 3` for `--epochs 3`; an unknown flag printed the top level's usage."""
+    lines = _usage_error(capsys, *argv)
+    assert lines[0].startswith(usage) and lines[-1] == message
+
+
+def test_the_train_api_takes_quiet_as_the_cli_does(monkeypatch):
+    import stoker
+    import stoker.run.controller as controller
+
+    seen: list[bool] = []
+
+    class Recording:
+        def __init__(self, config, show_progress):
+            seen.append(show_progress)
+
+        def run(self):
+            return {}
+
+    monkeypatch.setattr(controller, "Controller", Recording)
+    stoker.train(quiet=True, epochs=1)
+    stoker.train(epochs=1)
+    assert seen == [False, True]
+
+
+def test_no_pydantic_wording_reaches_a_message():
+    from stoker.common.config import ConfigError, make_config
+
+    for values in ({"min_producers": 5, "max_producers": 2}, {"epochs": 1, "warmup_epochs": 3},
+                   {"producers": "many"}, {"batch_size": "x"}, {"lr": "fast"}):
+        with pytest.raises(ConfigError) as refused:
+            make_config(values)
+        assert "Value error" not in str(refused.value) and not str(refused.value).startswith("config")
