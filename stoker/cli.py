@@ -48,7 +48,7 @@ class StokerParser(argparse.ArgumentParser):
         """The innermost (sub)command the arguments chose: `stoker bench loader`'s parser for its flags."""
         for action in self._actions:
             if isinstance(action, argparse._SubParsersAction):
-                chosen = action.choices.get(getattr(parsed, action.dest, None))
+                chosen = action.choices.get(str(getattr(parsed, action.dest, "")))
                 if isinstance(chosen, StokerParser):
                     return chosen._command_parser(parsed)
         return self
