@@ -49,16 +49,17 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, quie
 
 
 def load(source: str | Path, device: str = "cpu",
-         model: Callable[..., nn.Module] | str | None = None) -> LoadedModel:
+         model: Callable[..., nn.Module] | str | None = None, accept_changed_module: bool = False) -> LoadedModel:
     """The model a run trained (RUN_DIR, or a model file: model.pt, model_best.pt, model_ema.pt) in eval mode on
     `device`, with `.classes` and `.preprocess(path or bytes or image)`: exactly the tensor validation gives that
     file. A file stoker did not write, or one modified since, is a ValueError naming it. A `module:function`
     model is imported only when you name it (`model="module:function"`, the card's own; the file alone never
-    chooses code to run) and while its file hashes to what training recorded; `model=function` builds it instead
-    (called as `function(num_classes=K)`)."""
+    chooses code to run) and while its file hashes to what training recorded (`accept_changed_module=True`: as it is
+    now, with a warning that says what differs); `model=function` builds it instead (called as
+    `function(num_classes=K)`)."""
     from stoker.use.inference import load as load_model
 
-    return load_model(source, device, model)
+    return load_model(source, device, model, accept_changed_module)
 
 
 def __getattr__(name: str) -> Any:

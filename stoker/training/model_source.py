@@ -4,7 +4,8 @@ A model file names its model as `--model` took it. For `module:function`, import
 file the import path finds first (the working directory comes first, as in training): a folder holding a
 model.pt and a helper.py of the same name would run that helper on `stoker.load`. So the module is located with
 `importlib` finders (which read directory entries, never code), its files are hashed, and the import runs those very
-bytes, only when their hash equals the one recorded at training time. Training and loading use the same function.
+bytes, only when their hash equals the one recorded at training time (or when the user, naming the module, accepts
+it as it is now). Training and loading use the same function.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 
 class ModuleNotVerified(ValueError):
@@ -119,16 +123,25 @@ def _run_as_module(level: Level) -> None:
         setattr(sys.modules[parent], child, module)
 
 
-def check_recorded_module(model: str, recorded_sha256: str | None, model_file: Path) -> ModuleSource:
+def check_recorded_module(model: str, recorded_sha256: str | None, model_file: Path,
+                          accept_changed: bool = False) -> ModuleSource:
     """Before importing the module a model file names: its files hash to what training recorded, or a
-    ValueError naming the module's file and what to do instead (the caller prefixes the model file)."""
+    ValueError naming the module's file and what to do instead (the caller prefixes the model file).
+    `accept_changed`: the user, who named this module, takes it as it is now (a comment edited since training):
+    a warning says what differs, and the weights must still fit what it builds."""
     module_name = model.split(":", 1)[0]
-    advice = (f"if you trust that code, rebuild the model yourself: stoker.load({str(model_file)!r}, "
-              f"model=your_function) (it is called as your_function(num_classes=K))")
+    advice = (f"if you trust that code as it is now, pass --accept-changed-module (stoker eval/predict) or "
+              f"accept_changed_module=True (stoker.load), or rebuild the model yourself: "
+              f"stoker.load({str(model_file)!r}, model=your_function) (called as your_function(num_classes=K))")
     try:
         source = locate_module(module_name)
     except (ValueError, ImportError, OSError) as error:
         raise ValueError(f"{error} (so it cannot be checked before it is imported); {advice}") from None
+    if accept_changed and source.sha256 != recorded_sha256:
+        log.warning("module %r: importing %s (SHA-256 %s...), which is not the file %s was trained with "
+                    "(recorded %s...): you named it and accepted the change", module_name, source.file,
+                    source.sha256[:12], model_file, (recorded_sha256 or "none")[:12])
+        return source
     if recorded_sha256 is None:
         raise ModuleNotVerified(f"its card records no SHA-256 of module {module_name!r}, so "
                          f"{source.file} is not imported (a model file must not choose what code runs); {advice}")

@@ -104,10 +104,12 @@ def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.nd
     return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
 
 
-def evaluate(model_file: Path, data: Path, feed: Feed = DEFAULT_FEED, model: str | None = None) -> dict[str, Any]:
+def evaluate(model_file: Path, data: Path, feed: Feed = DEFAULT_FEED, model: str | None = None,
+             accept_changed_module: bool = False) -> dict[str, Any]:
     """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`. `model`: the
-    `module:function` the card names, which its module's import needs (`--model`; `inference.rebuild`)."""
-    loaded = load(model_file, model=model)
+    `module:function` the card names, which its module's import needs (`--model`; `inference.rebuild`), taken
+    as it is now with `accept_changed_module` (`--accept-changed-module`)."""
+    loaded = load(model_file, model=model, accept_changed_module=accept_changed_module)
     index, to_model = eval_index(data, loaded.classes)
     per_device: dict[torch.device, ValTotals] = {}
     skipped: dict[str, str] = {}
@@ -149,11 +151,11 @@ class Prediction:
 
 
 def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = DEFAULT_FEED,
-            model: str | None = None) -> tuple[int, list[Prediction]]:
+            model: str | None = None, accept_changed_module: bool = False) -> tuple[int, list[Prediction]]:
     """(k, predictions): the top-k classes (k at most the model's classes) and their probabilities for every
     image in `images` (recursively), bad files included with their reason; sorted by path. `model`: as for
     `evaluate`."""
-    loaded = load(model_file, model=model)
+    loaded = load(model_file, model=model, accept_changed_module=accept_changed_module)
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k={top_k!r}: expected an integer >= 1")
     index = list_images(images)

@@ -92,18 +92,19 @@ class LoadedModel:
 
 
 def load(source: str | Path, device: str | torch.device = "cpu",
-         model: Callable[..., nn.Module] | str | None = None) -> LoadedModel:
+         model: Callable[..., nn.Module] | str | None = None, accept_changed_module: bool = False) -> LoadedModel:
     """The model in RUN_DIR/model.pt (or the model file named), in eval mode on `device`. Raises ValueError
     (`ModelFileError`) naming the file when it is not a stoker model file, was modified, or does not fit its
     model. `model`: the function that builds the architecture (called as `model(num_classes=K)`), instead of
     the card's; or the card's own model by name (`"module:function"`, which a card naming a module needs: the
-    module is imported only when the caller names it and while its file is the one training recorded)."""
+    module is imported only when the caller names it and while its file is the one training recorded, or, with
+    `accept_changed_module`, as it is now, with a warning that says what differs)."""
     path = model_path(Path(source))
     card, state = read_model(path)
     if card.crop_fraction != CENTER_CROP_FRACTION:
         raise ModelFileError(f"{path}: its card asks for a centre crop of {card.crop_fraction}; this stoker's "
                              f"validation crops {CENTER_CROP_FRACTION}")
-    network = _built_by(model, card, path) if callable(model) else rebuild(card, path, model)
+    network = _built_by(model, card, path) if callable(model) else rebuild(card, path, model, accept_changed_module)
     try:
         network.load_state_dict(state)
     except RuntimeError as error:
@@ -132,7 +133,7 @@ def model_path(source: Path) -> Path:
     return path
 
 
-def rebuild(card: ModelCard, path: Path, named: str | None = None) -> nn.Module:
+def rebuild(card: ModelCard, path: Path, named: str | None = None, accept_changed: bool = False) -> nn.Module:
     """The architecture the card names, with its classes. A model file must not choose what code runs: a built-in
     model is built by name; a module:function only when the caller names the same one (`named`: `--model`),
     checked before anything is looked up or imported, then imported by name (never from a path the file
@@ -147,7 +148,7 @@ def rebuild(card: ModelCard, path: Path, named: str | None = None) -> nn.Module:
                              f"stoker.load(..., model={card.model!r})")
     try:
         if ":" in card.model:
-            import_verified(check_recorded_module(card.model, card.module_sha256, path))
+            import_verified(check_recorded_module(card.model, card.module_sha256, path, accept_changed))
         return build_model(card.model, card.num_classes)
     except ModuleNotVerified as error:  # found, so where it was trained from is no help
         raise ModelFileError(f"{path}: cannot rebuild its model: {error}") from None

@@ -45,6 +45,9 @@ def _feed_flags(parser: argparse.ArgumentParser) -> None:
                         help="the model the file was trained with, when it is code of your own: a model file "
                         "that names a module:function is refused unless you name the same one here (a model "
                         "file must not choose what code runs); a built-in model needs none")
+    parser.add_argument("--accept-changed-module", action="store_true",
+                        help="import the --model module as it is now even when its file differs from the one the "
+                        "model was trained with (a warning says what differs; the weights must still fit)")
     # Checked as train's settings of the same names are (use/feed_settings.Feed), before torch is imported.
     parser.add_argument("--devices", default="auto", metavar="SPEC",
                         help="auto | cpu | cuda | cuda:0,1: a model replica on each (default auto)")
@@ -81,7 +84,8 @@ def eval_command(args: argparse.Namespace) -> int:
         feed = _check_settings(args)
         from stoker.observe.eval_report import eval_table
         from stoker.use.evaluate import evaluate
-        result = evaluate(args.model_file, args.data, feed, model=args.model_code)
+        result = evaluate(args.model_file, args.data, feed, model=args.model_code,
+                          accept_changed_module=args.accept_changed_module)
         to_stdout = args.json is not None and str(args.json) == "-"
         print(eval_table(result), file=sys.stderr if to_stdout else sys.stdout)
         if to_stdout:
@@ -98,7 +102,8 @@ def predict_command(args: argparse.Namespace) -> int:
         feed = _check_settings(args)
         from stoker.use.evaluate import predict, prediction_rows
 
-        k, predictions = predict(args.model_file, args.images, args.top_k, feed, model=args.model_code)
+        k, predictions = predict(args.model_file, args.images, args.top_k, feed, model=args.model_code,
+                                 accept_changed_module=args.accept_changed_module)
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerows(prediction_rows(predictions, k))
         bad = sum(1 for p in predictions if p.error)

@@ -443,3 +443,41 @@ def test_a_resume_from_an_older_checkpoint_sets_aside_the_best_model_of_the_disc
     assert set_aside_later_best(tmp_path, epochs_done=2) == tmp_path / DISCARDED_BEST_FILE
     assert not (tmp_path / "model_best.pt").exists()
     assert read_model(tmp_path / DISCARDED_BEST_FILE)[0].epoch == 3  # kept, not deleted
+
+
+def test_a_module_edited_since_training_is_taken_when_the_user_accepts_it_and_the_warning_says_what_changed(
+        tmp_path, monkeypatch, caplog):
+    (tmp_path / "edited_model.py").write_text((HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    model, _ = saved_model(tmp_path / "user.pt", name="edited_model:small_cnn")
+    monkeypatch.delitem(sys.modules, "edited_model")
+    with open(tmp_path / "edited_model.py", "a") as module:
+        module.write("# a comment added after training\n")
+    with pytest.raises(ValueError, match="--accept-changed-module"):  # the refusal names the way on
+        stoker.load(tmp_path / "user.pt", model="edited_model:small_cnn")
+    with caplog.at_level(logging.WARNING):
+        loaded = stoker.load(tmp_path / "user.pt", model="edited_model:small_cnn", accept_changed_module=True)
+    x = torch.randn(1, 3, 32, 32)
+    assert torch.equal(loaded(x), model.eval()(x))
+    assert "edited_model.py" in caplog.text and "not the file" in caplog.text and "recorded" in caplog.text
+    monkeypatch.delitem(sys.modules, "edited_model")
+    with pytest.raises(ValueError, match="its model is 'edited_model:small_cnn'"):  # never without naming it
+        stoker.load(tmp_path / "user.pt", accept_changed_module=True)
+
+
+def test_the_cli_has_the_same_switch(tmp_path, monkeypatch, capsys):
+    from stoker.cli import main
+
+    (tmp_path / "edited_cli_model.py").write_text((HELPERS / "nobn.py").read_text())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved_model(tmp_path / "user.pt", name="edited_cli_model:small_cnn")
+    monkeypatch.delitem(sys.modules, "edited_cli_model")
+    with open(tmp_path / "edited_cli_model.py", "a") as module:
+        module.write("# edited\n")
+    _images(tmp_path / "photos")
+    argv = ["predict", str(tmp_path / "user.pt"), str(tmp_path / "photos"), "--model", "edited_cli_model:small_cnn",
+            "--devices", "cpu", "--producers", "1"]
+    assert main(argv) == 2 and "--accept-changed-module" in capsys.readouterr().err
+    assert main([*argv, "--accept-changed-module"]) == 0
+    assert capsys.readouterr().out.count("\n") >= 2
+    sys.modules.pop("edited_cli_model", None)
