@@ -34,7 +34,7 @@ def train(config: TrainConfig | None = None, *, show_progress: bool = True, quie
     """
     import sys
 
-    from stoker.run.main_guard import check_main_guard
+    from stoker.common.main_guard import check_main_guard
 
     check_main_guard(sys._getframe(1))  # first: a child re-importing the script stops before it imports torch
     from stoker.common.config import make_config

@@ -1,8 +1,9 @@
 """`stoker bench soak`: a long run with producers SIGKILLed at random moments, watched from outside.
 
-Every half second it samples the resident memory of every process of the run, the number of stoker segments in
-/dev/shm and the bytes in use there. Samples are judged from the end of the first epoch (every process has trained
-or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the later.
+Every half second it samples the resident memory of every process of the run, the number of its segments in
+/dev/shm and the bytes its entries there hold. Samples are judged from the end of the first epoch (every process
+has trained or decoded and validated once; on a loaded machine start-up takes seconds) or `--warmup-fraction`, the
+later.
 Producer 0 is never killed: it is the witness whose memory is judged over its own life (a replaced producer is
 young; comparing a title across replacements compares different processes). At the end it interrupts the run and
 checks: the memory of every process that lived through the judged window stays flat (growth under
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -124,8 +126,8 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, r
             progress.update(round(now - started))
             family = _family(run_process.pid)
             rss = {pid: (title, _rss_bytes(pid)) for pid, title in family.items()}
-            samples.append({"t": now - started, "rss": rss, "shm_segments": len(live_segments()),
-                            "shm_used_bytes": _shm_used_bytes(), "warm": first_epoch.done()})
+            samples.append({"t": now - started, "rss": rss, "shm_segments": len(live_segments(run_process.pid)),
+                            "shm_used_bytes": _shm_used_bytes(run_process.pid), "warm": first_epoch.done()})
             producers = [pid for pid, title in family.items()
                          if title.startswith("stoker producer") and title != WITNESS]
             if now >= next_kill and producers:
@@ -157,11 +159,18 @@ def _rss_bytes(pid: int) -> int:
         return 0
 
 
-def _shm_used_bytes() -> int:
-    """Bytes in use in all of /dev/shm: also what a leak by anyone in the run's tree would leave there (a segment
-    under another name, an unlinked one still mapped)."""
-    stats = os.statvfs(SHM_DIR)
-    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+def _shm_used_bytes(controller_pid: int) -> int:
+    """Bytes the run holds in /dev/shm: the blocks of every entry named after its controller (its ring, its
+    semaphores and their lock). Not /dev/shm's whole use, which any other program on the machine changes meanwhile;
+    a leak under no name of the run's (an unlinked segment still mapped) shows in the processes' RSS instead."""
+    used = 0
+    for name in os.listdir(SHM_DIR):
+        if re.match(rf"^(?:sem\.)?stoker(?:-sem)?_{controller_pid}_", name):
+            try:
+                used += os.stat(os.path.join(SHM_DIR, name)).st_blocks * 512
+            except FileNotFoundError:  # removed meanwhile
+                pass
+    return used
 
 
 def _left_behind(controller_pid: int) -> dict[str, list]:

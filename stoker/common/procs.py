@@ -8,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -156,9 +157,34 @@ def start(target, args: tuple, title: str) -> BaseProcess:
     """Start a child that never sees SIGINT or SIGTERM: Ctrl-C and a scheduler's SIGTERM reach the whole process
     group, and only the controller decides what they mean (checkpoint, then stop every child itself)."""
     process = CONTEXT.Process(target=target, args=args, name=title, daemon=True)
-    with signals_blocked_for_children(CHILD_IGNORES):
+    with signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
         process.start()
     return process
+
+
+def main_script_unreadable() -> bool:
+    """The main module names a file that is not there (`python - <<EOF`: '<stdin>'), so a spawned child, which
+    runs the main script again before its own work, would die of FileNotFoundError."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    return spec_name is None and path is not None and not os.path.isfile(path)
+
+
+@contextlib.contextmanager
+def main_script_hidden_when_unreadable() -> Iterator[None]:
+    """While a child starts, a main module without a readable file looks like `python -c`'s (no `__file__`), which
+    spawn starts without re-running it: stoker's children need nothing of the script."""
+    main = sys.modules.get("__main__")
+    if main is None or not main_script_unreadable():
+        yield
+        return
+    path = main.__file__
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 @contextlib.contextmanager
@@ -169,7 +195,7 @@ def signals_blocked_for_children(signals: set[signal.Signals]) -> Iterator[None]
     and SIGTERM in this thread whatever the mask was (resource_tracker.ensure_running): it runs first here, or that
     first child and every later one of the block were born with nothing blocked (a pack's Ctrl-C printed a
     worker's traceback)."""
-    resource_tracker.ensure_running()
+    start_resource_tracker()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         yield
@@ -177,14 +203,34 @@ def signals_blocked_for_children(signals: set[signal.Signals]) -> Iterator[None]
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def stop_processes(processes: list[BaseProcess], timeout_s: float) -> None:
-    """Join with a shared deadline, then kill (children do not take SIGTERM): no child outlives this call."""
+# The tracker's own warnings all begin so: "resource_tracker: There appear to be 1 leaked shared_memory objects to
+# clean up at shutdown" is what a SIGKILLed Loader's user read on the terminal, for a segment the tracker then
+# removed as it should (`-W` fields are split at colons, so the message is matched by this prefix).
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+def start_resource_tracker() -> None:
+    """multiprocessing's resource tracker, started (when not yet running) with its clean-up warnings off: it still
+    unlinks what a killed process leaves, the one thing a SIGKILL lets no code of ours do. Its command line takes
+    this interpreter's `-W` options, read once as it starts."""
+    sys.warnoptions.append(_TRACKER_QUIET)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(_TRACKER_QUIET)
+
+
+def stop_processes(processes: list[BaseProcess], timeout_s: float, kill_loses_nothing: bool = False) -> None:
+    """Join with a shared deadline, then kill (children do not take SIGTERM): no child outlives this call.
+    `kill_loses_nothing`: processes whose work is rebuilt from the plan (producers), whose kill is no news to a
+    user closing a Loader: logged at INFO, not as a warning."""
     deadline = time.monotonic() + timeout_s  # not timeout_s / n each: 16 producers got 0.3 s, one still importing
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
-            log.warning("%s (pid %s) did not stop in time; killing it", process.name, process.pid)
+            log.log(logging.INFO if kill_loses_nothing else logging.WARNING, "%s (pid %s) did not stop in %.0f s; "
+                    "killing it", process.name, process.pid, timeout_s)
             process.kill()
             process.join(timeout=2.0)
 

@@ -8,10 +8,11 @@ import os
 import re
 import sys
 import threading
-from multiprocessing import resource_tracker
 
 from rich.console import Console
 from rich.text import Text
+
+from stoker.common.procs import start_resource_tracker
 
 
 class StderrAbove:
@@ -24,7 +25,7 @@ class StderrAbove:
 
     def __init__(self) -> None:
         # The resource tracker outlives any display and warns when this process exits: it keeps the real stderr.
-        resource_tracker.ensure_running()
+        start_resource_tracker()
         sys.stderr.flush()
         self.terminal = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="replace")
         self.console = Console(file=self.terminal)

@@ -7,8 +7,10 @@ with any of them gives the same bytes whichever producer builds the sample, howe
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
+import sys
 from collections.abc import Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, overload
@@ -174,3 +176,16 @@ def check_dataset(dataset: Any) -> None:
                          "dataset (with __len__ and __getitem__)")
     if len(dataset) == 0:
         raise ValueError(f"data: the {type(dataset).__name__} is empty")
+    if type(dataset).__module__ == "__main__" and not _main_importable():
+        raise ValueError(f"data: the {type(dataset).__name__} class is defined in a script with no file (read from "
+                         "standard input, `python -c`, or an interactive session), which the producers, started "
+                         "as new processes (spawn), cannot import; define the class in a .py file and import it")
+
+
+def _main_importable() -> bool:
+    """Whether a spawned process can import the main script again (and with it the classes defined there)."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:  # python -m module
+        return True
+    path = getattr(main, "__file__", None)
+    return path is not None and os.path.isfile(path)

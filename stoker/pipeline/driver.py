@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from stoker.common.procs import CONTEXT, Mailbox, check_memory_for_producers
+from stoker.common.procs import CONTEXT, Mailbox, check_memory_for_producers, start_resource_tracker
 from stoker.pipeline.autoscale import StepStamp, Window
 from stoker.pipeline.engine import Accounting, Build, Engine, ProducerCounts, check_ring_space
 from stoker.pipeline.gauges import EventLog
@@ -37,6 +37,7 @@ class EngineDriver:
         self.counts = counts
         name_semaphores_for_sweeping()  # before the first one: what a kill -9 of this process leaves is swept
         sweep_dead_semaphores()
+        start_resource_tracker()  # before the first semaphore or segment registers with it
         self.stop = CONTEXT.Event()
         self.mailbox = Mailbox()
         self._engine: Engine | None = None

@@ -313,6 +313,6 @@ class ProducerPool:
         handles, self.handles = list(self.handles.values()), {}
         for handle in handles:
             handle.parts.cancel_join_thread()
-        stop_processes([h.process for h in handles], timeout_s)
+        stop_processes([h.process for h in handles], timeout_s, kill_loses_nothing=True)
         for handle in handles:
             handle.parts.close()

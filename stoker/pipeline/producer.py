@@ -13,7 +13,7 @@ import queue
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -155,7 +155,10 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, parts, outbox, s
         if part.compact:
             count = compact_slot(part, ring, status)
         else:
-            count, skipped = build_batch(part, setup, ring, status, reads)
+            try:
+                count, skipped = build_batch(part, setup, ring, status, reads, stop)
+            except StopRequested:  # the part is left: its slot is unlinked or rebuilt, nothing waits for it
+                return
         faults.maybe_inject("producer-result", f"part={part.part_id};", outbox)
         outbox.send(PartDone(producer, part.part_id, count, skipped, time.perf_counter() - started, reads.seconds))
 
@@ -174,8 +177,12 @@ class ReadClock:
             self.seconds += time.perf_counter() - started
 
 
+class StopRequested(Exception):
+    """The stop event was set while a part was being built."""
+
+
 def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.ndarray,
-                reads: ReadClock | None = None) -> tuple[int, dict[int, Skipped]]:
+                reads: ReadClock | None = None, stop: Any = None) -> tuple[int, dict[int, Skipped]]:
     """Write the part's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
     by id). A part that is the whole batch also sets the slot's count; for parts the engine does (`parts.py`)."""
     work = part.work
@@ -189,6 +196,10 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
     count = part.first
     skipped: dict[int, Skipped] = {}
     for position in range(part.first, part.end):
+        # Between samples, not between parts only: a part of 256 large JPEGs is seconds of decoding, and a close
+        # that waited for it killed the producer at its deadline.
+        if stop is not None and stop.is_set():
+            raise StopRequested
         sample_id = int(work.sample_ids[position])
         status[:] = (part.part_id, position, time.monotonic_ns())
         if sample_id in part.skip:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import time
 import weakref
 from collections import deque
@@ -39,6 +40,7 @@ from stoker.common.config import (
     setting_names,
 )
 from stoker.common.devices import available_cores
+from stoker.common.main_guard import check_main_guard
 from stoker.common.procs import POLL_S, StokerRunError
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
@@ -247,6 +249,8 @@ class Loader:
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.closed:
             raise RuntimeError("this stoker.Loader is closed")
+        if self._engine is None:  # before any producer starts: each would run the unguarded script again
+            check_main_guard(sys._getframe(1), "iterating a stoker.Loader")
         self._start()
         return self._batches()
 

@@ -3,6 +3,7 @@ contended core), then builds every item at once."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -24,8 +25,8 @@ class SlowToLoad:
 
 
 class FirstLoadNeverEnds(SlowToLoad):
-    """The first producer to unpickle it is stuck for good (it claims `marker`); the others load at once. With
-    `marker` of None, every producer is stuck."""
+    """The first producer to unpickle it is stuck for good (it claims `marker`, writing its pid there); the others
+    load at once. With `marker` of None, every producer is stuck."""
 
     def __init__(self, marker: str | None, size: int = 16) -> None:
         super().__init__(load_s=0.0, size=size)
@@ -40,7 +41,8 @@ class FirstLoadNeverEnds(SlowToLoad):
 
 def _claim(path: str) -> bool:
     try:
-        with open(path, "x"):
-            return True
+        with open(path, "x") as handle:  # first come, first stuck (read empty for an instant: not yet claimed)
+            handle.write(str(os.getpid()))
     except FileExistsError:
         return False
+    return True

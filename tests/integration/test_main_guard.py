@@ -54,3 +54,37 @@ def test_a_child_that_re_imports_an_unguarded_call_starts_no_run_of_its_own(text
     assert 'if __name__ == "__main__":' in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "train_it.py"]  # one run folder, the parent's
     assert "internal error" not in (tmp_path / "run" / "summary.json").read_text()
+
+
+def _from_stdin(tmp_path: Path, body: str) -> subprocess.CompletedProcess:
+    """`python - <<EOF`: the main module's file is '<stdin>', which a spawned child cannot run again."""
+    environment = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-"], input=textwrap.dedent(body), capture_output=True, text=True,
+                          timeout=100, cwd=tmp_path, env=environment)
+
+
+def test_a_loader_in_a_script_read_from_standard_input_feeds_its_loop(textures, tmp_path):
+    """9 producers in a row died of FileNotFoundError: '<stdin>' before this worked as with `python -c`."""
+    result = _from_stdin(tmp_path, f"""
+        import stoker
+        with stoker.Loader({str(textures[0])!r}, batch_size=8, image_size=16, producers=2, device="cpu") as loader:
+            print("batches", sum(1 for _ in loader))
+        """)
+    assert result.returncode == 0, result.stderr
+    assert "batches" in result.stdout and "FileNotFoundError" not in result.stderr
+
+
+def test_a_dataset_class_defined_on_standard_input_is_one_error_before_any_producer(tmp_path):
+    result = _from_stdin(tmp_path, """
+        import numpy as np, stoker
+        class Squares:
+            def __len__(self): return 8
+            def __getitem__(self, i): return np.zeros((8, 8, 3), np.uint8), i % 2
+        try:
+            stoker.Loader(Squares(), batch_size=4, device="cpu")
+        except ValueError as error:
+            print(error)
+        """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("data: the Squares class is defined in a script with no file (read from "
+                                    "standard input"), result.stdout

@@ -136,3 +136,27 @@ def test_parts_are_sized_from_the_producer_ceiling():
     # A queue of 4 places per producer needs twice the parts to fill from the same slots.
     assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4, max_in_flight=4) == 4
     assert part_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty part
+
+
+def test_a_stop_set_while_a_part_is_built_ends_it_between_samples(ring, source):
+    """A close waited for whole parts (seconds of decoding at batch 256), then killed the producer at its deadline."""
+    import threading
+
+    from stoker.pipeline.producer import StopRequested
+
+    stop = threading.Event()
+    reads: list[int] = []
+
+    class StoppingSource:  # the real files, and the stop the controller sets after the fourth read
+        paths, labels = source.paths, source.labels
+
+        def read(self, sample_id: int) -> bytes:
+            reads.append(sample_id)
+            if len(reads) == 4:
+                stop.set()
+            return source.read(sample_id)
+
+    setup = ProducerSetup(ring.spec, StoppingSource(), None, "none", seed=0)
+    with pytest.raises(StopRequested):
+        build_batch(Part(0, work(), 1), setup, ring, ring.status[0], stop=stop)
+    assert len(reads) == 4  # not one sample more after the stop

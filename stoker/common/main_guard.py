@@ -1,10 +1,11 @@
-"""`stoker.train` in a script without `if __name__ == "__main__":`.
+"""`stoker.train`, or a `stoker.Loader`'s first `iter()`, in a script without `if __name__ == "__main__":`.
 
 stoker's processes are started with spawn: each child imports the parent's main module again (as `__mp_main__`)
 before it runs its own work, so a script that calls `stoker.train` at its top level would start a whole new run in
-every producer and consumer (seen: 4 run folders and 3 "internal error" summaries). The parent refuses such a call
-before anything starts; a child that gets there anyway (the call made some other way) stops with the same line
-instead of starting a run.
+every producer and consumer (seen: 4 run folders and 3 "internal error" summaries), and one that iterates a Loader
+there lost 9 producers in a row to multiprocessing's bootstrapping error, each with a page of traceback. The parent
+refuses such a call before anything starts; a child that gets there anyway (the call made some other way) stops
+with the same line instead of starting anything.
 """
 
 from __future__ import annotations
@@ -17,20 +18,20 @@ from types import FrameType
 GUARD = 'if __name__ == "__main__":'
 
 
-def unguarded_call_message(where: str) -> str:
-    return (f"stoker.train() runs at the top level of {where}, which every stoker process re-imports when it "
+def unguarded_call_message(where: str, call: str = "stoker.train()") -> str:
+    return (f"{call} runs at the top level of {where}, which every stoker process re-imports when it "
             f"starts (spawn); put the call under {GUARD}")
 
 
-def check_main_guard(caller: FrameType | None) -> None:
+def check_main_guard(caller: FrameType | None, call: str = "stoker.train()") -> None:
     """Stop with one line on stderr and exit code 2, before anything starts, when `stoker.train` is called from
     the main script's top level outside the guard (in the parent), or while a child re-imports the script.
     `caller` is the frame that called `stoker.train`."""
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # multiprocessing's own flag for this
-        _stop(unguarded_call_message("the main script"))
+        _stop(unguarded_call_message("the main script", call))
     where = _unguarded_top_level_line(caller)
     if where is not None:
-        _stop(unguarded_call_message(where))
+        _stop(unguarded_call_message(where, call))
 
 
 def _stop(message: str) -> None:
