@@ -96,10 +96,11 @@ def _producer_advice(split: TimeSplit, names: Spelling) -> str:
         return (f"producers {busy}, {reading:.0%} of it reading files: reading is slow (storage or network); "
                 f"more producers overlap the reads ({_more_producers(split, names)}), or copy the data to a local disk")
     if idle > 1 - BUSY_PRODUCERS:
-        return (f"producers {busy}, reading little: they had no batch to build when consumers wanted one, so more "
+        reads = "" if reading is None else f", {reading:.0%} of it reading files"
+        return (f"producers {busy}{reads}: they had no batch to build when consumers wanted one, so more "
                 f"producers or cores would idle too; {_more_slots(split, names)} to build more batches ahead")
-    held = split.auto and split.producers >= split.producer_budget
-    if held and (split.producer_ceiling or 0) > split.producer_budget:
+    at_limit = split.auto and split.producers >= split.producer_budget
+    if at_limit and (split.producer_ceiling or 0) > split.producer_budget:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
         return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "
                 "because one more did not raise the rate: the cores are the limit, not the producer count; lower "

@@ -328,6 +328,12 @@ class RunStats:
     def mismatched_steps(self) -> list[int]:
         return [step for step, check in self.digests.items() if len(set(check.values())) > 1]
 
+    def latest_train_loss(self) -> float | None:
+        """The mean loss of the latest epoch that trained a sample: the next epoch's books open when its first
+        batches are handed out, which on a small run is most of an epoch early."""
+        trained = [epoch for epoch, account in self.epochs.items() if account.consumed()]
+        return self.train_loss(max(trained)) if trained else None
+
     def train_loss(self, epoch: int) -> float | None:
         account = self.epochs.get(epoch)
         if account is None or not account.consumed():

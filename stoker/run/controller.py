@@ -28,6 +28,7 @@ from stoker.common.procs import (
 )
 from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
+from stoker.observe.evaluation import val_line
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
@@ -46,6 +47,7 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
 from stoker.training.models import build_model, check_model
@@ -77,7 +79,12 @@ class Controller:
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
-                              self.cluster.world, config.seed)
+                              self.cluster.world, config.seed, config.drop_last)
+        if self.plan.steps_per_epoch == 0:
+            raise ValueError(f"drop_last=true with {len(self.data.train)} training images leaves no step: one takes "
+                             f"{config.batch_size * self.cluster.world} (batch_size x {self.cluster.world} consumers)")
+        if warning := ema_warning(config.ema, self.plan.steps_per_epoch * config.epochs):
+            log.warning("%s", warning)
         self.num_slots = config.slots_per_consumer * self.num_consumers
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
@@ -361,8 +368,7 @@ class Controller:
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
                                count=message.count, top5=message.top5, ema=message.ema)
             if self.show_progress:  # --quiet: no progress lines (the numbers are in metrics.jsonl and the ending)
-                log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
-                         message.loss)
+                log.info("%s", val_line(message))
         elif isinstance(message, Saved):
             self.checkpoints.saved(message, self.stats)
         elif isinstance(message, Finished):
@@ -441,7 +447,7 @@ class Controller:
             epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
             samples_per_s=self.stats.throughput() if final else self.stats.rate(time.monotonic()),
-            loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
+            loss=self.stats.latest_train_loss(),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,
             producer_budget=self.engine.producer_limit(),
@@ -478,7 +484,7 @@ class Controller:
             gpu_memory=[self.finished[rank].memory for rank in sorted(self.finished)], world=self.cluster.world,
             machines=self.cluster.nodes, devices=self.devices,
             producers=producer_fields(self.driver.engine if self.driver.started else None),
-            samples_expected=self.plan.samples_per_epoch, verdict=self.run_verdict().as_json(),
+            samples_expected=self.plan.samples_trained_per_epoch, verdict=self.run_verdict().as_json(),
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
             started=self.started), status, error)
