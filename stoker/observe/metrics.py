@@ -362,11 +362,13 @@ class RunStats:
     def averaging_fractions(self) -> list[float]:
         return [averaging for _, _, averaging in self.shares()]
 
+    def training_s(self) -> float:
+        """The span the throughput is over: the slowest consumer's first step start to last step end."""
+        return max((c.wall_s() for c in self.consumers), default=0.0)
+
     def throughput(self) -> float:
-        walls = [c.wall_s() for c in self.consumers if c.wall_s() > 0]
-        if not walls:
-            return 0.0
-        return sum(c.samples for c in self.consumers) / max(walls)
+        span = self.training_s()
+        return sum(c.samples for c in self.consumers) / span if span > 0 else 0.0
 
     def epoch_accounting(self) -> list[dict[str, int]]:
         return accounting_rows(self.epochs)

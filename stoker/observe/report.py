@@ -97,7 +97,7 @@ def compare(run_dirs: list[Path], out: Path) -> str:
 
 ROWS = (
     ("status", lambda s: s["status"]),
-    ("samples/s", lambda s: f"{s['throughput_samples_per_s']:,.0f}"),
+    ("samples/s", lambda s: f"{s['throughput_samples_per_s']:,.0f}" + _span(s)),
     ("consumers", lambda s: str(s["num_consumers"])),
     ("device compute", lambda s: _mean_share(s.get("compute_fraction"))),
     ("input wait", lambda s: _mean_share(s["input_stall_fraction"])),
@@ -124,6 +124,14 @@ def rows_for(summaries: list[dict[str, Any]]) -> list[tuple[str, Any]]:
             if label not in OPTIONAL or any(OPTIONAL[label](summary) for summary in summaries)]
 
 
+def _span(summary: dict[str, Any]) -> str:
+    """What the rate is over: the samples trained in the seconds of training steps (every part of the run), which
+    the wall time beside it also counts start-up, validation and checkpoints in."""
+    if summary.get("train_s") is None or summary.get("samples_trained") is None:
+        return ""  # a summary written before stoker recorded them
+    return f" ({summary['samples_trained']:,} in {summary['train_s']:.1f} s of steps)"
+
+
 def _mean_share(values: list[float] | None) -> str:
     return f"{sum(values) / len(values):.1%}" if values else "-"
 
@@ -131,9 +139,12 @@ def _mean_share(values: list[float] | None) -> str:
 def describe(runs: list[RunRecord]) -> str:
     rows = rows_for([run.summary for run in runs])
     width = max(len(label) for label, _ in rows)
-    lines = [(f"{'':<{width}}  " + "  ".join(f"{run.name:<24}" for run in runs)).rstrip()] if len(runs) > 1 else []
-    for label, value in rows:
-        lines.append((f"{label:<{width}}  " + "  ".join(f"{value(run.summary):<24}" for run in runs)).rstrip())
+    cells = [[value(run.summary) for run in runs] for _, value in rows]
+    column = max([24, *(len(cell) for row in cells for cell in row[:-1])])  # the last column needs no padding
+    header = (f"{'':<{width}}  " + "  ".join(f"{run.name:<{column}}" for run in runs)).rstrip()
+    lines = [header] if len(runs) > 1 else []
+    for (label, _), row in zip(rows, cells):
+        lines.append((f"{label:<{width}}  " + "  ".join(f"{cell:<{column}}" for cell in row)).rstrip())
     for run in runs:  # long lines: below the table, not in its columns
         prefix = f"{run.name}: " if len(runs) > 1 else ""
         lines.append(f"{prefix}{(run.summary.get('verdict') or {}).get('text', 'no verdict')}")

@@ -446,7 +446,7 @@ class Controller:
         self.view.update(Snapshot(
             epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
-            samples_per_s=self.stats.throughput() if final else self.stats.rate(time.monotonic()),
+            samples_per_s=self.ledger.throughput(self.stats) if final else self.stats.rate(time.monotonic()),
             loss=self.stats.latest_train_loss(),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,
