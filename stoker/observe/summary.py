@@ -96,10 +96,10 @@ class Ledger:
                     saved["counts"].copy(), saved["expected"].copy(), set(saved["skipped_ids"].tolist()),
                     header["loss_sum"])
 
-    def throughput(self, stats: RunStats) -> float:
-        """Samples per second of training steps over every part so far (`whole_figures`' throughput)."""
-        parts = [*self.segments, {**part_times(stats), "producers_initial": 0}]
-        return float(whole_figures(parts)["throughput_samples_per_s"])
+    def so_far(self, stats: RunStats) -> dict[str, Any]:
+        """`whole_figures` over every part so far, this one as `stats` has it now: the throughput and the time
+        shares that the live view's last line and the verdict give (the producer counts are the summary's)."""
+        return whole_figures([*self.segments, {**part_times(stats), "producers_initial": 0}])
 
     def whole_run(self, part: dict[str, Any], stats: RunStats, start_step: int) -> dict[str, Any]:
         """The summary of this part, with the fields that describe the run made to cover every part."""
@@ -130,9 +130,8 @@ def part_times(stats: RunStats) -> dict[str, Any]:
     """What a part's whole-run figures are summed from: the samples it trained, its time in training steps (the
     throughput's span: the first step's start to the last one's end, the slowest consumer's), and each consumer's
     seconds as (compute, input wait, averaging, host, wall)."""
-    return {"samples_trained": sum(c.samples for c in stats.consumers), "train_s": round(stats.training_s(), 3),
-            "consumer_s": [[round(x, 4) for x in (c.compute_s, c.wait_s, c.averaging_s, c.host_s, c.wall_s())]
-                           for c in stats.consumers]}
+    return {"samples_trained": sum(c.samples for c in stats.consumers), "train_s": stats.training_s(),
+            "consumer_s": [[c.compute_s, c.wait_s, c.averaging_s, c.host_s, c.wall_s()] for c in stats.consumers]}
 
 
 def whole_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:

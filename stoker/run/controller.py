@@ -427,10 +427,11 @@ class Controller:
         and the report all show this one."""
         if not self.stats.consumers[0].steps:
             return Verdict("starting", "no training step finished")
+        run = self.ledger.so_far(self.stats)  # after --resume, the parts before this one too
         return diagnose(TimeSplit(
-            compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
-            averaging=mean(self.stats.averaging_fractions()), sync_every=self.config.sync_every,
-            overlapped=self.config.overlap_averaging, host=mean(self.stats.host_fractions()),
+            compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
+            averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
+            overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]),
             **self.engine.verdict_fields()))
 
     @property
@@ -446,7 +447,8 @@ class Controller:
         self.view.update(Snapshot(
             epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
-            samples_per_s=self.ledger.throughput(self.stats) if final else self.stats.rate(time.monotonic()),
+            samples_per_s=(self.ledger.so_far(self.stats)["throughput_samples_per_s"] if final
+                           else self.stats.rate(time.monotonic())),
             loss=self.stats.latest_train_loss(),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,

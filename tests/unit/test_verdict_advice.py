@@ -189,3 +189,27 @@ def test_every_input_verdict_names_a_setting_the_run_does_not_already_use_and_on
         assert shown <= figures, (text, shown - figures)
         loader = diagnose(split, LOADER_ARGUMENTS).text
         assert "producers='auto'" not in loader and "--" not in loader, loader
+
+
+def test_after_a_resume_the_verdict_tells_the_whole_run_s_shares(textures, tmp_path):
+    # The table printed the whole run's shares after --resume and the verdict beside it the last part's alone.
+    from stoker.common.config import make_config
+    from stoker.pipeline.engine import Engine
+    from stoker.run.controller import Controller
+
+    train, val = textures
+    controller = Controller(make_config({"data": train, "val": val, "devices": "cpu:1", "image_size": 16,
+                                         "producers": 2, "out": tmp_path / "run"}))  # starts nothing
+    engine = Engine.__new__(Engine)
+    engine.budget, engine.pool, engine.autoscaler = 2, None, None
+    engine.gauges = gauges = ProducerGauges(2, events=None)
+    gauges.timeline, gauges.producer_busy = [{"producers": 2}], (9.5, 10.0)
+    controller.driver._engine = engine
+    # The part before: 6 s of steps, no wait. This part: 3 steps of 0.5 s computing and 0.5 s waiting (the first
+    # step's wait is start-up): 1.0 s of wait in 2.5 s, so 1.0 of the whole 8.5 s: 12%, not this part's 40%.
+    controller.ledger.segments = [{"samples_trained": 12, "train_s": 6.0, "consumer_s": [[6.0, 0.0, 0.0, 0.0, 6.0]],
+                                   "producers_initial": 2, "producers_max": 2}]
+    for step, now in enumerate((1.0, 2.0, 3.0)):
+        controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
+    text = controller.run_verdict().text
+    assert "consumers wait 12% of the time" in text, text
