@@ -143,6 +143,11 @@ class FeedSettings:
 
     batch_size: Annotated[Count, Setting("samples per consumer per step", "B", group=RECIPE)] = Field(
         default=64, ge=1, le=65536)
+    # As DataLoader's drop_last (a Loader's argument of that name): a last step of a few samples trains BatchNorm
+    # on their statistics alone, and its running averages follow them.
+    drop_last: Annotated[bool, Setting(
+        "true | false: leave out each epoch's short last step (its samples wait for another epoch's order)", "BOOL",
+        group=RECIPE)] = False
     producers: Annotated[int | Literal["auto"], BeforeValidator(_not_a_bool), Setting(
         "auto (fork more when consumers wait) or a fixed count", "M", may_change_on_resume=True,
         machine_local=True, loader=True)] = "auto"

@@ -30,6 +30,7 @@ class TimeSplit:
     host: float = 0.0  # on GPUs: the device idle while the consumer was not waiting for a batch
     producer_read_share: float | None = None  # of the producers' busy time, reading files; None: not measured
     producer_slot_bound: float | None = None  # share of their time producers idled while a batch waited for a slot
+    auto: bool = True  # the count is auto's (it moves between the minimum and the ceiling); False: a fixed count
 
 
 @dataclass(frozen=True)
@@ -42,10 +43,11 @@ class Spelling:
     max_producers: str = "--max-producers"
     slots: str | None = "--slots-per-consumer"
     image_size: str = "--image-size"
+    initial_producers: str | None = "--initial-producers"
 
 
 FLAGS = Spelling()
-LOADER_ARGUMENTS = Spelling("producers='auto'", "producers=", "max_producers=", None, "image_size=")
+LOADER_ARGUMENTS = Spelling("producers='auto'", "producers=", "max_producers=", None, "image_size=", None)
 
 
 @dataclass(frozen=True)
@@ -74,40 +76,73 @@ def diagnose(split: TimeSplit, spelling: Spelling = FLAGS) -> Verdict:
 
 
 def _producer_advice(split: TimeSplit, names: Spelling) -> str:
-    """What limits input, from the producers' own figures: producers idle while batches waited for a free slot
-    lack work (more cores would idle too); busy ones wait on storage only when reading files is most of their busy
-    time (a cache-warm folder reads in microseconds and its producers are busy decoding). Producers idle for another
-    reason (the run's first and last batches, work handed out late) are judged by what they did when busy."""
+    """What limits input, from the producers' own figures, and the setting that would change it (never one the
+    run already uses: auto is not advised to a run on auto, nor --max-producers to a fixed count). Producers idle
+    while batches waited for a free slot lack work (more cores would idle too); busy ones wait on storage only when
+    reading files is most of their busy time (a cache-warm folder reads in microseconds and its producers are busy
+    decoding). Producers idle with slots free and reads fast had no batch to build when consumers wanted one: the
+    batches built ahead are the limit there too."""
     idle = 1 - split.producer_utilization
     slot_bound = split.producer_slot_bound
     if idle > 1 - BUSY_PRODUCERS and (slot_bound is None or slot_bound >= idle / 2):
         held = "" if slot_bound is None else f" ({slot_bound:.0%} of their time while a batch waited for a slot)"
-        remedy = (f"raise {names.slots}" if names.slots
-                  else "a Loader's ring holds a batch per producer and 2 more, which no setting changes")
         return (f"producers idle {idle:.0%} of the time while consumers wait{held}: they lack work, not cores or "
-                f"storage (the batches in flight are the limit); {remedy}")
+                f"storage (the batches in flight are the limit); {_more_slots(split, names)}")
     busy = f"busy {split.producer_utilization:.0%}"
     if idle > 1 - BUSY_PRODUCERS:
         busy += f" (idle {idle:.0%}, not for want of a slot)"
     reading = split.producer_read_share
     if reading is not None and reading >= SLOW_READS:
-        at_most = split.producers >= (split.producer_ceiling or split.producer_budget)
-        more = (f"raise {names.producers}, or {names.max_producers} under auto" if at_most
-                else f"{names.producers_auto} adds them")
-        return (f"producers {busy}, {reading:.0%} of it reading files: reading is slow (storage or network); more "
-                f"producers overlap the reads ({more}), or copy the data to a local disk")
+        return (f"producers {busy}, {reading:.0%} of it reading files: reading is slow (storage or network); "
+                f"more producers overlap the reads ({_more_producers(split, names)}), or copy the data to a local disk")
     if idle > 1 - BUSY_PRODUCERS:
-        return f"producers {busy}: neither slots nor storage held them back, so more producers or cores would idle too"
-    if split.producers >= split.producer_budget and (split.producer_ceiling or 0) > split.producer_budget:
+        reads = "" if reading is None else f", {reading:.0%} of it reading files"
+        return (f"producers {busy}{reads}: they had no batch to build when consumers wanted one, so more "
+                f"producers or cores would idle too; {_more_slots(split, names)} to build more batches ahead")
+    at_limit = split.auto and split.producers >= split.producer_budget
+    if at_limit and (split.producer_ceiling or 0) > split.producer_budget:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
         return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "
                 "because one more did not raise the rate: the cores are the limit, not the producer count; lower "
                 f"{names.image_size}, or give the run more cores")
-    if split.producers >= split.producer_budget:
-        return (f"producers at budget ({split.producers}/{split.producer_budget}, {busy}): give them more cores "
-                f"({names.max_producers}) or lower {names.image_size}")
-    return (f"{split.producers} producers {busy}, below the budget of {split.producer_budget}: "
-            f"{names.producers_auto} adds more, or raise {names.producers}")
+    return (f"{_count_now(split, busy)}: give them more cores ({_more_producers(split, names)}) or lower "
+            f"{names.image_size}")
+
+
+def _count_now(split: TimeSplit, busy: str) -> str:
+    if not split.auto:
+        return f"producers at the fixed count ({split.producers}, {busy})"
+    ceiling = split.producer_ceiling or split.producer_budget
+    if split.producers >= ceiling:
+        return f"producers at auto's ceiling ({split.producers}/{ceiling}, {busy})"
+    return f"{split.producers} producers {busy}, below auto's limit of {split.producer_budget}"
+
+
+def _more_producers(split: TimeSplit, names: Spelling) -> str:
+    """The setting that gives this run more producers, given how it counts them."""
+    if not split.auto:
+        return f"raise {names.producers} above {split.producers}"
+    ceiling = split.producer_ceiling or split.producer_budget
+    if split.producers >= ceiling:
+        return f"raise {names.max_producers} above {ceiling}: auto forks while that pays"
+    if split.producer_budget < ceiling and split.producers >= split.producer_budget:
+        return (f"auto held them at {split.producer_budget}, where one more did not raise the rate; a fixed "
+                f"{_given(names.producers, split.producer_budget + 1)} overrules it")
+    start = (f"start it higher with {_given(names.initial_producers, split.producer_budget)}"
+             if names.initial_producers else f"fix the count with {_given(names.producers, split.producer_budget)}")
+    return f"auto had reached {split.producers} of {split.producer_budget} by the end; {start}"
+
+
+def _given(name: str, value: int) -> str:
+    """A setting with a value, as its user writes it: `--flag 3` or `keyword=3`."""
+    return f"{name}{value}" if name.endswith("=") else f"{name} {value}"
+
+
+def _more_slots(split: TimeSplit, names: Spelling) -> str:
+    if names.slots:
+        return f"raise {names.slots}"
+    count = names.max_producers if split.auto else names.producers
+    return f"raise {count} (a Loader's ring holds a slot for each producer it may run, and 2 more)"
 
 
 def suggest_sync_every(averaging: float, sync_every: int) -> int:

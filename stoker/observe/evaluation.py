@@ -27,6 +27,14 @@ def val_summary(report: ValReport | None, classes: list[str]) -> dict[str, Any]:
     }
 
 
+def val_line(report: ValReport) -> str:
+    """The epoch's log line: the model's validation, and the EMA's beside it (with --ema)."""
+    line = f"epoch {report.epoch + 1}: val accuracy {100 * report.accuracy:.2f}% loss {report.loss:.4f}"
+    if report.ema:
+        line += f"; EMA val accuracy {100 * report.ema['accuracy']:.2f}% loss {report.ema['loss']:.4f}"
+    return line
+
+
 def per_class_accuracy(confusion: list[list[int]], classes: list[str]) -> dict[str, float | None]:
     """Each class's share of its validation samples predicted right (None: the class had none), by name."""
     return dict(zip(classes, class_recall(confusion), strict=True))

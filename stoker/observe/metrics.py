@@ -328,6 +328,12 @@ class RunStats:
     def mismatched_steps(self) -> list[int]:
         return [step for step, check in self.digests.items() if len(set(check.values())) > 1]
 
+    def latest_train_loss(self) -> float | None:
+        """The mean loss of the latest epoch that trained a sample: the next epoch's books open when its first
+        batches are handed out, which on a small run is most of an epoch early."""
+        trained = [epoch for epoch, account in self.epochs.items() if account.consumed()]
+        return self.train_loss(max(trained)) if trained else None
+
     def train_loss(self, epoch: int) -> float | None:
         account = self.epochs.get(epoch)
         if account is None or not account.consumed():
@@ -356,11 +362,13 @@ class RunStats:
     def averaging_fractions(self) -> list[float]:
         return [averaging for _, _, averaging in self.shares()]
 
+    def training_s(self) -> float:
+        """The span the throughput is over: the slowest consumer's first step start to last step end."""
+        return max((c.wall_s() for c in self.consumers), default=0.0)
+
     def throughput(self) -> float:
-        walls = [c.wall_s() for c in self.consumers if c.wall_s() > 0]
-        if not walls:
-            return 0.0
-        return sum(c.samples for c in self.consumers) / max(walls)
+        span = self.training_s()
+        return sum(c.samples for c in self.consumers) / span if span > 0 else 0.0
 
     def epoch_accounting(self) -> list[dict[str, int]]:
         return accounting_rows(self.epochs)

@@ -1,8 +1,9 @@
 """The run report: `RUN_DIR/report.png` and `report.txt` from a run's `metrics.jsonl` and `summary.json`.
 
 Four panels: throughput over time; how each consumer spent its time; ready-queue fill and producer count over
-time; training loss and validation accuracy per epoch. `stoker report RUN_A RUN_B` draws both runs in the same
-panels and prints their numbers side by side.
+time; training loss and validation accuracy per epoch; with a validation two more: the confusion matrix and
+per-class accuracy of its last pass. `stoker report RUN_A RUN_B` draws both runs in the same panels (the confusion
+matrix: the first run's, named) and prints their numbers side by side.
 """
 
 from __future__ import annotations
@@ -96,17 +97,39 @@ def compare(run_dirs: list[Path], out: Path) -> str:
 
 ROWS = (
     ("status", lambda s: s["status"]),
-    ("samples/s", lambda s: f"{s['throughput_samples_per_s']:,.0f}"),
+    ("samples/s", lambda s: f"{s['throughput_samples_per_s']:,.0f}" + _span(s)),
     ("consumers", lambda s: str(s["num_consumers"])),
     ("device compute", lambda s: _mean_share(s.get("compute_fraction"))),
     ("input wait", lambda s: _mean_share(s["input_stall_fraction"])),
-    ("host (GPU idle for Python)", lambda s: _mean_share(s.get("host_fraction"))),
+    ("host (GPU idle for Python)", lambda s: _mean_share(s.get("host_fraction"))),  # GPU runs only (OPTIONAL)
     ("averaging", lambda s: _mean_share(s["averaging_fraction"])),
     ("producers (start/max/end)", lambda s: f"{s['producers_initial']}/{s['producers_max']}/{s['producers_final']}"),
     ("val accuracy", lambda s: f"{s['val_accuracy']:.2%}" if s.get("val_accuracy") is not None else "-"),
+    ("EMA val accuracy", lambda s: f"{s['ema_val_accuracy']:.2%}" if s.get("ema_val_accuracy") is not None else "-"),
     ("train loss", lambda s: f"{s['train_loss']:.4f}" if s.get("train_loss") is not None else "-"),
     ("wall time", lambda s: f"{s['wall_s']:.1f} s"),
 )
+
+
+# Rows that say something only for some runs: shown when one of the runs compared is such a run.
+OPTIONAL = {
+    "host (GPU idle for Python)": lambda s: any(str(d).startswith("cuda") for d in s.get("devices") or ()),
+    "EMA val accuracy": lambda s: s.get("ema_val_accuracy") is not None,
+}
+
+
+def rows_for(summaries: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """The table's rows for these runs: every row, less the optional ones that none of them has."""
+    return [(label, value) for label, value in ROWS
+            if label not in OPTIONAL or any(OPTIONAL[label](summary) for summary in summaries)]
+
+
+def _span(summary: dict[str, Any]) -> str:
+    """What the rate is over: the samples trained in the seconds of training steps (every part of the run), which
+    the wall time beside it also counts start-up, validation and checkpoints in."""
+    if summary.get("train_s") is None or summary.get("samples_trained") is None:
+        return ""  # a summary written before stoker recorded them
+    return f" ({summary['samples_trained']:,} in {summary['train_s']:.1f} s of steps)"
 
 
 def _mean_share(values: list[float] | None) -> str:
@@ -114,10 +137,14 @@ def _mean_share(values: list[float] | None) -> str:
 
 
 def describe(runs: list[RunRecord]) -> str:
-    width = max(len(label) for label, _ in ROWS)
-    lines = [(f"{'':<{width}}  " + "  ".join(f"{run.name:<24}" for run in runs)).rstrip()] if len(runs) > 1 else []
-    for label, value in ROWS:
-        lines.append((f"{label:<{width}}  " + "  ".join(f"{value(run.summary):<24}" for run in runs)).rstrip())
+    rows = rows_for([run.summary for run in runs])
+    width = max(len(label) for label, _ in rows)
+    cells = [[value(run.summary) for run in runs] for _, value in rows]
+    column = max([24, *(len(cell) for row in cells for cell in row[:-1])])  # the last column needs no padding
+    header = (f"{'':<{width}}  " + "  ".join(f"{run.name:<{column}}" for run in runs)).rstrip()
+    lines = [header] if len(runs) > 1 else []
+    for (label, _), row in zip(rows, cells):
+        lines.append((f"{label:<{width}}  " + "  ".join(f"{cell:<{column}}" for cell in row)).rstrip())
     for run in runs:  # long lines: below the table, not in its columns
         prefix = f"{run.name}: " if len(runs) > 1 else ""
         lines.append(f"{prefix}{(run.summary.get('verdict') or {}).get('text', 'no verdict')}")
@@ -156,9 +183,11 @@ def ending(summary: dict[str, Any], run_dir: Path, width: int | None = None) -> 
 def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
     """(path relative to the run folder, what it holds) for the files this run left there."""
     files = [("summary.json", "every number of this run: exactly-once accounting, skipped files, timeline"),
-             (REPORT_PNG, "where the time went, in four panels (report.txt: the table above)"),
+             (REPORT_PNG, f"where the time went, in {NUMBER_WORDS[panel_count(summary)]} panels (report.txt: the "
+                          "table above)"),
              ("metrics.jsonl", "every step and event"),
-             ("model.pt", "the averaged model where the run ended")]
+             ("model.pt", "the averaged model where the run ended"),
+             ("model_ema.pt", "the EMA of the weights where the run ended")]
     found = [(name, what) for name, what in files if (run_dir / name).exists()]
     if summary.get("model_best") and summary.get("best_epoch") is not None:
         found.append(("model_best.pt", f"the best validation accuracy, {100 * summary['best_val_accuracy']:.2f}%, "
@@ -172,6 +201,14 @@ def run_files(summary: dict[str, Any], run_dir: Path) -> list[tuple[str, str]]:
 
 
 # ---- the panels ------------------------------------------------------------------------------------------------
+
+NUMBER_WORDS = {4: "four", 6: "six"}
+
+
+def panel_count(summary: dict[str, Any]) -> int:
+    """Four panels, and two more (confusion matrix, per-class accuracy) for a run that validated."""
+    return 6 if summary.get("val_confusion") else 4
+
 
 def throughput_series(run: RunRecord) -> tuple[list[float], list[float]]:
     """Samples per second in bins of THROUGHPUT_BIN_S (at their middles), each part of a resumed run on its own
@@ -233,18 +270,27 @@ def epoch_losses(run: RunRecord) -> dict[int, float]:
 
 
 def draw(runs: list[RunRecord], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure = drawn(runs)
+    figure.savefig(out, dpi=90)
+    plt.close(figure)
+
+
+def drawn(runs: list[RunRecord]) -> Any:
+    """The report's figure (matplotlib's), for `draw` to save."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     confusion = runs[0].summary.get("val_confusion")  # the panel shows the first run's
-    columns = 3 if confusion else 2
+    columns = panel_count(runs[0].summary) // 2
     figure, grid = plt.subplots(2, columns, figsize=(6 * columns, 8), squeeze=False)
     (speed, split), (pipeline, learning) = grid[0][:2], grid[1][:2]
     if confusion:
-        _draw_confusion(grid[0][2], confusion)
-        _draw_per_class(grid[1][2], runs[0].summary.get("val_per_class_accuracy") or {})
+        _draw_confusion(grid[0][2], confusion, runs[0].name if len(runs) > 1 else None)
+        _draw_per_class(grid[1][2], runs)
     producers, accuracy = pipeline.twinx(), learning.twinx()
     for index, run in enumerate(runs):
         colour = f"C{index}"
@@ -272,8 +318,7 @@ def draw(runs: list[RunRecord], out: Path) -> None:
     verdicts = "; ".join((run.summary.get("verdict") or {}).get("text", "") for run in runs)
     figure.suptitle(verdicts, fontsize=9)
     figure.tight_layout()
-    figure.savefig(out, dpi=90)
-    plt.close(figure)
+    return figure
 
 
 def _draw_split(axes, runs: list[RunRecord]) -> None:
@@ -312,8 +357,10 @@ def _draw_learning(loss, accuracy, run: RunRecord, colour: str, label: str | Non
     accuracy.plot([v["epoch"] + 1 for v in val], [v["accuracy"] for v in val], "s--", color=colour)
 
 
-def _draw_confusion(axes, confusion: dict[str, Any]) -> None:
-    """Up to 50 classes the matrix, each row as shares of its true class; beyond, the 20 most confused pairs."""
+def _draw_confusion(axes, confusion: dict[str, Any], run_name: str | None) -> None:
+    """Up to 50 classes the matrix, each row as shares of its true class; beyond, the 20 most confused pairs.
+    `run_name`: whose it is, when runs are compared (the panel shows one)."""
+    of = f" of {run_name}" if run_name else ""
     if confusion.get("matrix") is not None:
         matrix = [[n / max(1, sum(row)) for n in row] for row in confusion["matrix"]]
         image = axes.imshow(matrix, cmap="Blues", vmin=0, vmax=1)
@@ -323,20 +370,29 @@ def _draw_confusion(axes, confusion: dict[str, Any]) -> None:
         axes.set_xticks(list(ticks), classes if small else [], rotation=90, fontsize=7)
         axes.set_yticks(list(ticks), classes if small else [], fontsize=7)
         axes.figure.colorbar(image, ax=axes, fraction=0.046, pad=0.04)
-        axes.set(title="confusion matrix (last validation, row shares)", xlabel="predicted", ylabel="true")
+        axes.set(title=f"confusion matrix{of} (last validation, row shares)", xlabel="predicted", ylabel="true")
         return
     pairs = list(reversed(confusion.get("most_confused") or []))
     axes.barh([f"{p['true']} -> {p['predicted']}" for p in pairs], [p["count"] for p in pairs], color="C3")
     axes.tick_params(axis="y", labelsize=7)
-    axes.set(title="20 most confused pairs (true -> predicted)", xlabel="validation samples")
+    axes.set(title=f"20 most confused pairs{of} (true -> predicted)", xlabel="validation samples")
 
 
-def _draw_per_class(axes, per_class: dict[str, float | None]) -> None:
+def _draw_per_class(axes, runs: list[RunRecord]) -> None:
+    """Every run's per-class accuracy, side by side per class (the first run's classes), each in its colour."""
+    per_class = runs[0].summary.get("val_per_class_accuracy") or {}
     if not per_class or len(per_class) > 50:
         axes.axis("off")
         return
     names = list(per_class)
-    axes.barh(names, [per_class[n] or 0.0 for n in names], color="C0")
+    height = 0.8 / len(runs)
+    for index, run in enumerate(runs):
+        theirs = run.summary.get("val_per_class_accuracy") or {}
+        axes.barh([i + index * height for i in range(len(names))], [theirs.get(n) or 0.0 for n in names],
+                  height=height, color=f"C{index}", label=run.name if len(runs) > 1 else None)
+    axes.set_yticks([i + (len(runs) - 1) * height / 2 for i in range(len(names))], names)
     axes.invert_yaxis()
     axes.tick_params(axis="y", labelsize=7)
     axes.set(title="per-class accuracy (last validation)", xlabel="top-1", xlim=(0, 1))
+    if len(runs) > 1:
+        axes.legend(fontsize=8)

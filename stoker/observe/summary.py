@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from stoker.common.checkpoint import CheckpointError, write_atomic
-from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows
+from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows, host_share, time_shares
 from stoker.pipeline.messages import StepReport
 
 log = logging.getLogger(__name__)
@@ -96,14 +96,22 @@ class Ledger:
                     saved["counts"].copy(), saved["expected"].copy(), set(saved["skipped_ids"].tolist()),
                     header["loss_sum"])
 
+    def so_far(self, stats: RunStats) -> dict[str, Any]:
+        """`whole_figures` over every part so far, this one as `stats` has it now: the throughput and the time
+        shares that the live view's last line and the verdict give (the producer counts are the summary's)."""
+        return whole_figures([*self.segments, {**part_times(stats), "producers_initial": 0}])
+
     def whole_run(self, part: dict[str, Any], stats: RunStats, start_step: int) -> dict[str, Any]:
         """The summary of this part, with the fields that describe the run made to cover every part."""
         mine = [row for row in stats.epoch_accounting() if row["epoch"] not in {r["epoch"] for r in self.rows}]
         rows = sorted(self.rows + mine, key=lambda row: row["epoch"])
         segment = {"start_step": start_step, "end_step": start_step + part["steps"], "status": part["status"],
-                   "wall_s": part["wall_s"], "throughput_samples_per_s": part["throughput_samples_per_s"]}
+                   "wall_s": part["wall_s"], "throughput_samples_per_s": part["throughput_samples_per_s"],
+                   **part_times(stats), "producers_initial": part["producers_initial"],
+                   "producers_max": part["producers_max"]}
         skipped = {**self.skipped, **stats.skipped}
         return {**part,
+                **whole_figures([*self.segments, segment]),
                 "epochs": start_step // self.steps_per_epoch + part["epochs"],  # the parts before finished those
                 "steps": start_step + part["steps"],
                 "samples_consumed": [row["consumed"] for row in rows],
@@ -116,6 +124,42 @@ class Ledger:
                               else self.train_loss.get(max(self.train_loss, default=-1)),
                 "segments": [*self.segments, segment],
                 "wall_s": round(sum(s["wall_s"] for s in self.segments) + part["wall_s"], 3)}
+
+
+def part_times(stats: RunStats) -> dict[str, Any]:
+    """What a part's whole-run figures are summed from: the samples it trained, its time in training steps (the
+    throughput's span: the first step's start to the last one's end, the slowest consumer's), and each consumer's
+    seconds as (compute, input wait, averaging, host, wall)."""
+    return {"samples_trained": sum(c.samples for c in stats.consumers), "train_s": stats.training_s(),
+            "consumer_s": [[c.compute_s, c.wait_s, c.averaging_s, c.host_s, c.wall_s()] for c in stats.consumers]}
+
+
+def whole_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The throughput, the time shares and the producer counts over every part that recorded its times (parts
+    written by a stoker before they did are left out): samples over time in training steps, each share of the
+    consumers' summed seconds, as `time_shares` defines it for one part."""
+    timed = [part for part in parts if _has_times(part, len(parts[-1]["consumer_s"]))]
+    samples, train_s = sum(p["samples_trained"] for p in timed), sum(p["train_s"] for p in timed)
+    ranks = [[sum(p["consumer_s"][rank][i] for p in timed) for i in range(5)]
+             for rank in range(len(parts[-1]["consumer_s"]))]
+    shares = [time_shares(compute, wait, averaging, wall, host) for compute, wait, averaging, host, wall in ranks]
+    hosts = [host_share(compute, wait, averaging, wall, host) for compute, wait, averaging, host, wall in ranks]
+    return {"throughput_samples_per_s": round(samples / train_s, 2) if train_s > 0 else 0.0,
+            "samples_trained": samples, "train_s": round(train_s, 3),
+            "compute_fraction": [round(share[0], 4) for share in shares],
+            "input_stall_fraction": [round(share[1], 4) for share in shares],
+            "averaging_fraction": [round(share[2], 4) for share in shares],
+            "host_fraction": [round(host, 4) for host in hosts],
+            "producers_initial": next(p["producers_initial"] for p in parts if "producers_initial" in p),
+            "producers_max": max(p.get("producers_max", 0) for p in parts)}
+
+
+def _has_times(part: dict[str, Any], consumers: int) -> bool:
+    times = part.get("consumer_s")
+    return (isinstance(part.get("samples_trained"), int) and isinstance(part.get("train_s"), (int, float))
+            and isinstance(times, list) and len(times) == consumers
+            and all(isinstance(row, list) and len(row) == 5 and all(isinstance(x, (int, float)) for x in row)
+                    for row in times))
 
 
 def read_accounting(checkpoint: Path, meta: dict[str, Any]) -> bytes | None:

@@ -152,12 +152,15 @@ class Autoscaler:
         self._ring_served = True  # training has not yet had a step that waited for its batch
 
     def decide(self, window: Window) -> Decision:
+        trained = window.steps > 0 and window.train_s > 0  # its rate is measured: every step it reported counts
+        seen_rate = window.rate
         window = self._without_ring_steps(window)
         previous, self._clock = self._clock, window.ended_s if window.ended_s is not None else self._clock + 1.0
         self._count_down_hold()
-        summary = (f"stall {window.stall:.1%}, {window.rate:.1f} samples/s, queue {window.queue_fill:.0%} full, "
+        rate_text = f"{seen_rate:.1f} samples/s" if trained else "no training step"
+        summary = (f"stall {window.stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
                    f"producers {window.utilization:.0%} busy")
-        measurement = {"stall": round(window.stall, 4), "samples_per_s": round(window.rate, 2),
+        measurement = {"stall": round(window.stall, 4), **({"samples_per_s": round(seen_rate, 2)} if trained else {}),
                        "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
                        "read_share": round(window.read_share, 4), "producers": window.producers,
                        "limit": self.limit}
@@ -185,7 +188,8 @@ class Autoscaler:
                                f"{summary}", measurement=measurement)
         self._add_steps(window, previous)
         rate = _rate(self._steps)
-        measurement["rate_at_count"] = round(rate, 2)
+        if self._steps:  # no step counted at this count yet (settling, or the ring's batches): nothing measured
+            measurement["rate_at_count"] = round(rate, 2)
         if self._trial is not None:
             if not self._measured(self._trial.added > 1):
                 return Decision(0, f"measuring the fork to {window.producers}; {summary}", measurement=measurement)

@@ -305,7 +305,7 @@ class Engine:
 
     def verdict_fields(self) -> dict[str, Any]:
         """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers."""
-        return self.gauges.verdict_fields(self.producer_limit())
+        return {**self.gauges.verdict_fields(self.producer_limit()), "auto": self.autoscaler is not None}
 
     # ---- the end ------------------------------------------------------------------------------------------------
 

@@ -49,6 +49,11 @@ class EpochPlan:
     def samples_per_epoch(self) -> int:
         return self.num_train
 
+    @property
+    def samples_trained_per_epoch(self) -> int:
+        """The samples an epoch's steps hold: all of them, less a dropped short last step's."""
+        return min(self.num_train, self.steps_per_epoch * self.batch_size * self.num_consumers)
+
     def train_work(self, epoch: int, step: int, rank: int) -> BatchPlan:
         order = self.permutation(epoch)
         per_step = self.batch_size * self.num_consumers

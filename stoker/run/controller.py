@@ -28,6 +28,7 @@ from stoker.common.procs import (
 )
 from stoker.data.sources import load_data
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
+from stoker.observe.evaluation import val_line
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
@@ -46,6 +47,7 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
 from stoker.training.model_file import BEST_MODEL_FILE
@@ -78,7 +80,12 @@ class Controller:
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
-                              self.cluster.world, config.seed)
+                              self.cluster.world, config.seed, config.drop_last)
+        if self.plan.steps_per_epoch == 0:
+            raise ValueError(f"drop_last=true with {len(self.data.train)} training images leaves no step: one takes "
+                             f"{config.batch_size * self.cluster.world} (batch_size x {self.cluster.world} consumers)")
+        if warning := ema_warning(config.ema, self.plan.steps_per_epoch * config.epochs):
+            log.warning("%s", warning)
         self.num_slots = config.slots_per_consumer * self.num_consumers
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
@@ -370,8 +377,7 @@ class Controller:
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
                                count=message.count, top5=message.top5, ema=message.ema)
             if self.show_progress:  # --quiet: no progress lines (the numbers are in metrics.jsonl and the ending)
-                log.info("epoch %d: val accuracy %.2f%% loss %.4f", message.epoch + 1, 100 * message.accuracy,
-                         message.loss)
+                log.info("%s", val_line(message))
         elif isinstance(message, Saved):
             self.checkpoints.saved(message, self.stats)
         elif isinstance(message, Finished):
@@ -430,10 +436,11 @@ class Controller:
         and the report all show this one."""
         if not self.stats.consumers[0].steps:
             return Verdict("starting", "no training step finished")
+        run = self.ledger.so_far(self.stats)  # after --resume, the parts before this one too
         return diagnose(TimeSplit(
-            compute=mean(self.stats.compute_fractions()), input_wait=mean(self.stats.stall_fractions()),
-            averaging=mean(self.stats.averaging_fractions()), sync_every=self.config.sync_every,
-            overlapped=self.config.overlap_averaging, host=mean(self.stats.host_fractions()),
+            compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
+            averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
+            overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]),
             **self.engine.verdict_fields()))
 
     @property
@@ -449,8 +456,9 @@ class Controller:
         self.view.update(Snapshot(
             epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
             steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
-            samples_per_s=self.stats.throughput() if final else self.stats.rate(time.monotonic()),
-            loss=self.stats.train_loss(max(self.stats.epochs, default=0)),
+            samples_per_s=(self.ledger.so_far(self.stats)["throughput_samples_per_s"] if final
+                           else self.stats.rate(time.monotonic())),
+            loss=self.stats.latest_train_loss(),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
             consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,
             producer_budget=self.engine.producer_limit(),
@@ -487,7 +495,7 @@ class Controller:
             gpu_memory=[self.finished[rank].memory for rank in sorted(self.finished)], world=self.cluster.world,
             machines=self.cluster.nodes, devices=self.devices,
             producers=producer_fields(self.driver.engine if self.driver.started else None),
-            samples_expected=self.plan.samples_per_epoch, verdict=self.run_verdict().as_json(),
+            samples_expected=self.plan.samples_trained_per_epoch, verdict=self.run_verdict().as_json(),
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
             started=self.started), status, error)

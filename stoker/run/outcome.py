@@ -40,7 +40,6 @@ class RunFacts:
 
 
 def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]:
-    last_epoch = max(run.stats.epochs, default=None)
     last_val = run.val_reports[-1] if run.val_reports else None
     digests = run.final_digests
     summary = {
@@ -66,7 +65,7 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "throughput_samples_per_s": round(run.stats.throughput(), 2),
         "val_accuracy": last_val.accuracy if last_val else None,
         "val_loss": last_val.loss if last_val else None,
-        "train_loss": run.stats.train_loss(last_epoch) if last_epoch is not None else None,
+        "train_loss": run.stats.latest_train_loss(),
         "replicas_identical": bool(digests) and len(digests) == run.world
                               and run.stats.replicas_identical(digests),
         "replica_mismatch_steps": run.stats.mismatched_steps(),

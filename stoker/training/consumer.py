@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -242,19 +243,25 @@ class Replica:
         self.clock.computed()
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaged = self.averager.end_step(batch.global_step) is not None
-        if averaged and self.ema is not None:  # the EMA of the averaged model: the same on every replica
-            self.ema.update(self.model, batch.global_step)
         digest = None
         every = self.setup.averaging.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
         # Copied to the host before the step's end event: read once that event has completed, with no sync.
         loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
-        self.unreported.append(_StepInFlight(batch, ids, loss, self.clock.end(averaged), digest, time.monotonic()))
+        marks = self.clock.end(averaged, after_averaging=self._ema_update(batch.global_step) if averaged else None)
+        self.unreported.append(_StepInFlight(batch, ids, loss, marks, digest, time.monotonic()))
         if len(self.unreported) >= self.report_every:
             # The first step is reported at once (the controller times the run from it); later ones only once
             # the device has done them: waiting here would leave the device idle while the host catches up.
             self.report_steps(wait=self.report_every == 1)
+
+    def _ema_update(self, global_step: int) -> Callable[[], None] | None:
+        """The EMA of the averaged model (the same on every replica), for the clock to run after the averaging."""
+        ema = self.ema
+        if ema is None:
+            return None
+        return lambda: ema.update(self.model, global_step)
 
     def report_steps(self, wait: bool = True) -> None:
         """Report the steps done since the last report, in order: with `wait` all of them, after one (sleeping)

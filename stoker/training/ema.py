@@ -8,6 +8,8 @@ are floats); integer buffers (counters) are copied.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -41,6 +43,23 @@ class ModelEma:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
         self.last_step = int(state["last_step"].item())
+
+
+EMA_KEEPS_AT_MOST = 0.1  # of the initial weights, at the run's end: more, and model_ema.pt is mostly the start
+
+
+def ema_warning(decay: float, total_steps: int) -> str | None:
+    """The warning for a decay too high for the run: after T steps the EMA still holds decay**T of the weights it
+    started from (each update, every H steps, moves it by decay**H)."""
+    if not decay or total_steps <= 0:
+        return None
+    kept = decay ** total_steps
+    if kept <= EMA_KEEPS_AT_MOST:
+        return None
+    at_most = math.floor(EMA_KEEPS_AT_MOST ** (1 / total_steps) * 1e4) / 1e4  # keeps 10% at most, rounded down
+    return (f"ema={decay:g} over this run's {total_steps} steps keeps {kept:.0%} of the initial weights in "
+            f"model_ema.pt (the decay to the power of the steps); --ema {at_most:g} or lower keeps at most "
+            f"{EMA_KEEPS_AT_MOST:.0%}, or train more steps")
 
 
 def _pairs(shadow: nn.Module, model: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor],

@@ -18,6 +18,7 @@ reads them without draining the device (`ready`).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ class StepMarks:
     start: Any
     host_wait_s: float
     computed: Any = None
+    averaged: Any = None  # the end of the averaging (the compute's end when the step did not average)
     end: Any = None
 
 
@@ -71,11 +73,16 @@ class StepClock:
         assert self.current is not None, "computed between begin() and end()"
         self.current.computed = self._mark()
 
-    def end(self, averaged: bool) -> StepMarks:
-        """A step that did not average ends where its compute did: it spent exactly 0 s averaging."""
+    def end(self, averaged: bool, after_averaging: Callable[[], object] | None = None) -> StepMarks:
+        """A step that did not average ends where its compute did: it spent exactly 0 s averaging.
+        `after_averaging`: the step's own work that needs the average (the EMA update of the averaged model), run
+        here and timed as compute: it is not the replicas' exchange, and with one consumer there is none."""
         marks, self.current = self.current, None
         assert marks is not None, "end() follows begin()"
-        marks.end = self.previous_end = self._mark() if averaged else marks.computed
+        marks.averaged = self._mark() if averaged else marks.computed
+        if after_averaging is not None:
+            after_averaging()
+        marks.end = self.previous_end = marks.averaged if after_averaging is None else self._mark()
         self.recent_ends.append(marks.end)
         return marks
 
@@ -99,7 +106,10 @@ class StepClock:
         ops = self.ops
         if not ops.done(marks.end):
             ops.synchronize(marks.end)
-        compute_s, averaging_s = ops.elapsed_s(marks.start, marks.computed), ops.elapsed_s(marks.computed, marks.end)
+        compute_s = ops.elapsed_s(marks.start, marks.computed)
+        if marks.end is not marks.averaged:  # work after the averaging (`end`'s after_averaging)
+            compute_s += ops.elapsed_s(marks.averaged, marks.end)
+        averaging_s = ops.elapsed_s(marks.computed, marks.averaged)
         if not ops.asynchronous:
             return StepTimes(marks.host_wait_s, compute_s, averaging_s)
         gap_s = max(0.0, ops.elapsed_s(marks.idle_from, marks.start)) if marks.idle_from is not None else 0.0

@@ -63,8 +63,40 @@ def test_a_checkpoint_holds_the_accounting_at_its_step_and_a_resume_counts_every
         resumed_stats.expect(1, np.array(ids[step]))
         resumed_stats.record_step(message := report(1, step, ids[step]), now=0.0)
     part = {"status": "completed", "epochs": 1, "steps": 2, "train_loss": 1.0, "wall_s": 1.0,
-            "throughput_samples_per_s": 4.0}
+            "throughput_samples_per_s": 4.0, "producers_initial": 1, "producers_max": 1}
     whole = resumed.whole_run(part, resumed_stats, start_step=6)
     exact = {"consumed": 8, "duplicates": 0, "missing": 0, "missing_unusable": 0}
     assert whole["epoch_accounting"] == [{"epoch": 0, **exact}, {"epoch": 1, **exact}]
     assert (whole["epochs"], whole["steps"], whole["samples_consumed"]) == (2, 8, [8, 8])
+
+
+def test_after_a_resume_the_rate_and_the_shares_are_the_whole_run_s_and_the_table_says_their_span(tmp_path):
+    """The issue's run: summary.json's throughput and the table's samples/s were the last part's alone (37.84)
+    beside the whole run's wall time. Part 1 trained 512 samples in 20.0 s of steps, waiting 10.0 s of them; the
+    resumed part trains 640 in 16.9 s without waiting: 1,152 samples in 36.9 s is 31.22 samples/s, and the
+    consumer waited 10.0 of its 36.9 s."""
+    import json
+
+    from stoker.observe.report import RunRecord, describe
+
+    first = {"start_step": 0, "end_step": 8, "status": "interrupted", "wall_s": 25.0,
+             "throughput_samples_per_s": 25.6, "samples_trained": 512, "train_s": 20.0,
+             "consumer_s": [[10.0, 10.0, 0.0, 0.0, 20.0]], "producers_initial": 1, "producers_max": 3}
+    (tmp_path / "summary.json").write_text(json.dumps({"segments": [first]}))
+    stats, ledger = RunStats(1, 1152, 18), Ledger(steps_per_epoch=18)
+    ledger.resume(None, tmp_path, stats)
+    for step in range(10):  # 64 samples each, the first starting at 0.9 s and the last ending at 17.8 s
+        stats.record_step(StepReport(0, 0, 8 + step, 8 + step, 64, 1.0, 0.0, 0.1, 0.0, np.arange(64), None),
+                          now=1.0 + step * 16.8 / 9)
+    part = {"status": "completed", "epochs": 1, "steps": 10, "train_loss": 1.0, "wall_s": 18.0,
+            "throughput_samples_per_s": round(stats.throughput(), 2), "producers_initial": 2, "producers_max": 2,
+            "producers_final": 2, "num_consumers": 1}
+    assert part["throughput_samples_per_s"] == 37.87  # the resumed part alone: 640 / 16.9
+    whole = ledger.whole_run(part, stats, start_step=8)
+    assert whole["throughput_samples_per_s"] == 31.22 and whole["samples_trained"] == 1152
+    assert whole["train_s"] == 36.9 and whole["wall_s"] == 43.0
+    assert whole["input_stall_fraction"] == [round(10.0 / 36.9, 4)]
+    assert (whole["producers_initial"], whole["producers_max"]) == (1, 3)
+    row = next(line for line in describe([RunRecord("run", {**whole, "verdict": None}, {})]).splitlines()
+               if line.startswith("samples/s"))
+    assert row.split()[1:] == ["31", "(1,152", "in", "36.9", "s", "of", "steps)"], row

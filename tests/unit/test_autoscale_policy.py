@@ -305,3 +305,21 @@ def test_a_start_up_window_without_steps_forks_nothing_it_could_not_judge():
     scaler = Autoscaler(minimum=1, budget=1, ceiling=16, startup_windows=2)
     assert scaler.decide(replace(read_bound(1, 0.0), steps=0, train_s=0.0)).change == 0
     assert scaler.decide(read_bound(1, 100.0)).change == 3
+
+
+def test_a_rate_not_measured_is_absent_from_the_record_never_zero():
+    # The issue's run: two consumers training about 1,900 samples/s without waiting for input. No step waited,
+    # so the policy counted none as its producers' (the ring's start-up batches end at the first step that waits)
+    # and every autoscale record said "samples_per_s": 0.0, "rate_at_count": 0.0 and "0.0 samples/s".
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=6, startup_windows=2)
+    for second in range(1, 8):
+        stamps = tuple(StepStamp(second - 1 + (i + 1) / 10, 64, 0.0336) for i in range(10))
+        decision = scaler.decide(Window(stall=0.0, queue_fill=0.5, utilization=0.3, producers=2, samples=640,
+                                        steps=10, train_s=0.336, ended_s=float(second), stamps=stamps))
+        assert decision.change == 0
+        assert decision.measurement["samples_per_s"] == 1904.76  # 640 samples in 0.336 s of training steps
+        assert decision.measurement.get("rate_at_count", 1.0) > 0, decision.measurement
+        assert "0.0 samples/s" not in decision.reason and "1904.8 samples/s" in decision.reason, decision.reason
+    idle = scaler.decide(Window(stall=0.0, queue_fill=0.9, utilization=0.0, producers=2, ended_s=8.0))
+    assert "samples_per_s" not in idle.measurement and "rate_at_count" not in idle.measurement
+    assert "no training step" in idle.reason and "0.0 samples/s" not in idle.reason, idle.reason

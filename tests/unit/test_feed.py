@@ -423,3 +423,18 @@ def test_cuda_events_are_blocking_so_a_host_wait_sleeps(monkeypatch):
     ops = streams.CudaOps(torch.device("cuda:0"))
     ops.new_event()
     assert made == [{"enable_timing": True, "blocking": True}]
+
+
+def test_the_ema_update_is_the_step_s_compute_not_averaging(ring):
+    """With one consumer nothing is exchanged, yet the EMA update after each averaging read as 1.1% "averaging":
+    it is work on the averaged model, timed as the step's compute."""
+    from types import SimpleNamespace
+
+    from stoker.pipeline.messages import StepReport
+
+    ops = FakeOps()
+    replica = _replica_on(ops, ring)
+    replica.ema = SimpleNamespace(update=lambda model, step: ops.work(0.010))  # 10 ms of the device's time
+    _train(replica, ops, 1)
+    report = next(m for m in replica.outbox.sent if isinstance(m, StepReport))
+    assert report.averaging_s == pytest.approx(0.0) and report.compute_s == pytest.approx(0.010)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from stoker.common.config import ConfigError, TrainConfig, make_config
+from stoker.common.config import ConfigError, TrainConfig, default_of, make_config
 from stoker.observe.summary import previous_segments
 from stoker.run.resume import setting_differences
 
@@ -77,5 +77,7 @@ def test_a_run_folder_written_before_the_sections_resumes_with_its_own_settings(
     run.mkdir()
     (run / "config.json").write_text(json.dumps(recorded))
     resumed = make_config({"resume": str(run), "epochs": 3})  # `--resume RUN_DIR --epochs 3`
-    assert {**resumed.as_json(), "resume": None, "epochs": 2} == recorded
+    now = {**resumed.as_json(), "resume": None, "epochs": 2}
+    assert {name: value for name, value in now.items() if name in recorded} == recorded
+    assert all(now[name] == default_of(name) for name in set(now) - set(recorded))  # settings added since
     assert setting_differences(recorded, resumed) == []  # the checkpoint's copy: nothing that changes the plan

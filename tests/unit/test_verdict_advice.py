@@ -4,6 +4,8 @@ was 6 and the live line said 3/3)."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
@@ -125,3 +127,89 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
                                   producer_utilization=0.4, producer_ceiling=6, producer_read_share=0.0025,
                                   producer_slot_bound=0.6))
     assert loader.summary()["verdict"]["kind"] == trainers.kind == "input-bound"
+
+
+def test_a_fixed_count_is_told_to_raise_the_count_not_the_ceiling():
+    # A fixed --producers 2 run, busy decoding, was told "give them more cores (--max-producers)": a ceiling
+    # for auto, which a fixed count does not have.
+    text = _verdict(input_wait=0.4, producers=2, producer_budget=2, producer_utilization=0.95, producer_ceiling=2,
+                    producer_read_share=0.01, auto=False)
+    assert "--producers above 2" in text and "--max-producers" not in text and "auto" not in text, text
+
+
+def test_a_loader_on_auto_is_not_advised_auto():
+    # A Loader on producers='auto' whose producers waited on reads, below auto's limit, was told
+    # "producers='auto' adds them".
+    text = diagnose(TimeSplit(compute=0.3, input_wait=0.7, averaging=0.0, sync_every=1, producers=2,
+                              producer_budget=6, producer_utilization=0.97, producer_ceiling=6,
+                              producer_read_share=0.9), LOADER_ARGUMENTS).text
+    assert "producers='auto'" not in text and "producers=6" in text and "2 of 6" in text, text
+
+
+def test_idle_producers_with_free_slots_are_given_the_setting_that_builds_ahead():
+    # "consumers wait 21% ... neither slots nor storage held them back, so more producers or cores would idle
+    # too": the sentence named no setting that would change the wait.
+    text = _verdict(input_wait=0.21, producers=2, producer_budget=2, producer_utilization=0.5, producer_ceiling=2,
+                    producer_read_share=0.01, producer_slot_bound=0.05, auto=False)
+    assert "raise --slots-per-consumer" in text and "idle 50%" in text, text
+
+
+SETTINGS = ("--producers", "--max-producers", "--initial-producers", "--slots-per-consumer", "--image-size",
+            "--sync-every", "--overlap-averaging", "--compile", "--lr")
+
+
+def _splits():
+    """Input-bound runs of every kind: auto or fixed, below, at or held under the ceiling, producers busy or
+    idle, reading or decoding, idle for a slot or not."""
+    for auto in (True, False):
+        for producers, budget, ceiling in ((2, 2, 2), (2, 6, 6), (3, 3, 6)):
+            if not auto and budget != producers:
+                continue
+            for utilization in (0.95, 0.5):
+                for read_share in (0.01, 0.9):
+                    for slot_bound in (0.0, 0.4):
+                        yield TimeSplit(compute=0.5, input_wait=0.4, averaging=0.0, sync_every=1,
+                                        producers=producers, producer_budget=budget,
+                                        producer_utilization=utilization, producer_ceiling=ceiling,
+                                        producer_read_share=read_share, producer_slot_bound=slot_bound, auto=auto)
+
+
+def test_every_input_verdict_names_a_setting_the_run_does_not_already_use_and_only_its_own_figures():
+    for split in _splits():
+        text = diagnose(split).text
+        named = [flag for flag in SETTINGS if f"{flag} " in text or f"{flag}," in text or text.endswith(flag)]
+        assert named or "give the run more cores" in text, text
+        assert "--producers auto" not in text, text  # auto is advised to no one: a run on auto uses it already
+        if not split.auto:
+            assert "--max-producers" not in text and "--initial-producers" not in text, text
+        figures = {round(100 * share) for share in (split.input_wait, split.producer_utilization,
+                                                    1 - split.producer_utilization, split.producer_read_share,
+                                                    split.producer_slot_bound)}
+        shown = {int(p) for p in re.findall(r"(\d+)%", text)}
+        assert shown <= figures, (text, shown - figures)
+        loader = diagnose(split, LOADER_ARGUMENTS).text
+        assert "producers='auto'" not in loader and "--" not in loader, loader
+
+
+def test_after_a_resume_the_verdict_tells_the_whole_run_s_shares(textures, tmp_path):
+    # The table printed the whole run's shares after --resume and the verdict beside it the last part's alone.
+    from stoker.common.config import make_config
+    from stoker.pipeline.engine import Engine
+    from stoker.run.controller import Controller
+
+    train, val = textures
+    controller = Controller(make_config({"data": train, "val": val, "devices": "cpu:1", "image_size": 16,
+                                         "producers": 2, "out": tmp_path / "run"}))  # starts nothing
+    engine = Engine.__new__(Engine)
+    engine.budget, engine.pool, engine.autoscaler = 2, None, None
+    engine.gauges = gauges = ProducerGauges(2, events=None)
+    gauges.timeline, gauges.producer_busy = [{"producers": 2}], (9.5, 10.0)
+    controller.driver._engine = engine
+    # The part before: 6 s of steps, no wait. This part: 3 steps of 0.5 s computing and 0.5 s waiting (the first
+    # step's wait is start-up): 1.0 s of wait in 2.5 s, so 1.0 of the whole 8.5 s: 12%, not this part's 40%.
+    controller.ledger.segments = [{"samples_trained": 12, "train_s": 6.0, "consumer_s": [[6.0, 0.0, 0.0, 0.0, 6.0]],
+                                   "producers_initial": 2, "producers_max": 2}]
+    for step, now in enumerate((1.0, 2.0, 3.0)):
+        controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
+    text = controller.run_verdict().text
+    assert "consumers wait 12% of the time" in text, text
