@@ -239,6 +239,9 @@ class Replica:
             faults.simulated_delay(faults.STEP_TIME_ENV)
             clip = self.recipe.spec.settings.clip_grad_norm
             self.precision.backward_and_step(loss, self.optimizer, self._clip if clip else None)
+        # Copied to the host before the compute event: a step that does not average ends at that event, and the
+        # report reads the loss once the step's end has completed, with no sync.
+        loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
         self.clock.computed()
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaged = self.averager.end_step(batch.global_step) is not None
@@ -248,8 +251,6 @@ class Replica:
         every = self.setup.averaging.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        # Copied to the host before the step's end event: read once that event has completed, with no sync.
-        loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
         self.unreported.append(_StepInFlight(batch, ids, loss, self.clock.end(averaged), digest, time.monotonic()))
         if len(self.unreported) >= self.report_every:
             # The first step is reported at once (the controller times the run from it); later ones only once

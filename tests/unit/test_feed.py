@@ -321,7 +321,7 @@ class _Outbox:
         self.sent.append(message)
 
 
-def _replica_on(ops: FakeOps, ring: SlotRing):
+def _replica_on(ops: FakeOps, ring: SlotRing, sync_every: int = 1):
     """A consumer's training steps on a device that runs behind the host (world of one: no process group)."""
     from types import SimpleNamespace
 
@@ -336,7 +336,7 @@ def _replica_on(ops: FakeOps, ring: SlotRing):
                                     averaging=SimpleNamespace(check_replicas_every=0))
     # A linear model: the fake device's ordering is under test, not the network (labels go up to 23).
     replica.model = replica.forward = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 30))
-    replica.averager = Averager(replica.model, 1, 1, 4)
+    replica.averager = Averager(replica.model, sync_every, 1, 4)
     replica.optimizer = torch.optim.SGD(replica.model.parameters(), lr=0.01)
     replica.precision = MixedPrecision("fp32", torch.device("cpu"))
     replica.outbox = _Outbox()
@@ -402,10 +402,13 @@ def test_a_gpu_consumer_stays_at_most_two_steps_ahead_of_the_device(ring):
     assert MAX_AHEAD <= 2
 
 
-def test_a_step_s_loss_reaches_the_host_behind_the_step_not_by_a_synchronization(ring):
+@pytest.mark.parametrize("sync_every", [1, 2])
+def test_a_step_s_loss_reaches_the_host_behind_the_step_not_by_a_synchronization(ring, sync_every):
+    """With --sync-every 2 every other step does not average: its end is its compute event, and the loss's copy
+    must come before that one too, or the report would read it before it landed."""
     ops = FakeOps()
-    replica = _replica_on(ops, ring)
-    for log in _train(replica, ops, 3):
+    replica = _replica_on(ops, ring, sync_every)
+    for log in _train(replica, ops, 4):
         kinds = [(e[0], e[1]) for e in log]
         assert ("to_host", "compute") in kinds
         last_record = max(i for i, e in enumerate(log) if e[0] == "record" and e[2] == "compute")
