@@ -223,8 +223,7 @@ class Replica:
         if self.first_wait_s is None:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
         self.clock.begin(wait_s)
-        images, labels, ids = self.loader.take(batch.slot, self._release)
-        self.clock.fed()
+        images, labels, ids = self.loader.take(batch.slot, self._release, fed=self.clock.fed)
         self.averager.begin_step(batch.global_step, len(ids), batch.step_samples, self.optimizer)
         loss = None
         if len(ids):

@@ -426,3 +426,16 @@ def test_cuda_events_are_blocking_so_a_host_wait_sleeps(monkeypatch):
     ops = streams.CudaOps(torch.device("cuda:0"))
     ops.new_event()
     assert made == [{"enable_timing": True, "blocking": True}]
+
+
+def test_a_gpu_step_starts_before_the_input_s_normalization(ring):
+    """The step's start event is recorded once the compute stream waits for the copy, before the normalization
+    kernels: their device time is the step's compute, not an idle gap charged to input or host."""
+    ops = FakeOps()
+    replica = _replica_on(ops, ring)
+    fed, normalize = replica.clock.fed, replica.loader._normalize
+    replica.clock.fed = lambda: (ops.log.append(("fed",)), fed())[1]
+    replica.loader._normalize = lambda pixels: (ops.log.append(("normalize",)), normalize(pixels))[1]
+    for log in _train(replica, ops, 3):
+        kinds = [entry[:2] for entry in log]
+        assert kinds.index(("wait", "compute")) < kinds.index(("fed",)) < kinds.index(("normalize",))
