@@ -155,11 +155,8 @@ class Replica:
         self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
         self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
         self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
-        # fp16's gradient scaler steps the whole model after unscaling, and clipping needs every gradient's
-        # norm first: no group can step during backward.
         averaging = setup.averaging
-        in_backward = (averaging.average_in_backward and setup.hardware.precision != "fp16"
-                       and not setup.recipe.clip_grad_norm)
+        in_backward = averages_in_backward(averaging, setup.hardware, setup.recipe)
         self.averager = Averager(self.model, averaging.sync_every, setup.world_size, setup.ring.batch_size,
                                  setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
@@ -454,6 +451,15 @@ def _next_message(ready, stop, watch: ParentWatch, when_idle):
             if not idle:
                 when_idle()
                 idle = True
+
+
+def averages_in_backward(averaging: AveragingSettings, hardware: DeviceSettings, recipe: RecipeSettings) -> bool:
+    """Whether groups of parameters average and step as their gradients complete. Not under fp16 (the gradient
+    scaler steps the whole model after unscaling), clipping (it needs every gradient's norm first) or --compile
+    (the compiled backward is one autograd node: every group's hook fires at its end, so the per-group steps and
+    all_reduces would hide nothing and cost launches; compiled autograd would be needed, and is not used)."""
+    return (averaging.average_in_backward and hardware.precision != "fp16" and not recipe.clip_grad_norm
+            and not hardware.compile)
 
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
