@@ -87,6 +87,7 @@ class ConsumerSetup:
     warmup_steps: int = 0
     model_card: model_file.ModelCard | None = None  # written into model.pt beside the weights (None: plain weights)
     best_model: Path | None = None  # where rank 0 keeps the model of the best validation accuracy so far
+    local_consumers: int = 1  # consumers on this machine: they share its cores
 
     @property
     def outer(self) -> OuterSpec | None:
@@ -161,7 +162,7 @@ class Replica:
                                  setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
-        self.forward = accel.compiled(self.model, _compile_threads(setup)) if setup.hardware.compile else self.model
+        self.forward = accel.compiled(self.model, compile_threads(setup.device, setup.num_threads, setup.local_consumers)) if setup.hardware.compile else self.model
         self.precision = accel.MixedPrecision(setup.hardware.precision, self.device)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
@@ -472,11 +473,12 @@ def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.
                            weight_decay=optim.weight_decay, **accel.fused_option(torch.optim.SGD, device))
 
 
-def _compile_threads(setup: ConsumerSetup) -> int:
-    """This consumer's share of the cores: its torch threads on the CPU; on GPUs the cores over the GPUs."""
-    if not setup.device.startswith("cuda"):
-        return setup.num_threads
-    return max(1, available_cores() // max(1, torch.cuda.device_count()))
+def compile_threads(device: str, num_threads: int, local_consumers: int) -> int:
+    """This consumer's share of the cores: its torch threads on the CPU; on a GPU the cores over this machine's
+    consumers (not over the visible GPUs: `--devices cuda:0` on an 8-GPU machine compiles on every core)."""
+    if not device.startswith("cuda"):
+        return num_threads
+    return max(1, available_cores() // max(1, local_consumers))
 
 
 def _join_group(setup: ConsumerSetup) -> dist.Store:

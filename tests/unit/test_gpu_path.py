@@ -190,3 +190,14 @@ def test_averaging_in_backward_only_where_a_group_can_step_as_its_gradients_comp
 
     assert averages_in_backward(AveragingSettings(), DeviceSettings(**hardware),
                                 RecipeSettings(clip_grad_norm=clip)) is expected
+
+
+def test_compile_threads_share_the_cores_among_this_machine_s_consumers_not_its_gpus(monkeypatch):
+    """`--devices cuda:0` on an 8-GPU machine: one consumer, which may compile on every core."""
+    from stoker.training import consumer
+
+    monkeypatch.setattr(consumer, "available_cores", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert consumer.compile_threads("cuda:0", num_threads=2, local_consumers=1) == 16
+    assert consumer.compile_threads("cuda:3", num_threads=2, local_consumers=4) == 4
+    assert consumer.compile_threads("cpu", num_threads=2, local_consumers=1) == 2  # its torch threads
