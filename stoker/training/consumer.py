@@ -10,8 +10,10 @@ for input anyway.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -61,6 +63,9 @@ from stoker.training.timing import StepClock, StepMarks
 # On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
 REPORT_EVERY_ASYNC = 16
 EMA_MODEL_FILE = "model_ema.pt"  # beside model.pt, saved the same way
+ABORT_S = 10.0  # an abort of the process group that takes longer is stuck
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,9 +138,28 @@ def close_group(finished: bool) -> None:
 
 
 def abort_group() -> None:
+    """Abort the group without hiding the consumer's own failure: with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the
+    watchdog may have aborted the communicators already, and the abort may raise (logged) or never return (after
+    ABORT_S the process ends, its failure already sent: the controller would otherwise have to kill it)."""
     from torch.distributed import distributed_c10d
 
-    distributed_c10d._abort_process_group()
+    failures: list[BaseException] = []
+
+    def abort() -> None:
+        try:
+            distributed_c10d._abort_process_group()
+        except BaseException as error:  # noqa: BLE001 - reported below, in the consumer's thread
+            failures.append(error)
+
+    aborting = threading.Thread(target=abort, name="abort process group", daemon=True)
+    aborting.start()
+    aborting.join(ABORT_S)
+    if aborting.is_alive():
+        log.warning("aborting the process group did not return within %.0f s: ending the consumer", ABORT_S)
+        logging.shutdown()
+        os._exit(1)
+    elif failures:
+        log.warning("aborting the process group failed (the watchdog may have aborted it first): %s", failures[0])
 
 
 class Replica:
@@ -162,7 +186,8 @@ class Replica:
                                  setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
-        self.forward = accel.compiled(self.model, compile_threads(setup.device, setup.num_threads, setup.local_consumers)) if setup.hardware.compile else self.model
+        threads = compile_threads(setup.device, setup.num_threads, setup.local_consumers)
+        self.forward = accel.compiled(self.model, threads) if setup.hardware.compile else self.model
         self.precision = accel.MixedPrecision(setup.hardware.precision, self.device)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)

@@ -66,8 +66,8 @@ class DeviceLoader:
         """The batch in `slot` on the device; `release(slot)` is called as soon as the slot may be refilled. `kind`
         says which side the slot's images have (`--val-image-size`). `fed()` is called once the compute stream
         waits for the batch's copy, before the normalization: a step's start event goes there, so the
-        normalization's kernels count as the step's compute (on the CPU, where a step starts when the host has its batch,
-        it is called last)."""
+        normalization's kernels count as the step's compute (on the CPU, where a step starts when the host has its
+        batch, it is called last)."""
         if slot is None:
             fed()
             return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)

@@ -201,3 +201,33 @@ def test_compile_threads_share_the_cores_among_this_machine_s_consumers_not_its_
     assert consumer.compile_threads("cuda:0", num_threads=2, local_consumers=1) == 16
     assert consumer.compile_threads("cuda:3", num_threads=2, local_consumers=4) == 4
     assert consumer.compile_threads("cpu", num_threads=2, local_consumers=1) == 2  # its torch threads
+
+
+def test_an_abort_that_raises_is_logged_not_raised_over_the_consumer_s_own_error(monkeypatch, caplog):
+    """With TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the watchdog may have aborted the communicators already."""
+    from torch.distributed import distributed_c10d
+
+    from stoker.training import consumer
+
+    def already_aborted(*args):
+        raise RuntimeError("NCCL communicator was aborted")
+
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", already_aborted)
+    with caplog.at_level("WARNING"):
+        consumer.abort_group()
+    assert "NCCL communicator was aborted" in caplog.text
+
+
+def test_an_abort_that_does_not_return_ends_the_process(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    from stoker.training import consumer
+
+    released = threading.Event()
+    exits: list[int] = []
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda *a: released.wait(10))
+    monkeypatch.setattr(consumer, "ABORT_S", 0.05)
+    monkeypatch.setattr(os, "_exit", exits.append)
+    consumer.abort_group()
+    released.set()
+    assert exits and exits[0] != 0
