@@ -231,3 +231,30 @@ def test_an_abort_that_does_not_return_ends_the_process(monkeypatch):
     consumer.abort_group()
     released.set()
     assert exits and exits[0] != 0
+
+
+def _cuda_of(monkeypatch, visible: int, initialized: bool, current: int = 0, local_rank: str | None = None):
+    """torch.cuda as a rank would see it (there is no GPU here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+
+
+def test_the_loader_s_cuda_is_the_rank_s_own_gpu(monkeypatch):
+    from stoker.use.loader import resolve_device
+
+    _cuda_of(monkeypatch, visible=8, initialized=False, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 3)  # torchrun on one machine, every GPU visible
+    _cuda_of(monkeypatch, visible=1, initialized=False, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # SLURM --gpus-per-task=1: its one GPU
+    _cuda_of(monkeypatch, visible=8, initialized=True, current=5, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 5)  # the user's own torch.cuda.set_device
+    assert resolve_device("cuda:2") == torch.device("cuda", 2)  # asked for by number
+    _cuda_of(monkeypatch, visible=4, initialized=False, local_rank="6")
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        resolve_device("cuda")
