@@ -111,8 +111,8 @@ def _count_compiles() -> tuple[list[int], object]:
 
 def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_it_was():
     """After the warm-up, the full batch, a short last batch and validation (eval mode, either size, at the
-    training side and at --val-image-size's) compile nothing more: no rank compiles after the group's first
-    collective."""
+    training side and at --val-image-size's) compile nothing more, a 1-sample share or last validation batch
+    included (dynamo specializes size 1): no rank compiles after the group's first collective."""
     import torch._dynamo
 
     from stoker.training import accel, warmup
@@ -131,7 +131,7 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
     assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *model.buffers())))
     assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
     after_warm_up = compiles[0]
-    for size in (8, 5, 3):
+    for size in (8, 5, 3, 1):
         images = torch.randn(size, 3, 32, 32).contiguous(memory_format=torch.channels_last)
         model.train()
         F.cross_entropy(forward(images), torch.zeros(size, dtype=torch.int64)).backward()
