@@ -5,8 +5,9 @@ the first validation (eval mode): minutes each under contention (8 consumers com
 that finished first waits in an NCCL collective whose timeout (60 s) runs from when it was enqueued. So each
 consumer compiles every graph it will need at start, with a dynamic batch dimension (one graph for every batch
 of 2 or more: the full one, the short last one, validation's) and at batch size 1 (which dynamo specializes), on
-dummy input, and leaves the model exactly as it was; then the consumers meet through the store, which a slow compile cannot time out (it waits up to
-COMPILE_ALLOWANCE_S, checking that the run is still on), before any collective.
+dummy input, and leaves the model exactly as it was; then the consumers meet through the store, which a slow
+compile cannot time out (it waits up to COMPILE_ALLOWANCE_S, checking that the run is still on), before any
+collective.
 """
 
 from __future__ import annotations
