@@ -118,6 +118,7 @@ class _Step:
     consumer's precision and its fused SGD; timed with the consumer's `StepClock` events."""
 
     def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
+        from stoker.common.config import DeviceSettings
         from stoker.training import accel
         from stoker.training.averager import Averager
         from stoker.training.feed import MEAN, STD, normalization_constants, normalize_pixels
@@ -140,7 +141,7 @@ class _Step:
         mean_255, inv_std_255 = (c.to(self.device) for c in normalization_constants(MEAN, STD))
         self.normalize: Callable[[torch.Tensor], torch.Tensor] = lambda pixels: normalize_pixels(
             pixels, mean_255, inv_std_255, memory_format)
-        self.clock = StepClock(self.ops)
+        self.clock = StepClock(self.ops, DeviceSettings().steps_ahead)  # as deep as the consumer's
         self.marks: list[Any] = []
 
     def step(self, pixels: torch.Tensor, labels: torch.Tensor, host_wait_s: float,

@@ -2,7 +2,7 @@
 
 It copies a slot to its device (uint8: four times fewer bytes than float32, see `feed`), hands the slot back at
 once, normalizes on the device, runs forward, backward and the optimizer step, and joins the averaging collective.
-On a GPU nothing in a step waits for the device, except that the host stays at most two steps ahead of it (a
+On a GPU nothing in a step waits for the device, except that the host stays at most --steps-ahead steps ahead of it (a
 blocking event: the host sleeps): the loss is copied to the host behind the step and the step's timings are events,
 and both are read every few steps for the steps the device has done, or all at once when the consumer would wait
 for input anyway.
@@ -193,8 +193,11 @@ class Replica:
         ops = ops_for(self.device)
         # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
         # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
-        self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops)
-        self.clock = StepClock(ops)
+        # As many staging buffers as steps ahead: the buffer a step refills was read by the step `steps_ahead`
+        # back, whose end the clock has already waited for, so the feed itself never waits for a copy.
+        ahead = setup.hardware.steps_ahead
+        self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops, num_staging=ahead)
+        self.clock = StepClock(ops, ahead)
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_StepInFlight] = []
@@ -460,7 +463,7 @@ class _StepInFlight:
     marks: StepMarks
     digest: str | None
     # Stamped as the host ends it, not when it is reported (in groups on a GPU, where the device ends it at most
-    # timing.MAX_AHEAD steps later): the autoscaler must not count a step that ran before a fork for the fork.
+    # --steps-ahead steps later): the autoscaler must not count a step that ran before a fork for the fork.
     ended_s: float = 0.0
 
 
