@@ -188,7 +188,7 @@ class Replica:
         # state_dict keys checkpoints use.
         threads = compile_threads(setup.device, setup.num_threads, setup.local_consumers)
         self.forward = accel.compiled(self.model, threads) if setup.hardware.compile else self.model
-        self.precision = accel.MixedPrecision(setup.hardware.precision, self.device)
+        self.precision = accel.MixedPrecision(setup.hardware.precision, self.device, agree=setup.world_size > 1)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
         # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
@@ -264,6 +264,8 @@ class Replica:
             faults.simulated_delay(faults.STEP_TIME_ENV)
             clip = self.recipe.spec.settings.clip_grad_norm
             self.precision.backward_and_step(loss, self.optimizer, self._clip if clip else None)
+        else:  # fp16: every replica joins the scalers' overflow agreement
+            self.precision.skip_step()
         # Copied to the host before the compute event: a step that does not average ends at that event, and the
         # report reads the loss once the step's end has completed, with no sync.
         loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
