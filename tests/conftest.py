@@ -98,6 +98,7 @@ def wait_for_no_trace(timeout_s: float = 15.0) -> tuple[list, list]:
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device; runs wherever one is visible, skipped elsewhere")
+    config.addinivalue_line("markers", "two_gpus: needs two CUDA devices (tools/gpu-check.sh runs these last)")
     config.addinivalue_line("markers", "serial: reads the whole machine (/dev/shm, /tmp); `make test` runs it alone")
 
 

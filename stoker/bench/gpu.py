@@ -30,6 +30,7 @@ from typing import Any
 from stoker.common.devices import available_cores
 
 SET = "500x375"  # about ImageNet's average picture
+RUN_KINDS = ("ceiling", "stoker", "dataloader_pillow", "dataloader_stoker_decoder")  # gpu_runs.KINDS, without torch
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -47,7 +48,11 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--workers", type=int, default=max(1, available_cores() - 1),
                         help="stoker's producers at most = DataLoader workers (default: every core but one)")
     parser.add_argument("--data", type=Path, help="a folder written by `bench pipeline --generate` (skip writing)")
-    parser.add_argument("--json", type=Path, help="write the figures to this file")
+    parser.add_argument("--runs", default=",".join(RUN_KINDS),
+                        help="comma-separated runs to measure (default: all of them)")
+    parser.add_argument("--json", type=Path,
+                        help="write the figures to this file (rewritten as each run ends, every run so far under "
+                             "'runs')")
     parser.set_defaults(run=run)
 
 
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from stoker.common.devices import check_torch_sees_the_gpus
 
     try:  # what would fail late or mislead, before any image is written
+        kinds = _kinds(args.runs)
         if args.device != "cpu":
             check_torch_sees_the_gpus()  # not ResNet-50 on the CPU for hours
         if args.data is None:
@@ -64,31 +70,76 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
         return 2
+    skipped = _runs_shm_cannot_hold(args, kinds)
     if args.device == "auto":
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.data is not None:
-        return _report(measure(args.data / SET, args), args)
+        return _report(measure(args.data / SET, args, kinds, skipped, lambda result: _save(result, args)), args)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-gpu-") as scratch:
         started = time.perf_counter()
         generate(Path(scratch), args.images, 0)
-        print(f"wrote {args.images} JPEGs in {time.perf_counter() - started:.0f} s")
-        return _report(measure(Path(scratch) / SET, args), args)
+        print(f"wrote {args.images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
+        return _report(measure(Path(scratch) / SET, args, kinds, skipped, lambda result: _save(result, args)), args)
+
+
+def _kinds(runs: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in runs.split(",") if kind.strip())
+    unknown = [kind for kind in kinds if kind not in RUN_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"--runs {runs!r}: expected a comma-separated choice of {', '.join(RUN_KINDS)}")
+    return kinds
+
+
+def _runs_shm_cannot_hold(args: argparse.Namespace, kinds: tuple[str, ...]) -> dict[str, str]:
+    """Said first: a /dev/shm too small for stoker's ring (Docker's default 64 MB holds no ring at batch 128,
+    224 px) skips the stoker run, with the size needed and the fix; the other runs are still measured."""
+    from stoker.common.config import FeedSettings
+    from stoker.pipeline.engine import check_ring_space
+
+    if "stoker" not in kinds:
+        return {}
+    try:
+        check_ring_space(FeedSettings().slots_per_consumer, args.batch_size, args.image_size, args.workers)
+    except ValueError as error:
+        print(f"stoker: warning: {error}. The stoker run is skipped; the others are measured.", file=sys.stderr,
+              flush=True)
+        return {"stoker": f"skipped: {error}"}
+    return {}
+
+
+def _save(result: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def _report(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """The table of medians; exit status 1 when a run failed (its cells read 'failed', its error is below)."""
     print(f"{result['device']}, {result['image_size']} px, batch {result['batch_size']}, {result['precision']}, "
           f"channels_last={result['channels_last']}, {result['workers']} workers/producers")
     print(f"medians of {result['repeats']} interleaved repeats, each run in its own process")
     print(f"{'model':10} {'ceiling/s':>10} {'stoker/s':>10} {'stall':>6} {'DL Pillow/s':>12} {'stall':>6} "
           f"{'DL stoker-dec/s':>16} {'stall':>6} {'stoker/ceiling':>15} {'stoker/DL':>10} {'same decoder':>13}")
     for row in result["rows"]:
-        pillow, same = row["dataloader_pillow"], row["dataloader_stoker_decoder"]
-        print(f"{row['model']:10} {row['ceiling']['samples_per_s']:>10.1f} {row['stoker']['samples_per_s']:>10.1f} "
-              f"{row['stoker']['input_stall']:>6.1%} {pillow['samples_per_s']:>12.1f} {pillow['input_stall']:>6.1%} "
-              f"{same['samples_per_s']:>16.1f} {same['input_stall']:>6.1%} {row['stoker_vs_ceiling']:>15.2f} "
-              f"{row['stoker_vs_dataloader']:>10.2f} {row['stoker_vs_dataloader_same_decoder']:>13.2f}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+        ceiling, stoker, pillow, same = (row.get(kind, {}) for kind in RUN_KINDS)
+        print(f"{row['model']:10} {_rate(ceiling):>10} {_rate(stoker):>10} {_stall(stoker):>6} {_rate(pillow):>12} "
+              f"{_stall(pillow):>6} {_rate(same):>16} {_stall(same):>6} {_times(row['stoker_vs_ceiling']):>15} "
+              f"{_times(row['stoker_vs_dataloader']):>10} {_times(row['stoker_vs_dataloader_same_decoder']):>13}")
+    failed = [run for run in result["runs"] if "error" in run]
+    for run in failed:
+        print(f"{run['model']} {run['kind']} (repeat {run['repeat']}) failed: {run['error']}")
+    _save(result, args)
+    return 1 if failed else 0
+
+
+def _rate(figures: dict[str, Any]) -> str:
+    return "-" if not figures else "failed" if "error" in figures else f"{figures['samples_per_s']:.1f}"
+
+
+def _stall(figures: dict[str, Any]) -> str:
+    return "-" if not figures or "error" in figures else f"{figures['input_stall']:.1%}"
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"

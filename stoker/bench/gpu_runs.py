@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,32 +27,73 @@ WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
 KINDS = ("ceiling", "stoker", "dataloader_pillow", "dataloader_stoker_decoder")
 PREFETCH = 2  # DataLoader's default prefetch_factor
 
-
-def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    rows = [_measure_model(folder, model, args) for model in args.models.split(",")]
-    return {"device": _device_name(args.device), "image_size": args.image_size, "batch_size": args.batch_size,
-            "precision": args.precision, "channels_last": args.channels_last == "true", "workers": args.workers,
-            "repeats": args.repeats, "rows": rows}
+log = logging.getLogger(__name__)
 
 
-def _measure_model(folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Each repeat runs every kind once, starting one kind later than the repeat before, each in a fresh process."""
-    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in KINDS}
+def measure(folder: Path, args: argparse.Namespace, kinds: Sequence[str] = KINDS,
+            skipped: dict[str, str] | None = None,
+            saved: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """Every model's row. `skipped`: kinds that cannot run here, with why (reported as failed, not run).
+    `saved(result)` is called as each run ends, with every run so far under "runs": a check cut short by its time
+    limit still has the figures it measured."""
+    result: dict[str, Any] = {
+        "device": _device_name(args.device), "image_size": args.image_size, "batch_size": args.batch_size,
+        "precision": args.precision, "channels_last": args.channels_last == "true", "workers": args.workers,
+        "repeats": args.repeats, "rows": [], "runs": []}
+    for model in args.models.split(","):
+        result["rows"].append(_measure_model(folder, model, args, kinds, skipped or {}, result, saved))
+        saved(result)
+    return result
+
+
+def _measure_model(folder: Path, model: str, args: argparse.Namespace, kinds: Sequence[str],
+                   skipped: dict[str, str], result: dict[str, Any],
+                   saved: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Each repeat runs every kind once, starting one kind later than the repeat before, each in a fresh process.
+    A run that fails is recorded with its error; the others still run."""
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     for repeat in range(args.repeats):
-        for position in range(len(KINDS)):
-            kind = KINDS[(position + repeat) % len(KINDS)]
-            runs[kind].append(_in_own_process(kind, folder, model, args))
+        for position in range(len(kinds)):
+            kind = kinds[(position + repeat) % len(kinds)]
+            run = {"error": skipped[kind]} if kind in skipped else _run_or_error(kind, folder, model, args)
+            runs[kind].append(run)
+            result["runs"].append({"model": model, "kind": kind, "repeat": repeat, **run})
+            saved(result)
     row: dict[str, Any] = {"model": model}
     for kind, results in runs.items():
-        row[kind] = {key: statistics.median(r[key] for r in results) for key in ("samples_per_s", "input_stall")}
-        row[kind]["repeats"] = [r["samples_per_s"] for r in results]
-    stoker_rate = row["stoker"]["samples_per_s"]
-    row["stoker_vs_ceiling"] = round(stoker_rate / row["ceiling"]["samples_per_s"], 3)
-    row["stoker_vs_dataloader"] = round(stoker_rate / row["dataloader_pillow"]["samples_per_s"], 3)
-    row["stoker_vs_dataloader_same_decoder"] = round(stoker_rate / row["dataloader_stoker_decoder"]["samples_per_s"],
-                                                     3)
-    row["dataloader"] = row["dataloader_pillow"]  # the column earlier reports had
+        row[kind] = _medians(results)
+    row["stoker_vs_ceiling"] = _ratio(row.get("stoker"), row.get("ceiling"))
+    row["stoker_vs_dataloader"] = _ratio(row.get("stoker"), row.get("dataloader_pillow"))
+    row["stoker_vs_dataloader_same_decoder"] = _ratio(row.get("stoker"), row.get("dataloader_stoker_decoder"))
+    if "dataloader_pillow" in row:
+        row["dataloader"] = row["dataloader_pillow"]  # the column earlier reports had
     return row
+
+
+def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of a kind's runs that ended with figures; its first error when none did."""
+    measured = [r for r in results if "error" not in r]
+    if not measured:
+        return {"error": results[0]["error"]}
+    figures: dict[str, Any] = {key: statistics.median(r[key] for r in measured)
+                               for key in ("samples_per_s", "input_stall")}
+    figures["repeats"] = [r["samples_per_s"] for r in measured]
+    return figures
+
+
+def _ratio(rate: dict[str, Any] | None, other: dict[str, Any] | None) -> float | None:
+    if rate is None or other is None or "error" in rate or "error" in other:
+        return None
+    return round(rate["samples_per_s"] / other["samples_per_s"], 3)
+
+
+def _run_or_error(kind: str, folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The run's figures, or {"error": why} when it failed (a process that died, a bus error in a worker)."""
+    try:
+        return _in_own_process(kind, folder, model, args)
+    except Exception as error:  # noqa: BLE001 - the bench reports it and measures the other runs
+        log.warning("bench gpu: the %s run of %s failed: %s", kind, model, error)
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def _in_own_process(kind: str, folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -76,6 +118,7 @@ class _Step:
     consumer's precision and its fused SGD; timed with the consumer's `StepClock` events."""
 
     def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
+        from stoker.common.config import DeviceSettings
         from stoker.training import accel
         from stoker.training.averager import Averager
         from stoker.training.feed import MEAN, STD, normalization_constants, normalize_pixels
@@ -98,7 +141,7 @@ class _Step:
         mean_255, inv_std_255 = (c.to(self.device) for c in normalization_constants(MEAN, STD))
         self.normalize: Callable[[torch.Tensor], torch.Tensor] = lambda pixels: normalize_pixels(
             pixels, mean_255, inv_std_255, memory_format)
-        self.clock = StepClock(self.ops)
+        self.clock = StepClock(self.ops, DeviceSettings().steps_ahead)  # as deep as the consumer's
         self.marks: list[Any] = []
 
     def step(self, pixels: torch.Tensor, labels: torch.Tensor, host_wait_s: float,

@@ -204,6 +204,11 @@ class DeviceSettings:
     deterministic: Annotated[bool, Setting(
         "true | false: deterministic cuDNN algorithms, no TF32 (bitwise resume on GPUs)", "BOOL",
         group=EXPERT)] = False
+    # Not measured on a GPU yet: 2 leaves the host one device step to copy a batch into pinned memory and launch
+    # the next; 3 gives it two, for one more staging buffer and one step later reports.
+    steps_ahead: Annotated[Count, Setting(
+        "steps the host may run ahead of a GPU (as many pinned staging buffers): the first GPU runs compare 2 and 3",
+        "N", group=EXPERT, may_change_on_resume=True)] = Field(default=3, ge=1, le=8)
 
     @field_validator("devices")
     @classmethod

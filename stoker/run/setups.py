@@ -39,5 +39,5 @@ def consumer_setups(config: TrainConfig, devices: list[str], cluster: Cluster, s
         seed=config.seed, model_settings=model, optim=config.section(OptimizerSettings),
         recipe=config.section(RecipeSettings), averaging=config.section(AveragingSettings),
         hardware=config.section(DeviceSettings), warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
-        model_card=card, best_model=run_dir / BEST_MODEL_FILE)
+        model_card=card, best_model=run_dir / BEST_MODEL_FILE, local_consumers=len(devices))
         for rank, device in enumerate(devices)]

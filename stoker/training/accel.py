@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -41,11 +42,18 @@ def configure_backends(deterministic: bool) -> None:
 
 
 class MixedPrecision:
-    """Autocast for the forward pass, and for fp16 a gradient scaler around backward and the optimizer step."""
+    """Autocast for the forward pass, and for fp16 a gradient scaler around backward and the optimizer step.
 
-    def __init__(self, precision: Precision, device: torch.device) -> None:
+    With `agree` (several replicas), the replicas' scalers decide together: each replica's overflow flag is
+    all-reduced (MAX) before its step, so all skip or all step, and their scales stay equal. A replica with no
+    samples in a step joins with `skip_step`. Otherwise an overflow on one rank would skip its step while the
+    others stepped, and the average would be a partial step."""
+
+    def __init__(self, precision: Precision, device: torch.device, agree: bool = False) -> None:
         self.precision = precision
+        self.device = device
         self.device_type = device.type
+        self.agree = agree
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
     def autocast(self) -> AbstractContextManager:
@@ -63,11 +71,29 @@ class MixedPrecision:
             optimizer.step()
             return
         self.scaler.scale(loss).backward()
+        if before_step is not None or self.agree:
+            self.scaler.unscale_(optimizer)  # the overflow flags exist from here, and step and update read them
         if before_step is not None:
-            self.scaler.unscale_(optimizer)
             before_step()
+        if self.agree:
+            for found_inf in self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         self.scaler.step(optimizer)  # skipped when a gradient overflowed; the scale then shrinks
         self.scaler.update()
+
+    def skip_step(self) -> None:
+        """This replica has no samples this step: it joins the overflow agreement with none of its own, and moves
+        its scale as its peers' `update` does, so that all scales stay equal."""
+        if self.scaler is None or not self.agree:
+            return
+        scaler = self.scaler
+        found_inf = torch.zeros(1, device=self.device)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        if scaler._scale is None:  # no step scaled anything yet
+            scaler._lazy_init_scale_growth_tracker(self.device)
+        assert scaler._scale is not None and scaler._growth_tracker is not None
+        torch._amp_update_scale_(scaler._scale, scaler._growth_tracker, found_inf, scaler.get_growth_factor(),
+                                 scaler.get_backoff_factor(), scaler.get_growth_interval())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The scaler's state as tensors (checkpoints hold tensors only)."""

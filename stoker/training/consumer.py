@@ -2,7 +2,7 @@
 
 It copies a slot to its device (uint8: four times fewer bytes than float32, see `feed`), hands the slot back at
 once, normalizes on the device, runs forward, backward and the optimizer step, and joins the averaging collective.
-On a GPU nothing in a step waits for the device, except that the host stays at most two steps ahead of it (a
+On a GPU nothing in a step waits for the device, except that the host stays at most --steps-ahead steps ahead of it (a
 blocking event: the host sleeps): the loss is copied to the host behind the step and the step's timings are events,
 and both are read every few steps for the steps the device has done, or all at once when the consumer would wait
 for input anyway.
@@ -10,8 +10,10 @@ for input anyway.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -62,6 +64,9 @@ from stoker.training.timing import StepClock, StepMarks
 # On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
 REPORT_EVERY_ASYNC = 16
 EMA_MODEL_FILE = "model_ema.pt"  # beside model.pt, saved the same way
+ABORT_S = 10.0  # an abort of the process group that takes longer is stuck
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ class ConsumerSetup:
     warmup_steps: int = 0
     model_card: model_file.ModelCard | None = None  # written into model.pt beside the weights (None: plain weights)
     best_model: Path | None = None  # where rank 0 keeps the model of the best validation accuracy so far
+    local_consumers: int = 1  # consumers on this machine: they share its cores
 
     @property
     def outer(self) -> OuterSpec | None:
@@ -133,9 +139,28 @@ def close_group(finished: bool) -> None:
 
 
 def abort_group() -> None:
+    """Abort the group without hiding the consumer's own failure: with TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the
+    watchdog may have aborted the communicators already, and the abort may raise (logged) or never return (after
+    ABORT_S the process ends, its failure already sent: the controller would otherwise have to kill it)."""
     from torch.distributed import distributed_c10d
 
-    distributed_c10d._abort_process_group()
+    failures: list[BaseException] = []
+
+    def abort() -> None:
+        try:
+            distributed_c10d._abort_process_group()
+        except BaseException as error:  # noqa: BLE001 - reported below, in the consumer's thread
+            failures.append(error)
+
+    aborting = threading.Thread(target=abort, name="abort process group", daemon=True)
+    aborting.start()
+    aborting.join(ABORT_S)
+    if aborting.is_alive():
+        log.warning("aborting the process group did not return within %.0f s: ending the consumer", ABORT_S)
+        logging.shutdown()
+        os._exit(1)
+    elif failures:
+        log.warning("aborting the process group failed (the watchdog may have aborted it first): %s", failures[0])
 
 
 class Replica:
@@ -156,23 +181,24 @@ class Replica:
         self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
         self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
         self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
-        # fp16's gradient scaler steps the whole model after unscaling, and clipping needs every gradient's
-        # norm first: no group can step during backward.
         averaging = setup.averaging
-        in_backward = (averaging.average_in_backward and setup.hardware.precision != "fp16"
-                       and not setup.recipe.clip_grad_norm)
+        in_backward = averages_in_backward(averaging, setup.hardware, setup.recipe)
         self.averager = Averager(self.model, averaging.sync_every, setup.world_size, setup.ring.batch_size,
                                  setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
-        self.forward = accel.compiled(self.model, _compile_threads(setup)) if setup.hardware.compile else self.model
-        self.precision = accel.MixedPrecision(setup.hardware.precision, self.device)
+        threads = compile_threads(setup.device, setup.num_threads, setup.local_consumers)
+        self.forward = accel.compiled(self.model, threads) if setup.hardware.compile else self.model
+        self.precision = accel.MixedPrecision(setup.hardware.precision, self.device, agree=setup.world_size > 1)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
         ops = ops_for(self.device)
         # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
         # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
-        self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops)
-        self.clock = StepClock(ops)
+        # As many staging buffers as steps ahead: the buffer a step refills was read by the step `steps_ahead`
+        # back, whose end the clock has already waited for, so the feed itself never waits for a copy.
+        ahead = setup.hardware.steps_ahead
+        self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops, num_staging=ahead)
+        self.clock = StepClock(ops, ahead)
         self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
         self.report_every = 1  # the first step is reported at once: the controller times the run from it
         self.unreported: list[_StepInFlight] = []
@@ -224,8 +250,7 @@ class Replica:
         if self.first_wait_s is None:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
         self.clock.begin(wait_s)
-        images, labels, ids = self.loader.take(batch.slot, self._release)
-        self.clock.fed()
+        images, labels, ids = self.loader.take(batch.slot, self._release, fed=self.clock.fed)
         self.averager.begin_step(batch.global_step, len(ids), batch.step_samples, self.optimizer)
         loss = None
         if len(ids):
@@ -240,6 +265,11 @@ class Replica:
             faults.simulated_delay(faults.STEP_TIME_ENV)
             clip = self.recipe.spec.settings.clip_grad_norm
             self.precision.backward_and_step(loss, self.optimizer, self._clip if clip else None)
+        else:  # fp16: every replica joins the scalers' overflow agreement
+            self.precision.skip_step()
+        # Copied to the host before the compute event: a step that does not average ends at that event, and the
+        # report reads the loss once the step's end has completed, with no sync.
+        loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
         self.clock.computed()
         faults.maybe_inject("consumer", f"rank={self.setup.rank},step={batch.global_step};")
         averaged = self.averager.end_step(batch.global_step) is not None
@@ -247,8 +277,6 @@ class Replica:
         every = self.setup.averaging.check_replicas_every
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
-        # Copied to the host before the step's end event: read once that event has completed, with no sync.
-        loss = self.loader.ops.to_host(loss.float()) if loss is not None else None
         marks = self.clock.end(averaged, after_averaging=self._ema_update(batch.global_step) if averaged else None)
         self.unreported.append(_StepInFlight(batch, ids, loss, marks, digest, time.monotonic()))
         if len(self.unreported) >= self.report_every:
@@ -444,7 +472,7 @@ class _StepInFlight:
     marks: StepMarks
     digest: str | None
     # Stamped as the host ends it, not when it is reported (in groups on a GPU, where the device ends it at most
-    # timing.MAX_AHEAD steps later): the autoscaler must not count a step that ran before a fork for the fork.
+    # --steps-ahead steps later): the autoscaler must not count a step that ran before a fork for the fork.
     ended_s: float = 0.0
 
 
@@ -463,6 +491,15 @@ def _next_message(ready, stop, watch: ParentWatch, when_idle):
                 idle = True
 
 
+def averages_in_backward(averaging: AveragingSettings, hardware: DeviceSettings, recipe: RecipeSettings) -> bool:
+    """Whether groups of parameters average and step as their gradients complete. Not under fp16 (the gradient
+    scaler steps the whole model after unscaling), clipping (it needs every gradient's norm first) or --compile
+    (the compiled backward is one autograd node: every group's hook fires at its end, so the per-group steps and
+    all_reduces would hide nothing and cost launches; compiled autograd would be needed, and is not used)."""
+    return (averaging.average_in_backward and hardware.precision != "fp16" and not recipe.clip_grad_norm
+            and not hardware.compile)
+
+
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
     optim = setup.optim
     groups = optimizer_groups(model, optim.weight_decay, optim.no_decay_norm_bias, optim.lr_head_multiplier)
@@ -473,11 +510,12 @@ def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.
                            weight_decay=optim.weight_decay, **accel.fused_option(torch.optim.SGD, device))
 
 
-def _compile_threads(setup: ConsumerSetup) -> int:
-    """This consumer's share of the cores: its torch threads on the CPU; on GPUs the cores over the GPUs."""
-    if not setup.device.startswith("cuda"):
-        return setup.num_threads
-    return max(1, available_cores() // max(1, torch.cuda.device_count()))
+def compile_threads(device: str, num_threads: int, local_consumers: int) -> int:
+    """This consumer's share of the cores: its torch threads on the CPU; on a GPU the cores over this machine's
+    consumers (not over the visible GPUs: `--devices cuda:0` on an 8-GPU machine compiles on every core)."""
+    if not device.startswith("cuda"):
+        return num_threads
+    return max(1, available_cores() // max(1, local_consumers))
 
 
 def _join_group(setup: ConsumerSetup) -> dist.Store:

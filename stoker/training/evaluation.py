@@ -44,8 +44,9 @@ class ValTotals:
         k = min(TOP_K, self.num_classes)
         self.sums[1] += (logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum()
         self.sums[2] += len(labels)
-        self.confusion += torch.bincount(labels * self.num_classes + logits.argmax(1),
-                                         minlength=self.num_classes ** 2)
+        # Not torch.bincount: its output's size depends on the values, which on a GPU is a host sync per batch.
+        cells = labels * self.num_classes + logits.argmax(1)
+        self.confusion.index_add_(0, cells, torch.ones_like(cells))
 
     def reduce(self) -> ValResult | None:
         """All replicas' totals (a collective: every rank calls it); None when validation held no sample."""

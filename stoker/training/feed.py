@@ -61,11 +61,15 @@ class DeviceLoader:
         self.staging = [self._staging() for _ in range(num_staging)] if self.ops.asynchronous else []
         self.turn = 0
 
-    def take(self, slot: int | None, release: Callable[[int], None], kind: Kind = "train"
-             ) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def take(self, slot: int | None, release: Callable[[int], None], kind: Kind = "train",
+             fed: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """The batch in `slot` on the device; `release(slot)` is called as soon as the slot may be refilled. `kind`
-        says which side the slot's images have (`--val-image-size`)."""
+        says which side the slot's images have (`--val-image-size`). `fed()` is called once the compute stream
+        waits for the batch's copy, before the normalization: a step's start event goes there, so the
+        normalization's kernels count as the step's compute (on the CPU, where a step starts when the host has its
+        batch, it is called last)."""
         if slot is None:
+            fed()
             return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
         count = int(self.ring.counts[slot])
         ids = self.ring.ids[slot, :count].copy()
@@ -74,12 +78,14 @@ class DeviceLoader:
             labels = torch.from_numpy(self.ring.labels[slot, :count].copy())
             images = self._normalize(torch.from_numpy(pixels))  # the copy out of the slot
             release(slot)
+            fed()
             return images, labels, ids
         stage = self._next_staging()
         np.copyto(_sized(stage.host_images, pixels.shape).numpy(), pixels)  # beats Tensor.copy_
         np.copyto(stage.host_labels[:count].numpy(), self.ring.labels[slot, :count])
         release(slot)
         device_images = self._copy_to_device(stage, count, pixels.shape)
+        fed()
         images = self._normalize(device_images)
         labels = stage.device_labels[:count].clone()
         self.ops.record(stage.used, self.ops.compute_stream())

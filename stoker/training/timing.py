@@ -10,7 +10,7 @@ it waited), and host time, the rest (Python launching kernels, the slot-to-pinne
 Only input wait says that more producers would help; a host-bound device needs less Python per sample. The host
 waiting for a batch while the device still works through queued steps is neither.
 
-The host runs at most MAX_AHEAD steps ahead of the device: each step begins once the step MAX_AHEAD before it has
+The host runs at most `max_ahead` steps ahead of the device: each step begins once the step that many before it has
 ended there (a blocking event: the host sleeps). So a report finds every step but the last one or two done, and
 reads them without draining the device (`ready`).
 """
@@ -24,8 +24,9 @@ from typing import Any
 
 from stoker.training.streams import DeviceOps
 
-# Two steps queued on the device keep it busy through the host's launch jitter; more only delays what the host
-# learns (losses, timings) and holds more batches' memory.
+# A clock's own default; the consumer and `bench gpu` pass `--steps-ahead`. With 2 the host has one device step to
+# copy the next batch into pinned memory and launch it; 3 gives it two, and delays what the host learns (losses,
+# timings) by one step more.
 MAX_AHEAD = 2
 
 
@@ -48,15 +49,16 @@ class StepTimes:
 
 
 class StepClock:
-    def __init__(self, ops: DeviceOps) -> None:
+    def __init__(self, ops: DeviceOps, max_ahead: int = MAX_AHEAD) -> None:
         self.ops = ops
+        self.max_ahead = max_ahead
         self.previous_end: Any | None = None
         self.current: StepMarks | None = None
-        self.recent_ends: deque[Any] = deque(maxlen=MAX_AHEAD)
+        self.recent_ends: deque[Any] = deque(maxlen=max_ahead)
 
     def begin(self, host_wait_s: float) -> None:
         """The host has the step's batch. On the CPU the step starts now (taking the batch out of its slot is
-        the consumer's work); on a GPU it starts at `fed`, once the device is at most MAX_AHEAD steps behind."""
+        the consumer's work); on a GPU it starts at `fed`, once the device is at most `max_ahead` steps behind."""
         self._hold_back()
         start = None if self.ops.asynchronous else self._mark()
         self.current = StepMarks(self.previous_end, start, host_wait_s)
@@ -87,8 +89,8 @@ class StepClock:
         return marks
 
     def _hold_back(self) -> None:
-        """Sleep until the step MAX_AHEAD steps back has ended on the device."""
-        if len(self.recent_ends) == MAX_AHEAD and self.ops.asynchronous:
+        """Sleep until the step `max_ahead` steps back has ended on the device."""
+        if len(self.recent_ends) == self.max_ahead and self.ops.asynchronous:
             oldest = self.recent_ends[0]
             if not self.ops.done(oldest):
                 self.ops.synchronize(oldest)

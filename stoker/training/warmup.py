@@ -4,9 +4,10 @@ Compiled lazily, a model compiles at its first step, again at the first short ba
 the first validation (eval mode): minutes each under contention (8 consumers compiling on 16 cores), while a peer
 that finished first waits in an NCCL collective whose timeout (60 s) runs from when it was enqueued. So each
 consumer compiles every graph it will need at start, with a dynamic batch dimension (one graph for every batch
-of 2 or more: the full one, the short last one, validation's), on dummy input, and leaves the model exactly as it
-was; then the consumers meet through the store, which a slow compile cannot time out (it waits up to
-COMPILE_ALLOWANCE_S, checking that the run is still on), before any collective.
+of 2 or more: the full one, the short last one, validation's) and at batch size 1 (which dynamo specializes), on
+dummy input, and leaves the model exactly as it was; then the consumers meet through the store, which a slow
+compile cannot time out (it waits up to COMPILE_ALLOWANCE_S, checking that the run is still on), before any
+collective.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], p
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    sizes = [max(2, batch_size // 2), batch_size] if batch_size >= 2 else [batch_size]
+    sizes = warm_up_sizes(batch_size)
     try:
-        for size in sizes:  # the first call compiles (dynamic), the second checks that it covers the full batch
+        for size in sizes:
             images = torch.zeros((size, 3, image_size, image_size), device=device).contiguous(
                 memory_format=memory_format)
             labels = torch.arange(size, device=device) % max(1, num_classes)
@@ -64,6 +65,15 @@ def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], p
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
         model.train()
+
+
+def warm_up_sizes(batch_size: int) -> list[int]:
+    """Half the batch first (compiled with a dynamic batch dimension), then the full batch (which must reuse that
+    graph), then 1: dynamo specializes size 1, so a rank whose share of a short step, or whose last validation
+    batch, holds one sample would otherwise compile mid-run while its peers wait in an NCCL collective."""
+    if batch_size < 2:
+        return [batch_size]
+    return [max(2, batch_size // 2), batch_size, 1]
 
 
 def wait_for_peers(store: dist.Store, name: str, world_size: int, alive: Callable[[], None],

@@ -91,20 +91,28 @@ def read_rank() -> tuple[int, int]:
 
 
 def resolve_device(device: str | None) -> torch.device | None:
-    """The rank's own device: 'cuda' is cuda:LOCAL_RANK (or the current CUDA device), never simply cuda:0."""
+    """The rank's own device, never simply cuda:0 (see `rank_gpu` for 'cuda')."""
     if device is None:
         return None
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        local = os.environ.get("LOCAL_RANK")
-        resolved = torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
-    else:
-        resolved = torch.device(device)
+    resolved = torch.device("cuda", rank_gpu()) if device == "cuda" else torch.device(device)
     if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r} is {resolved}, but {torch.cuda.device_count()} CUDA device(s) are "
                          "visible (LOCAL_RANK and CUDA_VISIBLE_DEVICES say which this rank gets)")
     return resolved
+
+
+def rank_gpu() -> int:
+    """'cuda' for this rank: the current device once CUDA is initialized (the user's `torch.cuda.set_device`),
+    the only one where a rank sees one GPU (SLURM's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES), else
+    cuda:LOCAL_RANK (torchrun on a machine whose GPUs every rank sees)."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.current_device()
+    local = os.environ.get("LOCAL_RANK")
+    if torch.cuda.device_count() == 1 or local is None:
+        return 0
+    return int(local)
 
 
 class EpochSampler:

@@ -38,3 +38,48 @@ def test_stoker_is_timed_over_its_first_epoch_only_so_no_checkpoint_is_inside_th
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert steady_figures(metrics) == {"samples_per_s": 8.0, "input_stall": 0.5}
+
+
+def test_a_run_that_fails_is_reported_and_the_others_are_measured_and_saved_as_they_end(monkeypatch, tmp_path,
+                                                                                       capsys):
+    """A check cut short, or a run that cannot run here (a ring /dev/shm cannot hold), still leaves figures."""
+    import argparse
+
+    from stoker.bench import gpu, gpu_runs
+
+    def run(kind, folder, model, args):
+        if kind == "stoker":
+            raise RuntimeError("stoker train failed: the batch slot ring needs 77 MiB")
+        return {"samples_per_s": {"ceiling": 400.0}.get(kind, 200.0), "input_stall": 0.1}
+
+    monkeypatch.setattr(gpu_runs, "_in_own_process", run)
+    args = argparse.Namespace(device="cpu", models="resnet8", image_size=32, batch_size=8, precision="fp32",
+                              channels_last="true", workers=1, repeats=2, json=tmp_path / "gpu.json")
+    saves: list[int] = []
+    result = gpu_runs.measure(tmp_path, args, saved=lambda partial: saves.append(len(partial["runs"])))
+    assert saves[:8] == list(range(1, 9))  # after each of the 2 x 4 runs
+    (row,) = result["rows"]
+    assert "77 MiB" in row["stoker"]["error"] and row["stoker_vs_ceiling"] is None
+    assert row["ceiling"]["samples_per_s"] == 400.0 and row["dataloader_pillow"]["repeats"] == [200.0, 200.0]
+    assert gpu._report(result, args) == 1
+    out = capsys.readouterr().out
+    assert "failed" in out and "resnet8 stoker (repeat 0) failed: RuntimeError" in out
+    assert json.loads(args.json.read_text())["rows"][0]["ceiling"]["samples_per_s"] == 400.0
+
+
+def test_a_dev_shm_too_small_for_the_ring_skips_the_stoker_run_first_with_the_size_and_the_fix(monkeypatch,
+                                                                                               capsys):
+    import argparse
+    from collections import namedtuple
+
+    from stoker.bench import gpu
+    from stoker.pipeline import ring
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(ring.shutil, "disk_usage", lambda path: usage(64 << 20, 0, 64 << 20))  # Docker's default
+    args = argparse.Namespace(batch_size=128, image_size=224, workers=15)
+    skipped = gpu._runs_shm_cannot_hold(args, gpu.RUN_KINDS)
+    assert list(skipped) == ["stoker"]
+    err = capsys.readouterr().err
+    assert "needs 7" in err and "--shm-size=" in err and "the others are measured" in err
+    assert gpu._runs_shm_cannot_hold(args, ("ceiling",)) == {}

@@ -57,6 +57,7 @@ def test_bf16_channels_last_compiled_training_reports_gpu_memory(textures, tmp_p
     assert steps and all(step["compute_s"] > 0 for step in steps)
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
 def test_averaging_time_is_the_collectives_device_time(textures, tmp_path):
     """NCCL only enqueues: with host timing averaging read about 0. With events it is the all_reduce's time."""

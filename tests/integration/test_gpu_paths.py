@@ -13,7 +13,11 @@ import torch
 from tests.conftest import assert_same_weights, cuda_device_count, read_summary, run_cli
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
-two_gpus = pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")
+
+
+def two_gpus(test):
+    """Skipped below two GPUs; `tools/gpu-check.sh` runs these after its benchmark (`-m two_gpus`)."""
+    return pytest.mark.two_gpus(pytest.mark.skipif(cuda_device_count() < 2, reason="needs two GPUs")(test))
 
 
 def _train(textures, out, *extra: str, devices: str = "cuda:0", env: dict | None = None, check: bool = True):

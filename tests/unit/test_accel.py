@@ -79,3 +79,50 @@ def test_compile_works_inside_a_daemonic_process():
     finally:
         process.join(timeout=30)
         results.close()
+
+
+def _peers(monkeypatch, overflowed: bool) -> list[float]:
+    """A group of replicas in which a peer's gradients did (or did not) overflow: an all_reduce(MAX) of the
+    overflow flag gives 1 whatever this replica found."""
+    import torch.distributed as dist
+
+    reduced: list[float] = []
+
+    def all_reduce(tensor, op=None):
+        assert op == dist.ReduceOp.MAX
+        reduced.append(float(tensor.sum()))
+        tensor.clamp_(min=1.0 if overflowed else 0.0)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    return reduced
+
+
+def _fp16_step(precision):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    precision.backward_and_step(model(torch.randn(3, 4)).square().mean(), optimizer)
+    return [torch.equal(a, b) for a, b in zip(before, model.parameters())]
+
+
+@pytest.mark.parametrize("overflowed", [True, False])
+def test_fp16_replicas_skip_or_step_together_when_one_of_them_overflows(monkeypatch, overflowed):
+    """Each replica has its own gradient scaler: a rank that overflowed skipped its step while the others
+    stepped, and the average was a partial step; the scales then drifted apart."""
+    reduced = _peers(monkeypatch, overflowed)
+    precision = accel.MixedPrecision("fp16", torch.device("cpu"), agree=True)
+    initial = precision.scaler.get_scale()
+    unchanged = _fp16_step(precision)  # this replica's own gradients are finite
+    assert reduced == [0.0]  # it said so to its peers
+    assert all(unchanged) is overflowed
+    assert precision.scaler.get_scale() == (initial * 0.5 if overflowed else initial)
+
+
+@pytest.mark.parametrize("overflowed", [True, False])
+def test_an_fp16_replica_without_samples_updates_its_scale_as_its_peers_do(monkeypatch, overflowed):
+    _peers(monkeypatch, overflowed)
+    empty, trained = (accel.MixedPrecision("fp16", torch.device("cpu"), agree=True) for _ in range(2))
+    _fp16_step(trained)
+    empty.skip_step()
+    assert empty.state_dict() == trained.state_dict()

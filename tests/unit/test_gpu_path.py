@@ -111,8 +111,8 @@ def _count_compiles() -> tuple[list[int], object]:
 
 def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_it_was():
     """After the warm-up, the full batch, a short last batch and validation (eval mode, either size, at the
-    training side and at --val-image-size's) compile nothing more: no rank compiles after the group's first
-    collective."""
+    training side and at --val-image-size's) compile nothing more, a 1-sample share or last validation batch
+    included (dynamo specializes size 1): no rank compiles after the group's first collective."""
     import torch._dynamo
 
     from stoker.training import accel, warmup
@@ -131,7 +131,7 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
     assert all(torch.equal(a, b) for a, b in zip(before, (*model.parameters(), *model.buffers())))
     assert torch.equal(torch.get_rng_state(), rng) and all(p.grad is None for p in model.parameters())
     after_warm_up = compiles[0]
-    for size in (8, 5, 3):
+    for size in (8, 5, 3, 1):
         images = torch.randn(size, 3, 32, 32).contiguous(memory_format=torch.channels_last)
         model.train()
         F.cross_entropy(forward(images), torch.zeros(size, dtype=torch.int64)).backward()
@@ -176,3 +176,85 @@ def test_a_consumer_told_to_stop_leaves_the_meeting(tmp_path):
 
     with pytest.raises(Stop):
         wait_for_peers(dist.FileStore(str(Path(tmp_path) / "store"), 2), "compiled", 2, alive=stopped)
+
+
+@pytest.mark.parametrize(("hardware", "clip", "expected"), [
+    ({}, 0.0, True),
+    ({"compile": True}, 0.0, False),  # one compiled backward node: every group's hook fires at its end
+    ({"precision": "fp16"}, 0.0, False),  # the scaler unscales and steps the whole model after backward
+    ({}, 1.0, False),  # clipping needs every gradient's norm first
+])
+def test_averaging_in_backward_only_where_a_group_can_step_as_its_gradients_complete(hardware, clip, expected):
+    from stoker.common.config import AveragingSettings, DeviceSettings, RecipeSettings
+    from stoker.training.consumer import averages_in_backward
+
+    assert averages_in_backward(AveragingSettings(), DeviceSettings(**hardware),
+                                RecipeSettings(clip_grad_norm=clip)) is expected
+
+
+def test_compile_threads_share_the_cores_among_this_machine_s_consumers_not_its_gpus(monkeypatch):
+    """`--devices cuda:0` on an 8-GPU machine: one consumer, which may compile on every core."""
+    from stoker.training import consumer
+
+    monkeypatch.setattr(consumer, "available_cores", lambda: 16)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert consumer.compile_threads("cuda:0", num_threads=2, local_consumers=1) == 16
+    assert consumer.compile_threads("cuda:3", num_threads=2, local_consumers=4) == 4
+    assert consumer.compile_threads("cpu", num_threads=2, local_consumers=1) == 2  # its torch threads
+
+
+def test_an_abort_that_raises_is_logged_not_raised_over_the_consumer_s_own_error(monkeypatch, caplog):
+    """With TORCH_NCCL_ASYNC_ERROR_HANDLING=2 the watchdog may have aborted the communicators already."""
+    from torch.distributed import distributed_c10d
+
+    from stoker.training import consumer
+
+    def already_aborted(*args):
+        raise RuntimeError("NCCL communicator was aborted")
+
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", already_aborted)
+    with caplog.at_level("WARNING"):
+        consumer.abort_group()
+    assert "NCCL communicator was aborted" in caplog.text
+
+
+def test_an_abort_that_does_not_return_ends_the_process(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    from stoker.training import consumer
+
+    released = threading.Event()
+    exits: list[int] = []
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda *a: released.wait(10))
+    monkeypatch.setattr(consumer, "ABORT_S", 0.05)
+    monkeypatch.setattr(os, "_exit", exits.append)
+    consumer.abort_group()
+    released.set()
+    assert exits and exits[0] != 0
+
+
+def _cuda_of(monkeypatch, visible: int, initialized: bool, current: int = 0, local_rank: str | None = None):
+    """torch.cuda as a rank would see it (there is no GPU here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+
+
+def test_the_loader_s_cuda_is_the_rank_s_own_gpu(monkeypatch):
+    from stoker.use.loader import resolve_device
+
+    _cuda_of(monkeypatch, visible=8, initialized=False, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 3)  # torchrun on one machine, every GPU visible
+    _cuda_of(monkeypatch, visible=1, initialized=False, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # SLURM --gpus-per-task=1: its one GPU
+    _cuda_of(monkeypatch, visible=8, initialized=True, current=5, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 5)  # the user's own torch.cuda.set_device
+    assert resolve_device("cuda:2") == torch.device("cuda", 2)  # asked for by number
+    _cuda_of(monkeypatch, visible=4, initialized=False, local_rank="6")
+    with pytest.raises(ValueError, match="LOCAL_RANK"):
+        resolve_device("cuda")

@@ -1,0 +1,49 @@
+"""`tools/gpu-check.sh` on a CPU machine whose fake `nvidia-smi` lists a GPU that this torch cannot use: the GPU
+tests fail (they stop, not skip, there), and the check still reaches its benchmark and writes its figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def test_the_gpu_check_reaches_its_benchmark_and_writes_figures_when_the_tests_fail(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nif [ \"$1\" = -L ]; then echo 'GPU 0: NVIDIA H200 (UUID: GPU-0)'; "
+                                     "else echo '| NVIDIA-SMI 535.1   Driver Version: 535.1   CUDA Version: 12.2 |';"
+                                     " fi\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "gpu-check"
+    environment = {key: value for key, value in os.environ.items() if key != "CUDA_VISIBLE_DEVICES"}
+    environment.update(PATH=f"{fake}{os.pathsep}{os.environ['PATH']}", GPU_CHECK_OUT=str(out),
+                       GPU_CHECK_TESTS_S="60", GPU_CHECK_BENCH_S="90",
+                       GPU_CHECK_BENCH_ARGS="--device cpu --models resnet8 --image-size 32 --batch-size 8 "
+                                            "--images 40 --steps 3 --workers 1 --repeats 1 --runs ceiling")
+    result = subprocess.run(["bash", str(ROOT / "tools" / "gpu-check.sh"), sys.executable], cwd=tmp_path,
+                            env=environment, capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0, result.stdout[-3000:]  # the tests' failure is the check's status
+    assert "GPU 0: NVIDIA H200" in (out / "gpus.txt").read_text()
+    assert "the GPU tests cannot run" in (out / "gpu-tests.txt").read_text()
+    assert "bench gpu: " in result.stdout  # reached, and timed
+    figures = json.loads((out / "bench-gpu.json").read_text())
+    assert figures["rows"][0]["ceiling"]["samples_per_s"] > 0
+    assert [(run["kind"], "error" in run) for run in figures["runs"]] == [("ceiling", False)]
+    assert "two-GPU tests" not in result.stdout  # one GPU listed
+
+
+def test_the_gpu_check_names_a_missing_package_before_it_runs_anything(tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "simplejpeg.py").write_text("raise ImportError('No module named simplejpeg')\n")  # shadows the real one
+    out = tmp_path / "gpu-check"
+    environment = {**os.environ, "PYTHONPATH": str(hidden), "GPU_CHECK_OUT": str(out)}
+    result = subprocess.run(["bash", str(ROOT / "tools" / "gpu-check.sh"), sys.executable], cwd=tmp_path,
+                            env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "missing Python packages, nothing was run: simplejpeg (ImportError" in result.stdout
+    assert not (out / "gpu-tests.txt").exists()
