@@ -17,7 +17,7 @@ import sys
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -195,6 +195,23 @@ class _Window:
     fill: float = 0.0
 
 
+@dataclass(frozen=True)
+class _Pool:
+    """Samples of this rank's batches pulled from the ring and not yet handed out. A step none of whose own files
+    was usable takes its one sample from the next batch, so `through` (the last batch pulled) may be ahead of the
+    step handed out next; `lent` of batch `through`'s samples went to earlier steps."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    ids: np.ndarray
+    through: int
+    lent: int = 0
+
+    def split(self, count: int) -> tuple[tuple[torch.Tensor, torch.Tensor, np.ndarray], _Pool]:
+        rest = _Pool(self.images[count:], self.labels[count:], self.ids[count:], self.through, self.lent + count)
+        return (self.images[:count], self.labels[:count], self.ids[:count]), rest
+
+
 class Loader:
     """Batches of (images, labels) for one rank: on `device` as normalized float NCHW (channels_last), or with
     `device=None` as uint8 NCHW on the host (pinned when CUDA is there). `data`: what `stoker train --data` takes
@@ -228,10 +245,15 @@ class Loader:
         self.epoch = 0
         self._position = Position(0, 0, 0)  # the next batch to hand out
         self._resume: Position | None = None  # from load_state_dict, used by the next iter() of that epoch
+        self._resume_lent: tuple[int, int] | None = None  # (batch, samples of it handed out before the save)
+        self._pool: _Pool | None = None
+        self._last_out: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None  # a sample handed out
+        self.repeated_samples = 0  # handed out twice to keep a batch from being empty (`summary()`)
         self.info: RankInfo | None = None
         self._engine: Engine | None = None
         self._finalizer: weakref.finalize | None = None
         self.batch_ids = np.zeros(0, dtype=np.int64)  # dataset positions of the last batch handed out
+        self.paths: Sequence[str] = self.source.paths  # what names position i: a file, SHARD.tar:KEY, Dataset[i]
         self.stats = RunStats(1, len(self.source.paths), 0)  # this rank's books: steps, time split, exactly once
         for item in self.refused:
             self.stats.skipped.setdefault(item.path, item.reason)
@@ -240,6 +262,8 @@ class Loader:
         self._generation = 0  # of the live iterator: an older one refuses to go on
         self._window: _Window | None = None
         self._step_end: float | None = None  # monotonic, when the last batch was handed out
+        self._wait_s: float = 0.0  # of the step being served: its waits (a borrowing step waits for two)
+        self._compute_s: float | None = None  # and the loop's time before it, read at its first wait
         self.closed = False
 
     # ---- what DataLoader users call ------------------------------------------------------------------------------
@@ -262,9 +286,16 @@ class Loader:
         self._start()
         return self._batches()
 
+    @property
+    def batch_paths(self) -> list[str]:
+        """The files (or shard members, or dataset items) of the last batch handed out, in its order."""
+        return [self.paths[int(i)] for i in self.batch_ids]
+
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch is (epoch, step), what it is a function of, and the files skipped so far."""
+        pool = self._pool if self._pool is not None and self._pool.through >= self._position.step else None
         return {"version": STATE_VERSION, "epoch": self._position.epoch, "step": self._position.step,
+                "lent": [pool.through, pool.lent] if pool is not None else None,
                 "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "world_size": self.info.world_size if self.info is not None else read_rank()[1],
                 "num_samples": len(self.source.paths),
@@ -275,6 +306,8 @@ class Loader:
         self._check_state(state)
         self.epoch = int(state["epoch"])
         self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
+        lent = state.get("lent")
+        self._resume_lent = (int(lent[0]), int(lent[1])) if lent is not None else None
         self._built_ahead = None
         for item in state.get("skipped", []):
             self.stats.skipped.setdefault(item["path"], item["reason"])
@@ -291,6 +324,7 @@ class Loader:
         return {"rank": self.info.rank if self.info else None,
                 "world_size": self.info.world_size if self.info else None,
                 "batches": stats.consumers[0].steps, "samples": stats.consumers[0].samples,
+                "repeated_samples": self.repeated_samples,
                 "input_stall_fraction": stall, **producer_fields(engine),
                 "skipped_files": [{"path": p, "reason": r} for p, r in stats.skipped.items()],
                 **stats.accounting(), "epoch_accounting": stats.epoch_accounting(),
@@ -381,6 +415,13 @@ class Loader:
                     below is not None and value >= below):
                 bound = f"from 0 to {below - 1} (this loader has {below} batches per epoch)" if below else ">= 0"
                 raise ValueError(f"load_state_dict: the state's {key} is {value!r}; expected an integer {bound}")
+        lent = state.get("lent")
+        if lent is not None and not (isinstance(lent, (list, tuple)) and len(lent) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in lent) and state["step"] <= lent[0] < steps
+                and 0 <= lent[1] <= self.batch_size):
+            raise ValueError(f"load_state_dict: the state's lent is {lent!r}; expected None or [batch, samples] "
+                             f"with batch from the state's step to {steps - 1} and samples from 0 to "
+                             f"{self.batch_size}")
 
     # ---- an epoch -----------------------------------------------------------------------------------------------
 
@@ -400,6 +441,7 @@ class Loader:
                                     self.info.rank, 1))
             self._ready: deque[Batch] = deque()
         self._books.enter(epoch, built_ahead, first_step == 0)
+        self._pool, self._last_out = None, None
         self._position = start
         self._generation += 1
         self._carry_window()
@@ -422,21 +464,68 @@ class Loader:
                     raise RuntimeError("this iterator was left for a newer iter() of the same stoker.Loader, which "
                                        "began its epoch again: a Loader feeds one iteration at a time (as a "
                                        "DataLoader with persistent workers); take batches from the newest iterator")
-                batch = self._next_batch()
-                assert batch.epoch == epoch and batch.step == step, (batch, epoch, step)
-                images, labels = self._take(batch)
+                images, labels, ids = self._serve(epoch, step, steps)
+                self.batch_ids = ids
+                self._record(epoch, step, ids)
                 self._position = Position(epoch, step + 1, 0)
                 if step + 1 == steps:
                     # Handed out the epoch's last batch: a loop that stops on len() (Lightning) never asks for the
                     # end, and a checkpoint taken now must resume at the next epoch. The next iter() is that epoch
                     # unless set_epoch says otherwise.
                     self._position = Position(epoch + 1, 0, 0)
+                    self._pool = None  # nothing of this epoch is lent to the next
                     self.epoch = epoch + 1
                     self._built_ahead = Position(epoch + 1, 0, (epoch + 1) * steps)
                 self._last_return = time.perf_counter()
                 yield images, labels
         finally:
             self._iterating = False
+
+    def _serve(self, epoch: int, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """This rank's batch `step`, never empty: a step none of whose files was usable (or a short last step with
+        no sample for this rank) takes one sample from the next batch, whose rest is the next step's. Every
+        sample is still handed out once, and every rank hands out len() batches. Only where no later batch has a
+        sample left does a step repeat one already handed out this epoch (counted in `repeated_samples`)."""
+        pool = self._pool
+        if pool is None and self._resume_lent is not None:
+            pool = self._pull_lent(step)
+        elif pool is None or pool.through < step:
+            pool = self._pull(step)
+        borrowed = False
+        while not len(pool.ids) and pool.through + 1 < steps:
+            pool, borrowed = self._pull(pool.through + 1), True
+        if not len(pool.ids):
+            self._pool = None
+            return self._repeat_last(epoch, step)
+        out, self._pool = pool.split(1 if borrowed else len(pool.ids))
+        self._last_out = (out[0][-1:], out[1][-1:], out[2][-1:])
+        return out
+
+    def _pull(self, step: int, drop: int = 0) -> _Pool:
+        """This rank's batch `step` out of the ring, less its first `drop` samples (handed out before a save)."""
+        batch = self._next_batch()
+        assert batch.step == step, (batch, step)
+        images, labels, ids = self._take(batch)
+        return _Pool(images[drop:], labels[drop:], ids[drop:], step, drop)
+
+    def _pull_lent(self, step: int) -> _Pool:
+        """After a resume whose save fell while a batch was lent to earlier steps: the batches up to that one
+        (empty, or their samples would not have been lent), less what was handed out, as the saved run held it."""
+        through, lent = self._resume_lent or (step, 0)
+        self._resume_lent = None
+        for empty in range(step, through):
+            self._pull(empty)
+        return self._pull(through, lent)
+
+    def _repeat_last(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        if self._last_out is None:
+            raise StokerRunError(f"rank {self.info.rank if self.info else 0}: no file of epoch {epoch} up to its "
+                                 f"last step was usable on this rank: there is no sample to hand out")
+        self.repeated_samples += 1
+        log.warning("epoch %d step %d: no file left that this rank could use; repeating sample %d (trained twice "
+                    "this epoch, counted in summary()['repeated_samples']) so that no batch is empty", epoch, step,
+                    int(self._last_out[2][0]))
+        return self._last_out
 
     def _next_batch(self) -> Batch:
         """Wait for this rank's next batch, pumping the engine; the wait is what autoscaling reads."""
@@ -457,7 +546,7 @@ class Loader:
                 self._ready.append(message)
             # The scheduler's end-of-epoch Save is the trainer's business: a loader has nothing to save.
 
-    def _take(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _take(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """Out of the slot into tensors of their own (a batch stays valid after the next one), slot handed back."""
         engine = self._require_engine()
         if self.feed is not None:
@@ -465,9 +554,7 @@ class Loader:
         else:
             images, labels, ids = self._host_copy(batch.slot)
         engine.dispatch()  # the freed slot is refilled while the user trains
-        self.batch_ids = ids
-        self._record(batch, ids)
-        return images, labels
+        return images, labels, ids
 
     def _host_copy(self, slot: int | None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         engine = self._require_engine()
@@ -513,16 +600,19 @@ class Loader:
         if self._first_batch or self._window is None:  # waiting for the very first batch is start-up, as in the
             self._first_batch, wait_s = False, 0.0  # trainer
             self._window = _Window(time.monotonic())
-        self._wait_s = wait_s
-        self._compute_s = entered - self._last_return if self._last_return is not None else 0.0
+        self._wait_s += wait_s  # a step that takes a sample from the next batch waits for two
+        if self._compute_s is None:
+            self._compute_s = entered - self._last_return if self._last_return is not None else 0.0
         self._window.wait_s += wait_s
         self._window.fill += self._require_engine().queue_fill()
 
-    def _record(self, batch: Batch, ids: np.ndarray) -> None:
+    def _record(self, epoch: int, step: int, ids: np.ndarray) -> None:
         """The step's books (exactly once, time split), then, every SCALE_WINDOW_S, the autoscaler's turn."""
         now = self._step_end = time.monotonic()
-        self.stats.record_step(StepReport(0, batch.epoch, batch.step, batch.global_step, len(ids), 0.0,
-                                             self._wait_s, self._compute_s, 0.0, ids, None), now)
+        global_step = epoch * self.plan.steps_per_epoch + step
+        self.stats.record_step(StepReport(0, epoch, step, global_step, len(ids), 0.0, self._wait_s,
+                                          self._compute_s or 0.0, 0.0, ids, None), now)
+        self._wait_s, self._compute_s = 0.0, None  # the next step's, over every batch it pulls
         window = self._window
         assert window is not None, "opened by the step's wait"
         window.samples += len(ids)

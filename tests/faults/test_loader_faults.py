@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -145,3 +146,79 @@ def test_no_producer_ever_starting_ends_the_feed_with_the_reason(monkeypatch):
         with pytest.raises(StokerRunError, match=r"stuck starting for over \d+ s .* 2 producers stuck starting and "
                                                  "none started"):
             next(iter(loader))
+
+
+def _break_whole_batches(train: Path, root: Path, steps: list[int], batch_size: int, world: int, seed: int
+                         ) -> tuple[list[str], set[int]]:
+    """A copy of `train` where every file of rank 0's batches `steps` of epoch 0 keeps its JPEG header and loses
+    its image data: indexed, then unusable when decoded. Returns the copy's paths and the broken positions."""
+    from stoker.data.sources import load_source
+    from stoker.pipeline.plan import EpochPlan
+
+    shutil.copytree(train, root)
+    paths = list(load_source(root).paths)
+    plan = EpochPlan(len(paths), 0, batch_size, world, seed)
+    broken = {int(i) for step in steps for i in plan.train_work(0, step, 0).sample_ids}
+    for i in broken:
+        Path(paths[i]).write_bytes(Path(paths[i]).read_bytes()[:300])
+    return paths, broken
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_whose_every_file_is_unusable_is_never_handed_out_empty(textures, tmp_path, monkeypatch):
+    """Steps 2 and 3 wholly unusable, and the last step too: the loop still gets len() batches, none empty, every
+    usable sample once, and `batch_paths` names each batch's files. Only the last step, with no later batch to take
+    a sample from, repeats one (counted). DataLoader never yields an empty batch: cross_entropy on one is NaN."""
+    train, _ = textures
+    steps = len(list(train.rglob("*.jpg"))) // 8
+    paths, broken = _break_whole_batches(train, tmp_path / "train", [2, 3, steps - 1], 8, 1, 3)
+    sizes, seen, named = [], [], []
+    with stoker.Loader(tmp_path / "train", batch_size=8, image_size=32, seed=3, producers=2, device="cpu",
+                       max_bad_fraction=0.5) as loader:
+        assert len(loader) == steps
+        for images, labels in loader:
+            sizes.append(len(labels))
+            assert images.shape[0] == len(labels) == len(loader.batch_ids)
+            assert torch.isfinite(torch.nn.functional.cross_entropy(torch.zeros(len(labels), 10), labels))
+            seen.extend(loader.batch_ids.tolist())
+            named.extend(loader.batch_paths)
+        summary = loader.summary()
+    assert len(sizes) == steps and min(sizes) >= 1
+    usable = set(range(len(paths))) - broken
+    assert sorted(seen[:-1]) == sorted(usable) and seen[-1] in usable  # the last step's one sample, repeated
+    assert named == [paths[i] for i in seen]
+    assert summary["repeated_samples"] == 1
+    assert {item["path"] for item in summary["skipped_files"]} == {paths[i] for i in broken}
+
+
+@pytest.mark.timeout(180)
+def test_an_unusable_batch_on_one_rank_keeps_every_rank_at_len_batches(textures, tmp_path, monkeypatch):
+    """Two ranks (RANK/WORLD_SIZE, one after the other): rank 0's step 1 wholly unusable. Both ranks hand out
+    len() batches, none empty, and together every usable sample once; a state saved while rank 0 had lent a
+    batch's first sample to the empty step resumes with the rest of that batch, not with it whole."""
+    train, _ = textures
+    paths, broken = _break_whole_batches(train, tmp_path / "train", [1], 8, 2, 4)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    seen: list[int] = []
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        with stoker.Loader(tmp_path / "train", batch_size=8, image_size=32, seed=4, producers=1, device=None,
+                           max_bad_fraction=0.5) as loader:
+            sizes = []
+            for step, (_, labels) in enumerate(loader):
+                sizes.append(len(labels))
+                seen.extend(loader.batch_ids.tolist())
+                if rank == 0 and step == 1:
+                    state = loader.state_dict()
+                    resumed_from = len(seen)
+            assert len(sizes) == len(loader) and min(sizes) >= 1
+        if rank == 0:
+            rank0_end = len(seen)
+    assert sorted(seen) == sorted(set(range(len(paths))) - broken)
+    assert state["lent"] == [2, 1]
+    monkeypatch.setenv("RANK", "0")
+    with stoker.Loader(tmp_path / "train", batch_size=8, image_size=32, seed=4, producers=1, device=None,
+                       max_bad_fraction=0.5) as loader:
+        loader.load_state_dict(state)
+        rest = [i for _ in loader for i in loader.batch_ids.tolist()]
+    assert rest == seen[resumed_from:rank0_end]
