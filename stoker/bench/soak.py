@@ -139,8 +139,11 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, r
 
 
 def _family(controller_pid: int) -> dict[int, str]:
-    """The run's processes: the controller and its children, by title."""
-    return {pid: title for pid, title in stoker_processes() if pid == controller_pid or _parent(pid) == controller_pid}
+    """The run's processes: the controller, its children (consumers, the zygote) and the zygote's (producers)."""
+    titled = dict(stoker_processes())
+    children = {pid for pid in titled if _parent(pid) == controller_pid}
+    return {pid: title for pid, title in titled.items()
+            if pid == controller_pid or pid in children or _parent(pid) in children}
 
 
 def _parent(pid: int) -> int | None:

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 # spawn, not fork: children start clean (no copied torch threads or locks) on every platform.
 CONTEXT = mp.get_context("spawn")
+# Producers are forked from a zygote that started clean the same way and imported what they need (`zygote.py`).
+PRODUCER_CONTEXT = mp.get_context("forkserver")
 POLL_S = 0.2
 # Producers one run may have alive: each is a process (about 30 MB of its own, 60 MB resident), and a count past
 # this is a slip of the keyboard, not a machine (100000 once forked until the kernel's OOM killer stepped in).
@@ -51,7 +53,7 @@ def stoker_processes() -> list[tuple[int, str]]:
                 title = handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if title.startswith(("stoker producer", "stoker consumer", "stoker controller")):
+        if title.startswith(("stoker producer", "stoker consumer", "stoker controller", "stoker zygote")):
             found.append((int(entry), title))
     return found
 
@@ -77,26 +79,44 @@ def check_memory_for_producers(count: int, setting: str = "producers") -> None:
 
 
 def exit_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the controller dies, on Linux; `ParentWatch` covers the rest. SIGKILL, not
+    """Ask the kernel for SIGKILL when our parent dies, on Linux; `ParentWatch` covers the rest. SIGKILL, not
     SIGTERM: children never take SIGTERM (see `start`), and a killed controller leaves nothing for them to finish.
-    A parent already gone by now will never send it, so we leave at once."""
+    The parent is the controller, or for a producer the zygote, which the kernel kills at the controller's death.
+    A controller already gone by now will never be the cause of a signal, so we leave at once."""
+    _ask_for_kill_at_parent_death()
+    if ParentWatch().parent_gone():
+        os._exit(1)
+
+
+def exit_with_parent_pid(parent: int) -> None:
+    """`exit_with_parent` for a process multiprocessing did not start (the zygote): `parent` is who started it."""
+    _ask_for_kill_at_parent_death()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _ask_for_kill_at_parent_death() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-    if os.getppid() != started_by():
-        os._exit(1)
 
 
 class ParentWatch:
-    """True once the process that started us is gone (the parent pid changes when we are re-parented)."""
+    """True once the process that started us is gone: its end of the pipe multiprocessing gave us is closed (the
+    controller's, also for a producer forked by the zygote), or we were re-parented (the parent pid changed)."""
 
     def __init__(self) -> None:
         self._parent = started_by()
+        self._forked_by = os.getppid() if self._parent != os.getppid() else self._parent  # the zygote
+        parent = mp.parent_process()
+        self._sentinel = parent.sentinel if parent is not None else None
 
     def parent_gone(self) -> bool:
-        return os.getppid() != self._parent
+        if os.getppid() not in (self._parent, self._forked_by):
+            return True
+        return self._sentinel is not None and bool(wait([self._sentinel], 0))
 
 
 @dataclass(frozen=True)
@@ -153,10 +173,10 @@ class Mailbox:
             end.close()
 
 
-def start(target, args: tuple, title: str) -> BaseProcess:
+def start(target, args: tuple, title: str, context: Any = CONTEXT) -> BaseProcess:
     """Start a child that never sees SIGINT or SIGTERM: Ctrl-C and a scheduler's SIGTERM reach the whole process
     group, and only the controller decides what they mean (checkpoint, then stop every child itself)."""
-    process = CONTEXT.Process(target=target, args=args, name=title, daemon=True)
+    process = context.Process(target=target, args=args, name=title, daemon=True)
     with signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
         process.start()
     return process

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
+from typing import Literal
 
-from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
+from stoker.common.procs import CONTEXT, PRODUCER_CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
 from stoker.data.index import UNREADABLE
+from stoker.pipeline import zygote
 from stoker.pipeline.producer import STATUS_IDLE, Part, PartDone, ProducerSetup, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 # One being built, one waiting: a producer never idles between parts while its driver reads completions as they come
 # (the controller). A driver that reads them only now and then (the Loader, inside next()) asks for more.
 MAX_IN_FLIGHT = 2
+StartMethod = Literal["zygote", "spawn"]
 RETIRED_REPORTS_GRACE_S = 5.0
 # A crash loop (every new producer dies at once) ends the run; losses spread over a long run never do.
 MAX_LOSSES_WITHOUT_PROGRESS = 8
@@ -76,8 +79,12 @@ def check_hang_timeout(producer_timeout_s: float, collective_timeout_s: float, w
 
 class ProducerPool:
     def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int,
-                 hang_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT) -> None:
+                 hang_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote"
+                 ) -> None:
+        """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
+        baseline)."""
         assert max_in_flight >= 1, max_in_flight
+        self.context = PRODUCER_CONTEXT if start_method == "zygote" else CONTEXT
         self.setup = setup
         self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
@@ -90,6 +97,7 @@ class ProducerPool:
         self.stuck_starts = 0  # producers lost for a start that never ended
         self.any_started = False  # whether one producer of this pool ever was ready
         self.max_alive = 0
+        self.zygote_held = False  # whether this pool counts among the zygote's users (from its first producer)
         self.outside_kills: dict[tuple, int] = {}  # (batch key, sample id) -> producers killed from outside on it
         # (kind, sample id) -> why: files that took a producer down, or that it could not decode, stay skipped in
         # later epochs, without another loss, decode or warning
@@ -111,10 +119,13 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        parts = CONTEXT.Queue(self.max_in_flight + 1)
+        if self.context is PRODUCER_CONTEXT and not self.zygote_held:
+            zygote.acquire()
+            self.zygote_held = True
+        parts = self.context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         process = start(producer_main, (producer, self.setup, parts, outbox, self.stop),
-                        f"stoker producer {producer}")
+                        f"stoker producer {producer}", self.context)
         if process.pid is not None:
             nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
@@ -316,3 +327,6 @@ class ProducerPool:
         stop_processes([h.process for h in handles], timeout_s, kill_loses_nothing=True)
         for handle in handles:
             handle.parts.close()
+        if self.zygote_held:
+            self.zygote_held = False
+            zygote.release()

@@ -1,0 +1,105 @@
+"""The zygote: the process every producer is forked from, so that a new producer costs a fork, not an interpreter.
+
+A spawned producer is a new interpreter that imports numpy, OpenCV, simplejpeg and Pillow (and runs the main
+script again) before its first part: half a second of a core, several seconds when the autoscaler starts a dozen
+on two cores. The zygote is multiprocessing's forkserver with this module preloaded: it pays those imports once,
+at the first producer's start, and forks each producer from there, in milliseconds. Everything spawn gave a
+producer still holds: the zygote is a fresh interpreter (no copied threads or locks, CUDA never initialized: no
+preloaded module imports torch), started with SIGINT and SIGTERM blocked so every producer is born with them
+blocked, sharing the controller's resource tracker. The parent-death chain: the zygote asks the kernel for
+SIGKILL at its parent's death, and each producer for SIGKILL at the zygote's; a producer also watches the
+controller itself (`procs.ParentWatch`).
+
+One zygote per process, kept while any engine of the process has producers (a Loader for training and one for
+validation share it), and killed when the last one closes: it holds nothing a kill can lose.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from multiprocessing import forkserver
+from typing import Any, cast
+
+from stoker.common.procs import (
+    CHILD_IGNORES,
+    PRODUCER_CONTEXT,
+    exit_with_parent_pid,
+    main_script_hidden_when_unreadable,
+    name_process,
+    signals_blocked_for_children,
+)
+
+log = logging.getLogger(__name__)
+
+# The controller's pid, set only in the environment the zygote is started with: importing this module makes a
+# process the zygote only there (a test or a type checker importing it is left alone).
+_ZYGOTE_OF = "STOKER_ZYGOTE_OF"
+# The forkserver imports these, in order, before its first fork: the main script, as spawn would import it in
+# every producer (a user's dataset class may live there), then everything a producer imports.
+PRELOAD = ["__main__", __name__, "stoker.pipeline.producer"]
+
+_lock = threading.Lock()
+_users = 0
+
+
+def acquire() -> None:
+    """An engine of this process will start producers: the zygote is started (or its count of users raised)."""
+    global _users
+    with _lock:
+        _users += 1
+        if _users == 1:
+            _start()
+
+
+def release() -> None:
+    """An engine's producers are all stopped: the last one kills the zygote."""
+    global _users
+    with _lock:
+        _users = max(0, _users - 1)
+        if _users == 0:
+            _stop()
+
+
+def _start() -> None:
+    PRODUCER_CONTEXT.set_forkserver_preload(PRELOAD)
+    os.environ[_ZYGOTE_OF] = str(os.getpid())
+    try:
+        with signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
+            forkserver.ensure_running()
+    finally:
+        del os.environ[_ZYGOTE_OF]
+
+
+def _stop() -> None:
+    """Killed, then reaped by multiprocessing's own stop (which closes its end of the server's pipes): a graceful
+    stop waits for every forked child to let go of the server, and a user's forkserver children may never."""
+    server = _server()
+    pid = server._forkserver_pid
+    if pid is None:
+        return
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+    server._stop()
+
+
+def zygote_pid() -> int | None:
+    """The running zygote's pid (tests, `bench soak`)."""
+    return _server()._forkserver_pid
+
+
+def _server() -> Any:
+    """The process-wide forkserver multiprocessing keeps: no public handle stops it or names its pid."""
+    return cast(Any, forkserver)._forkserver
+
+
+def _become_zygote(controller: int) -> None:
+    name_process("stoker zygote")
+    exit_with_parent_pid(controller)
+
+
+if os.environ.get(_ZYGOTE_OF, "").isdigit():
+    _become_zygote(int(os.environ.pop(_ZYGOTE_OF)))

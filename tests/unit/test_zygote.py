@@ -1,0 +1,110 @@
+"""Producers are forked from the zygote (multiprocessing's forkserver with stoker's producer modules preloaded), and
+every guarantee spawn gave them holds: SIGINT and SIGTERM blocked from birth, no torch in the zygote, the zygote
+gone when the last engine closes and when its controller is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import stoker
+from stoker.common.procs import stoker_processes
+from stoker.pipeline import zygote
+
+# In a fresh interpreter: each forked child writes its blocked-signal mask (SigBlk, hex) as its target begins.
+PROBE = """
+from stoker.common.procs import PRODUCER_CONTEXT, start
+from stoker.pipeline import zygote
+
+def report(writer):
+    writer.send(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("SigBlk")))
+
+if __name__ == "__main__":
+    zygote.acquire()
+    pipes = [PRODUCER_CONTEXT.Pipe(duplex=False) for _ in range(2)]
+    children = [start(report, (writer,), f"stoker producer {n}", PRODUCER_CONTEXT) for n, (_, writer) in
+                enumerate(pipes)]
+    print(*(reader.recv() for reader, _ in pipes))
+    for child in children:
+        child.join(30)
+    zygote.release()
+"""
+
+# A Loader's user whose process is SIGKILLed while its producers work: prints its pid and the zygote's, then waits.
+HOLDER = """
+import sys, time
+import stoker
+from stoker.pipeline import zygote
+
+if __name__ == "__main__":
+    loader = stoker.Loader(sys.argv[1], batch_size=8, image_size=32, producers=2, device="cpu")
+    next(iter(loader))
+    print(zygote.zygote_pid(), flush=True)
+    time.sleep(600)
+"""
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except OSError:  # gone meanwhile
+        return -1
+
+
+def _gone(pids: set[int], deadline_s: float) -> bool:
+    """Whether none of `pids` is a live stoker process by the deadline (a generous one: it bounds a failure only)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if not pids & {pid for pid, _ in stoker_processes()}:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_forked_producers_are_born_with_sigint_and_sigterm_blocked(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    masks = result.stdout.split()
+    assert len(masks) == 2, result.stdout
+    for mask in masks:
+        for signal_number in (signal.SIGINT, signal.SIGTERM):
+            assert int(mask, 16) & (1 << (signal_number - 1)), (mask, signal_number)
+
+
+def test_a_loaders_producers_are_the_zygotes_children_and_it_goes_with_the_last_close(textures):
+    train, _ = textures
+    with stoker.Loader(train, batch_size=8, image_size=32, producers=2, device="cpu") as first, \
+            stoker.Loader(train, batch_size=8, image_size=32, producers=1, device="cpu") as second:
+        next(iter(first))
+        next(iter(second))
+        pid = zygote.zygote_pid()
+        assert pid is not None and _parent(pid) == os.getpid()
+        producers = [h.process.pid for loader in (first, second) for h in loader._engine.pool.active]
+        assert len(producers) == 3 and all(_parent(p) == pid for p in producers)
+        with open(f"/proc/{pid}/maps") as maps:
+            assert "libtorch" not in maps.read()  # nothing of torch, so nothing of CUDA, is in what producers copy
+        first.close()
+        assert zygote.zygote_pid() == pid  # the second loader's producers still need it
+    assert zygote.zygote_pid() is None and _gone({pid}, 30)
+
+
+def test_a_killed_loader_process_takes_its_zygote_and_producers_with_it(textures, tmp_path):
+    train, _ = textures
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    holder = subprocess.Popen([sys.executable, str(script), str(train)], stdout=subprocess.PIPE, text=True)
+    try:
+        zygote_pid = int(holder.stdout.readline())
+        family = {pid for pid, _ in stoker_processes() if pid == zygote_pid or _parent(pid) == zygote_pid}
+        assert len(family) == 3, stoker_processes()
+        holder.kill()
+        holder.wait(30)
+        assert _gone(family, 60), stoker_processes()
+    finally:
+        holder.kill()
