@@ -16,10 +16,12 @@ validation share it), and killed when the last one closes: it holds nothing a ki
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
-from multiprocessing import forkserver
+from multiprocessing import forkserver, spawn
+from multiprocessing import process as mp_process
 from typing import Any, cast
 
 from stoker.common.procs import (
@@ -33,12 +35,15 @@ from stoker.common.procs import (
 
 log = logging.getLogger(__name__)
 
-# The controller's pid, set only in the environment the zygote is started with: importing this module makes a
-# process the zygote only there (a test or a type checker importing it is left alone).
+# The controller's pid and its main module, set only in the environment the zygote is started with: importing this
+# module makes a process the zygote only there (a test or a type checker importing it is left alone).
 _ZYGOTE_OF = "STOKER_ZYGOTE_OF"
-# The forkserver imports these, in order, before its first fork: the main script, as spawn would import it in
-# every producer (a user's dataset class may live there), then everything a producer imports.
-PRELOAD = ["__main__", __name__, "stoker.pipeline.producer"]
+_MAIN = "STOKER_ZYGOTE_MAIN"
+# The forkserver imports these before its first fork: this module (which imports the main script, as spawn would
+# in every producer: a user's dataset class may live there), then everything a producer imports. Not '__main__':
+# Python 3.11's forkserver looks for a key its own preparation data does not have, and never preloads it; every
+# producer then ran the main script again (the `stoker` command's: a tenth of a second).
+PRELOAD = [__name__, "stoker.pipeline.producer"]
 
 _lock = threading.Lock()
 _users = 0
@@ -64,12 +69,15 @@ def release() -> None:
 
 def _start() -> None:
     PRODUCER_CONTEXT.set_forkserver_preload(PRELOAD)
-    os.environ[_ZYGOTE_OF] = str(os.getpid())
     try:
         with signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
+            os.environ[_ZYGOTE_OF] = str(os.getpid())
+            os.environ[_MAIN] = json.dumps({key: value for key, value in spawn.get_preparation_data("zygote").items()
+                                            if key in ("init_main_from_name", "init_main_from_path")})
             forkserver.ensure_running()
     finally:
-        del os.environ[_ZYGOTE_OF]
+        os.environ.pop(_ZYGOTE_OF, None)
+        os.environ.pop(_MAIN, None)
 
 
 def _stop() -> None:
@@ -86,6 +94,11 @@ def _stop() -> None:
     server._stop()
 
 
+def main_script() -> str | None:
+    """The script the zygote imports as it starts, as spawn names it."""
+    return spawn.get_preparation_data("zygote").get("init_main_from_path")
+
+
 def zygote_pid() -> int | None:
     """The running zygote's pid (tests, `bench soak`)."""
     return _server()._forkserver_pid
@@ -96,10 +109,18 @@ def _server() -> Any:
     return cast(Any, forkserver)._forkserver
 
 
-def _become_zygote(controller: int) -> None:
+def _become_zygote(controller: int, main: dict[str, str]) -> None:
+    """Named, tied to the controller's life, then the main module imported as a spawned child imports it (as
+    `__mp_main__`, under the `__main__` guard); the producers forked from here find it imported and skip it."""
     name_process("stoker zygote")
     exit_with_parent_pid(controller)
+    current = mp_process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]  # what spawn sets: a script's unguarded start raises
+    try:
+        spawn.prepare(main)
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
 
 
 if os.environ.get(_ZYGOTE_OF, "").isdigit():
-    _become_zygote(int(os.environ.pop(_ZYGOTE_OF)))
+    _become_zygote(int(os.environ.pop(_ZYGOTE_OF)), json.loads(os.environ.pop(_MAIN, "{}")))

@@ -108,3 +108,26 @@ def test_a_killed_loader_process_takes_its_zygote_and_producers_with_it(textures
         assert _gone(family, 60), stoker_processes()
     finally:
         holder.kill()
+
+
+REFUSES_IMPORT = """
+import sys
+import stoker
+if __name__ != "__main__":
+    raise RuntimeError("this script refuses to be imported")
+if __name__ == "__main__":
+    with stoker.Loader(sys.argv[1], batch_size=8, image_size=32, producers=2, device="cpu") as loader:
+        next(iter(loader))
+"""
+
+
+def test_a_main_script_that_fails_as_the_zygote_imports_it_is_one_error_naming_it(textures, tmp_path):
+    """Spawned producers each failed on it, and the feed gave up after nine losses; the zygote fails once."""
+    train, _ = textures
+    script = tmp_path / "refuses.py"
+    script.write_text(REFUSES_IMPORT)
+    result = subprocess.run([sys.executable, str(script), str(train)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("stoker.common.procs.StokerRunError: the zygote") and str(script) in last, result.stderr
+    assert "this script refuses to be imported" in result.stderr  # the zygote's own traceback says why
