@@ -32,8 +32,10 @@ QUEUE_FULL = 0.75
 IDLE_UTILIZATION = 0.5
 PLAIN_STALL = 0.4  # consumers waiting much of a window (the first one starts on the ring's batches) ...
 PLAIN_BUSY = 0.9  # ... while every producer is busy: the need is plain, fork at once, by more than one
-JUMP_MAX = 4  # a plain need multiplies the count by at most this (a jump that does not pay is retired whole)
+JUMP_MAX = 16  # a plain need multiplies the count by at most this (a jump that does not pay is retired whole):
+# the need's estimate decides (a 99% wait with one producer reading at 25 ms wanted 16 at once), not steps of x4
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
+NOISE_SIGMAS = 2.0  # ... or, whatever it had to bring, by this many standard errors of the two rates' difference
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
 SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
 PACED_WAIT = 0.1  # the first step of training that waited this share of its time for its batch ends the ring's
@@ -111,11 +113,27 @@ class _Trial:
     added: int
     rate_before: float  # at start-up: the rate of the window that showed the plain need
     stall_before: float
+    error_before: float = math.inf  # relative standard error of rate_before (inf: too few steps to say)
 
 
 def _rate(steps: list[StepStamp]) -> float:
     train_s = sum(s.train_s for s in steps)
     return sum(s.samples for s in steps) / train_s if train_s > 0 else 0.0
+
+
+def relative_error(steps: list[StepStamp]) -> float:
+    """The standard error of `_rate(steps)` relative to it, from how much the steps' own rates vary (a ratio
+    estimate: each step's samples against its time); inf below 3 steps, where there is nothing to say."""
+    if len(steps) < 3:
+        return math.inf
+    rate = _rate(steps)
+    time_s = sum(s.train_s for s in steps)
+    if rate <= 0 or time_s <= 0:
+        return math.inf
+    n = len(steps)
+    mean_s = time_s / n
+    spread = sum((s.samples - rate * s.train_s) ** 2 for s in steps) / (n - 1)
+    return math.sqrt(spread / n) / mean_s / rate
 
 
 def required_gain(producers_before: int, stall_before: float, added: int = 1) -> float:
@@ -183,7 +201,7 @@ class Autoscaler:
                 self._startup = 0
                 measurement["rate_at_count"] = round(rate, 2)
                 return self._fork(window, rate, window.stall, f"consumers wait from the start: {summary}",
-                                  measurement)
+                                  measurement, self._counted(window))
             return Decision(0, "start-up: the batches the ring held before training began are being drained; "
                                f"{summary}", measurement=measurement)
         self._add_steps(window, previous)
@@ -254,9 +272,17 @@ class Autoscaler:
         trial, self._trial = self._trial, None
         assert trial is not None, "judged only while a fork is on trial"
         gain = rate / trial.rate_before - 1 if trial.rate_before > 0 else math.inf
-        needed = required_gain(trial.producers, trial.stall_before, trial.added)
+        # A jump must bring what one more producer would have had to, not a quarter of proportional growth: x16 to
+        # a rate x4.3 (reads waiting 25 ms) is no fork to retire to one producer; producers it over-shot idle, and
+        # the calm rule retires them.
+        needed = required_gain(trial.producers, trial.stall_before)
+        # A gain below what the fork had to bring is still real when the noise of both rates says so (a +15%
+        # measured at +/-3% was once retired for not reaching +20%): then it is kept.
+        noise = math.hypot(trial.error_before, relative_error(self._steps)) * (1 + max(gain, 0.0))
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))
-        if gain >= needed:
+        if math.isfinite(noise):
+            measurement["gain_noise"] = round(noise, 4)
+        if gain >= needed or gain >= max(MIN_GAIN, NOISE_SIGMAS * noise):
             return None  # it paid: carry on, maybe fork again at once
         self.limit = trial.producers
         self._hold = self._retry_windows
@@ -273,14 +299,15 @@ class Autoscaler:
             # Consumers waited most of the window with every producer busy: no measurement is needed to see that
             # more producers are wanted (a count restarted by a refused fork, or the first window after start-up,
             # once waited 2 windows and 8 steps here). Unmeasured, the fork is judged against this window's rate.
-            base, stall = ((rate, self._mean_stall()) if self._measured(jump=True)
-                           else (self._window_rate(window), window.stall))
+            measured = self._measured(jump=True)
+            base, stall = ((rate, self._mean_stall()) if measured else (self._window_rate(window), window.stall))
             if base > 0:
                 measurement["rate_at_count"] = round(base, 2)
-                return self._fork(window, base, stall, f"consumers wait: {summary}", measurement)
+                return self._fork(window, base, stall, f"consumers wait: {summary}", measurement,
+                                  self._steps if measured else self._counted(window))
         if not self._measured(jump=False):
             return Decision(0, f"measuring {window.producers} producers; {summary}", measurement=measurement)
-        return self._fork(window, rate, self._mean_stall(), f"consumers wait: {summary}", measurement)
+        return self._fork(window, rate, self._mean_stall(), f"consumers wait: {summary}", measurement, self._steps)
 
     def _mean_stall(self) -> float:
         return sum(self._stalls) / len(self._stalls) if self._stalls else 0.0
@@ -297,11 +324,12 @@ class Autoscaler:
         fits = math.floor(self.budget / cores_each) if cores_each > 0 else ends_wait
         return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, fits))
 
-    def _fork(self, window: Window, rate: float, stall: float, why: str,
-              measurement: dict[str, Any]) -> Decision:
+    def _fork(self, window: Window, rate: float, stall: float, why: str, measurement: dict[str, Any],
+              base: list[StepStamp]) -> Decision:
+        """Fork to the jump's target, on trial against `rate`, the rate of the steps `base`."""
         target = self.jump_target(window)
         past = " (past the free cores: consumers wait, so they leave theirs idle)" if target > self.budget else ""
-        self._trial = _Trial(window.producers, target - window.producers, rate, stall)
+        self._trial = _Trial(window.producers, target - window.producers, rate, stall, relative_error(base))
         measurement["target"] = target
         return self._change(target - window.producers, f"{why}; forking to {target}{past}", measurement)
 
