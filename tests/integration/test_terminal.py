@@ -31,8 +31,9 @@ def three_epochs(textures, tmp_path_factory):
     """Three epochs with validation, slow input (one producer, 25 ms per file read), and a consumer that writes a
     warning straight to its stderr twice during training."""
     out = tmp_path_factory.mktemp("terminal")
-    terminal = stoker_in_terminal(textures, out, "--epochs", "3", "--producers", "1", "--model", "noisy:noisy_cnn",
-                                  "--report", "true", env={"STOKER_READ_LATENCY_MS": "25"})
+    terminal = stoker_in_terminal(textures, out, "--epochs", "3", "--devices", "cpu:1", "--producers", "1",
+                                  "--model", "noisy:noisy_cnn", "--report", "true",
+                                  env={"STOKER_READ_LATENCY_MS": "25"})
     return out, terminal
 
 
