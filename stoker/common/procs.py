@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 
 # spawn, not fork: children start clean (no copied torch threads or locks) on every platform.
 CONTEXT = mp.get_context("spawn")
-# Producers are forked from a zygote that started clean the same way and imported what they need (`zygote.py`).
-PRODUCER_CONTEXT = mp.get_context("forkserver")
 POLL_S = 0.2
 # Producers one run may have alive: each is a process (about 30 MB of its own, 60 MB resident), and a count past
 # this is a slip of the keyboard, not a machine (100000 once forked until the kernel's OOM killer stepped in).

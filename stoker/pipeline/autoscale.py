@@ -35,7 +35,10 @@ PLAIN_BUSY = 0.9  # ... while every producer is busy: the need is plain, fork at
 JUMP_MAX = 16  # a plain need multiplies the count by at most this (a jump that does not pay is retired whole):
 # the need's estimate decides (a 99% wait with one producer reading at 25 ms wanted 16 at once), not steps of x4
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
-NOISE_SIGMAS = 2.0  # ... or, whatever it had to bring, by this many standard errors of the two rates' difference
+NOISE_SIGMAS = 3.0  # ... or, for one fork, by this many standard errors of the two rates' difference (3, not
+# a normal 2: a t quantile over a handful of steps is larger)
+NOISE_MIN_STEPS = 5  # fewer training steps have no noise estimate
+LOCKSTEP_S = 0.02  # steps of several consumers ending this close together are one step of the group
 SHARE_OF_PROPORTIONAL = 0.25  # ... and by a quarter of what one more producer adds if the rate were proportional,
 SHARE_OF_WAIT = 0.5  # or by half of what ending the consumers' wait could add, whichever is smaller
 PACED_WAIT = 0.1  # the first step of training that waited this share of its time for its batch ends the ring's
@@ -123,17 +126,28 @@ def _rate(steps: list[StepStamp]) -> float:
 
 def relative_error(steps: list[StepStamp]) -> float:
     """The standard error of `_rate(steps)` relative to it, from how much the steps' own rates vary (a ratio
-    estimate: each step's samples against its time); inf below 3 steps, where there is nothing to say."""
-    if len(steps) < 3:
-        return math.inf
+    estimate: each step's samples against its time). Consumers averaging together step in lockstep: their steps
+    that end together are one observation, not several. inf below NOISE_MIN_STEPS, where there is nothing to say."""
+    groups = _lockstep_groups(steps)
+    n = len(groups)
     rate = _rate(steps)
-    time_s = sum(s.train_s for s in steps)
-    if rate <= 0 or time_s <= 0:
+    time_s = sum(t for _, t in groups)
+    if n < NOISE_MIN_STEPS or rate <= 0 or time_s <= 0:
         return math.inf
-    n = len(steps)
-    mean_s = time_s / n
-    spread = sum((s.samples - rate * s.train_s) ** 2 for s in steps) / (n - 1)
-    return math.sqrt(spread / n) / mean_s / rate
+    spread = sum((samples - rate * t) ** 2 for samples, t in groups) / (n - 1)
+    return math.sqrt(spread / n) / (time_s / n) / rate
+
+
+def _lockstep_groups(steps: list[StepStamp]) -> list[tuple[int, float]]:
+    """(samples, seconds) of each group of steps that ended within LOCKSTEP_S of the group's first."""
+    groups: list[tuple[float, int, float]] = []
+    for step in sorted(steps, key=lambda s: s.ended_s):
+        if groups and step.ended_s - groups[-1][0] <= LOCKSTEP_S:
+            first, samples, seconds = groups[-1]
+            groups[-1] = (first, samples + step.samples, seconds + step.train_s)
+        else:
+            groups.append((step.ended_s, step.samples, step.train_s))
+    return [(samples, seconds) for _, samples, seconds in groups]
 
 
 def required_gain(producers_before: int, stall_before: float, added: int = 1) -> float:
@@ -276,13 +290,14 @@ class Autoscaler:
         # a rate x4.3 (reads waiting 25 ms) is no fork to retire to one producer; producers it over-shot idle, and
         # the calm rule retires them.
         needed = required_gain(trial.producers, trial.stall_before)
-        # A gain below what the fork had to bring is still real when the noise of both rates says so (a +15%
-        # measured at +/-3% was once retired for not reaching +20%): then it is kept.
+        # A gain below what one fork had to bring is still real when the noise of both rates says so (a +15%
+        # measured at +/-3% was once retired for not reaching +20%): then it is kept. Not for a jump: a jump of
+        # many kept for a small sure gain would leave them all running.
         noise = math.hypot(trial.error_before, relative_error(self._steps)) * (1 + max(gain, 0.0))
         measurement.update(rate_before=round(trial.rate_before, 2), gain=round(gain, 4), gain_needed=round(needed, 4))
         if math.isfinite(noise):
             measurement["gain_noise"] = round(noise, 4)
-        if gain >= needed or gain >= max(MIN_GAIN, NOISE_SIGMAS * noise):
+        if gain >= needed or (trial.added == 1 and gain >= max(MIN_GAIN, NOISE_SIGMAS * noise)):
             return None  # it paid: carry on, maybe fork again at once
         self.limit = trial.producers
         self._hold = self._retry_windows

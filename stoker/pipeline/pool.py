@@ -19,7 +19,7 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Literal
 
-from stoker.common.procs import CONTEXT, PRODUCER_CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
+from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
 from stoker.data.index import UNREADABLE
 from stoker.pipeline import zygote
@@ -84,7 +84,7 @@ class ProducerPool:
         """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
         baseline)."""
         assert max_in_flight >= 1, max_in_flight
-        self.context = PRODUCER_CONTEXT if start_method == "zygote" else CONTEXT
+        self.context = zygote.CONTEXT if start_method == "zygote" else CONTEXT
         self.setup = setup
         self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
@@ -119,7 +119,7 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        if self.context is PRODUCER_CONTEXT and not self.zygote_held:
+        if self.context is zygote.CONTEXT and not self.zygote_held:
             zygote.acquire()
             self.zygote_held = True
         parts = self.context.Queue(self.max_in_flight + 1)

@@ -453,7 +453,10 @@ class Loader:
         takes its iterator first and calls sampler.set_epoch after."""
         epoch = self.epoch
         resume, self._resume = self._resume, None
-        first_step = resume.step if resume is not None and resume.epoch == epoch else 0
+        resumed = resume is not None and resume.epoch == epoch
+        first_step = resume.step if resume is not None and resumed else 0
+        if not resumed:  # the loan a saved state recorded belongs to the saved epoch's next step, not to this one
+            self._resume_lent = None
         self._begin_epoch(epoch, first_step)
         generation = self._generation
         self._iterating = True
@@ -494,11 +497,12 @@ class Loader:
         borrowed = False
         while not len(pool.ids) and pool.through + 1 < steps:
             pool, borrowed = self._pull(pool.through + 1), True
+        self._pool = pool  # pulled through `pool.through`, even when nothing of it is left to hand out
         if not len(pool.ids):
-            self._pool = None
             return self._repeat_last(epoch, step)
         out, self._pool = pool.split(1 if borrowed else len(pool.ids))
-        self._last_out = (out[0][-1:], out[1][-1:], out[2][-1:])
+        # A copy: a view would keep the whole batch alive, and the loop's in-place changes would reach the repeat.
+        self._last_out = (out[0][-1:].clone(), out[1][-1:].clone(), out[2][-1:].copy())
         return out
 
     def _pull(self, step: int, drop: int = 0) -> _Pool:

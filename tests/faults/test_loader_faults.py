@@ -166,12 +166,13 @@ def _break_whole_batches(train: Path, root: Path, steps: list[int], batch_size: 
 
 @pytest.mark.timeout(180)
 def test_a_batch_whose_every_file_is_unusable_is_never_handed_out_empty(textures, tmp_path, monkeypatch):
-    """Steps 2 and 3 wholly unusable, and the last step too: the loop still gets len() batches, none empty, every
-    usable sample once, and `batch_paths` names each batch's files. Only the last step, with no later batch to take
-    a sample from, repeats one (counted). DataLoader never yields an empty batch: cross_entropy on one is NaN."""
+    """Steps 2 and 3 wholly unusable, and the last two steps too: the loop still gets len() batches, none empty,
+    every usable sample once, and `batch_paths` names each batch's files. Only the last two steps, with no later
+    batch to take a sample from, repeat one (counted), and the last batch is pulled from the ring once, not again
+    for the last step. DataLoader never yields an empty batch: cross_entropy on one is NaN."""
     train, _ = textures
     steps = len(list(train.rglob("*.jpg"))) // 8
-    paths, broken = _break_whole_batches(train, tmp_path / "train", [2, 3, steps - 1], 8, 1, 3)
+    paths, broken = _break_whole_batches(train, tmp_path / "train", [2, 3, steps - 2, steps - 1], 8, 1, 3)
     sizes, seen, named = [], [], []
     with stoker.Loader(tmp_path / "train", batch_size=8, image_size=32, seed=3, producers=2, device="cpu",
                        max_bad_fraction=0.5) as loader:
@@ -185,9 +186,9 @@ def test_a_batch_whose_every_file_is_unusable_is_never_handed_out_empty(textures
         summary = loader.summary()
     assert len(sizes) == steps and min(sizes) >= 1
     usable = set(range(len(paths))) - broken
-    assert sorted(seen[:-1]) == sorted(usable) and seen[-1] in usable  # the last step's one sample, repeated
+    assert sorted(seen[:-2]) == sorted(usable) and seen[-2] == seen[-1] == seen[-3]  # one sample, thrice
     assert named == [paths[i] for i in seen]
-    assert summary["repeated_samples"] == 1
+    assert summary["repeated_samples"] == 2
     assert {item["path"] for item in summary["skipped_files"]} == {paths[i] for i in broken}
 
 

@@ -27,7 +27,7 @@ def own_data(textures, tmp_path_factory):
 def finished_run(own_data, tmp_path_factory):
     """One completed 1-epoch run with a checkpoint at the end of its epoch."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    run_cli(*train_args(own_data, run_dir, "--epochs", "1"))
+    run_cli(*train_args(own_data, run_dir, "--epochs", "1", "--devices", "cpu:1"))  # as its resumes
     return run_dir
 
 

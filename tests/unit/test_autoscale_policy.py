@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stoker.pipeline.autoscale import RETRY_WINDOWS, Autoscaler, StepStamp, Window, required_gain, static_budget
+from stoker.pipeline.autoscale import (
+    NOISE_SIGMAS,
+    RETRY_WINDOWS,
+    Autoscaler,
+    StepStamp,
+    Window,
+    relative_error,
+    required_gain,
+    static_budget,
+)
 from stoker.pipeline.engine import ProducerCounts
 
 
@@ -359,6 +368,14 @@ def test_a_gain_below_the_rule_is_kept_when_its_own_noise_says_it_is_real():
 
     steady = trial(0.01)
     assert abs(steady["gain"] - 0.15) < 0.02 and steady["gain"] < steady["gain_needed"]
-    assert not steady["retired"] and steady["gain"] >= 2 * steady["gain_noise"]
+    assert not steady["retired"] and steady["gain"] >= NOISE_SIGMAS * steady["gain_noise"]
     swinging = trial(0.5)
-    assert swinging["retired"] and swinging["gain"] < 2 * swinging["gain_noise"]
+    assert swinging["retired"] and swinging["gain"] < NOISE_SIGMAS * swinging["gain_noise"]
+
+
+def test_consumers_stepping_together_are_one_observation_of_the_noise():
+    # Two consumers averaging every step end each step together: the same steps seen twice are no more certain.
+    one = [StepStamp(0.3 * i, 32, 0.3 * (1 + 0.1 * (-1) ** i)) for i in range(1, 13)]
+    two = [*one, *(replace(s, ended_s=s.ended_s + 0.005) for s in one)]
+    assert abs(relative_error(two) - relative_error(one)) < 1e-9
+    assert relative_error(one[:4]) == float("inf")  # too few steps to say

@@ -16,7 +16,7 @@ from stoker.pipeline import zygote
 
 # In a fresh interpreter: each forked child writes its blocked-signal mask (SigBlk, hex) as its target begins.
 PROBE = """
-from stoker.common.procs import PRODUCER_CONTEXT, start
+from stoker.common.procs import start
 from stoker.pipeline import zygote
 
 def report(writer):
@@ -24,8 +24,8 @@ def report(writer):
 
 if __name__ == "__main__":
     zygote.acquire()
-    pipes = [PRODUCER_CONTEXT.Pipe(duplex=False) for _ in range(2)]
-    children = [start(report, (writer,), f"stoker producer {n}", PRODUCER_CONTEXT) for n, (_, writer) in
+    pipes = [zygote.CONTEXT.Pipe(duplex=False) for _ in range(2)]
+    children = [start(report, (writer,), f"stoker producer {n}", zygote.CONTEXT) for n, (_, writer) in
                 enumerate(pipes)]
     print(*(reader.recv() for reader, _ in pipes))
     for child in children:
@@ -131,3 +131,83 @@ def test_a_main_script_that_fails_as_the_zygote_imports_it_is_one_error_naming_i
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("stoker.common.procs.StokerRunError: the zygote") and str(script) in last, result.stderr
     assert "this script refuses to be imported" in result.stderr  # the zygote's own traceback says why
+
+
+SIBLING = """
+import os, sys
+with open(sys.argv[2], "a") as marker:
+    marker.write(f"{os.getpid()}\\n")
+"""
+
+MAIN_WITH_SIBLING = """
+import sys
+import sibling  # beside this script: found through the script's own folder on sys.path
+import stoker
+
+DATA = sys.argv[1]  # the command line, read at import time
+
+if __name__ == "__main__":
+    with stoker.Loader(DATA, batch_size=8, image_size=32, producers=3, device="cpu") as loader:
+        for _ in loader:
+            pass
+"""
+
+
+def test_the_main_script_is_imported_once_in_the_zygote_with_its_path_and_command_line(textures, tmp_path):
+    """As a spawned child would import it: from another folder, `import sibling` needs the script's folder on
+    sys.path and `sys.argv[1]` the command line; the producers forked after find it imported."""
+    train, _ = textures
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "sibling.py").write_text(SIBLING)
+    (folder / "main.py").write_text(MAIN_WITH_SIBLING)
+    marker = tmp_path / "imports"
+    result = subprocess.run([sys.executable, str(folder / "main.py"), str(train), str(marker)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    importers = marker.read_text().split()
+    assert len(importers) == 2, importers  # the user's process and the zygote, none of the three producers
+
+
+def test_a_users_own_forkserver_is_left_alone(textures):
+    """stoker's zygote is a server of its own: a user's forkserver (a DataLoader's) keeps running, its children
+    are not the zygote's, and closing the Loader does not kill it."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    users = context.Process(target=time.sleep, args=(0,))
+    users.start()
+    users.join(60)
+    from multiprocessing import forkserver
+
+    theirs = forkserver._forkserver._forkserver_pid
+    train, _ = textures
+    with stoker.Loader(train, batch_size=8, image_size=32, producers=1, device="cpu") as loader:
+        next(iter(loader))
+        assert zygote.zygote_pid() not in (None, theirs)
+    assert forkserver._forkserver._forkserver_pid == theirs and os.path.exists(f"/proc/{theirs}")
+    again = context.Process(target=time.sleep, args=(0,))
+    again.start()
+    again.join(60)
+    assert again.exitcode == 0
+
+
+def test_a_loader_started_in_a_thread_that_ends_keeps_its_zygote_and_producers(textures):
+    """The kernel's parent-death signal follows the thread that forked: the zygote is forked by a thread that
+    lives as long as the process, not by the user's thread that first iterated."""
+    import threading
+
+    train, _ = textures
+    with stoker.Loader(train, batch_size=8, image_size=32, producers=2, device="cpu") as loader:
+        batches = iter(loader)
+        first = threading.Thread(target=lambda: next(batches))
+        first.start()
+        first.join(120)
+        pid = zygote.zygote_pid()
+        time.sleep(1.0)  # a killed zygote's producers would be gone by now
+        seen = [i for _ in batches for i in loader.batch_ids.tolist()]
+        assert zygote.zygote_pid() == pid and os.path.exists(f"/proc/{pid}")
+        summary = loader.summary()
+        lost = [event for event in loader.events.recent if event["event"] == "producer_lost"]
+    assert summary["duplicate_samples"] == 0 and len(seen) == 120 - 8
+    assert not lost, lost
