@@ -3,10 +3,9 @@ against spawned as a new interpreter (what every producer was before the zygote)
 
 The zygote is started once before the timings, as a run starts it with its first producer: what is timed is a
 producer the autoscaler adds. For each count N, N producers are started at once (the autoscaler's jump) into a
-real ring, each given one part of
-`--batch-size` built-in JPEGs as soon as it exists, and timed from the first start to each one's part done. Both
-ways alternate within every repeat; the table shows medians over the repeats of the median and the slowest
-producer, and the ratio spawn / zygote.
+real ring, each given one part of `--batch-size` built-in JPEGs as soon as it exists, and timed from the first
+start to each one's part done. Both ways alternate within every repeat; the table shows medians over the repeats
+of the median and the slowest producer, and the ratio spawn / zygote.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class ParentWatch:
 
     def __init__(self) -> None:
         self._parent = started_by()
-        self._forked_by = os.getppid() if self._parent != os.getppid() else self._parent  # the zygote
+        self._forked_by = os.getppid()  # the zygote, for a producer; else the same as `_parent`
         parent = mp.parent_process()
         self._sentinel = parent.sentinel if parent is not None else None
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import os
 import queue
+import signal
 import threading
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing import process as mp_process
@@ -39,8 +39,6 @@ from stoker.common.procs import (
     name_process,
     signals_blocked_for_children,
 )
-
-log = logging.getLogger(__name__)
 
 # The controller's pid and how to import its main module, set only in the environment the zygote is started with:
 # importing this module makes a process the zygote only there (a test or a type checker importing it is left alone).
@@ -112,7 +110,7 @@ def release() -> None:
 
 
 def zygote_pid() -> int | None:
-    """The running zygote's pid (tests, `bench soak`)."""
+    """The running zygote's pid, None when none runs."""
     return _server._forkserver_pid
 
 
@@ -164,7 +162,7 @@ def _stop() -> None:
     if pid is None:
         return
     try:
-        os.kill(pid, 9)
+        os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     _server._stop()

@@ -491,7 +491,8 @@ class Loader:
         sample left does a step repeat one already handed out this epoch (counted in `repeated_samples`)."""
         pool = self._pool
         if pool is None and self._resume_lent is not None:
-            pool = self._pull_lent(step)
+            (through, lent), self._resume_lent = self._resume_lent, None
+            pool = self._pull_lent(step, through, lent)
         elif pool is None or pool.through < step:
             pool = self._pull(step)
         borrowed = False
@@ -512,11 +513,10 @@ class Loader:
         images, labels, ids = self._take(batch)
         return _Pool(images[drop:], labels[drop:], ids[drop:], step, drop)
 
-    def _pull_lent(self, step: int) -> _Pool:
-        """After a resume whose save fell while a batch was lent to earlier steps: the batches up to that one
-        (empty, or their samples would not have been lent), less what was handed out, as the saved run held it."""
-        through, lent = self._resume_lent or (step, 0)
-        self._resume_lent = None
+    def _pull_lent(self, step: int, through: int, lent: int) -> _Pool:
+        """After a resume whose save fell while batch `through` had lent `lent` samples to earlier steps: the
+        batches up to it (empty, or their samples would not have been lent), less what was handed out, as the
+        saved run held it."""
         for empty in range(step, through):
             self._pull(empty)
         return self._pull(through, lent)
