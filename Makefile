@@ -19,7 +19,7 @@ export OWN_SITE := import sysconfig; print(sysconfig.get_paths()["purelib"])
 # that builds wheels without the `wheel` package.
 export MODERN_SETUPTOOLS := import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install clean servers
 
 demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 	rm -rf runs/demo
@@ -35,10 +35,18 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 # counts (5, no test selected, is not a failure of the second).
 TEST_WORKERS ?= 3
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed servers
 	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" tests; parallel=$$?; \
 	$(PY) -m pytest -q -m serial tests; serial=$$?; [ $$serial -eq 5 ] && serial=0; \
 	exit $$(( parallel > serial ? parallel : serial ))
+
+# The remote-data tests read shards from a real nginx on loopback (Debian's nginx-light; moto's S3 server comes
+# with the test extras). Installed where the machine lets us (root with apt); elsewhere those tests skip, saying why.
+servers:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q nginx-light >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nginx-light >/dev/null 2>&1; }; }; } || \
+		echo "nginx could not be installed: the HTTP tests will skip"
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check stoker tests

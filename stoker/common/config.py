@@ -28,6 +28,8 @@ from pydantic.dataclasses import dataclass
 from stoker.common.choices import BUILTIN_IMAGE_SIZE, DEFAULT_IMAGE_SIZE, Augment
 from stoker.common.devices import check_devices_form
 from stoker.common.procs import MAX_PRODUCERS
+from stoker.common.sizes import parse_size
+from stoker.common.urls import check_url, is_remote
 
 __all__ = ["BUILTIN_IMAGE_SIZE", "DEFAULT_IMAGE_SIZE", "Augment", "ConfigError", "TrainConfig", "make_config"]
 
@@ -82,9 +84,24 @@ MaybeCount = Annotated[int | None, BeforeValidator(_not_a_bool)]
 SECTION = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False)
 
 
-def check_data_path(name: str, path: Path | None) -> None:
+def data_location(value: Any) -> Any:
+    """A URL stays the text it is (a Path would fold its '//'); anything else is a local path."""
+    if value is None or isinstance(value, Path):
+        return value
+    if isinstance(value, str) and is_remote(value):
+        return value
+    return Path(value) if isinstance(value, str) else value
+
+
+# `--data` and `--val`: a local folder, shard or list file (a Path), or the URL of remote shards (a str).
+DataLocation = Annotated[Path | str | None, BeforeValidator(data_location)]
+
+
+def check_data_path(name: str, path: Path | str | None) -> None:
     """What `--data` (and `--val`, a Loader's `data`, eval's `--data`) may name, before anything is read."""
-    if path is not None and not (path.is_dir() or path.is_file() or "{" in str(path)):
+    if isinstance(path, str):
+        check_url(name, path)
+    elif path is not None and not (path.is_dir() or path.is_file() or "{" in str(path)):
         raise ValueError(f"{name}={str(path)!r} is not a folder, a .tar shard, a list file or a brace pattern "
                          "(expected an ImageFolder root or WebDataset-layout shards)")
 
@@ -93,13 +110,20 @@ def check_data_path(name: str, path: Path | None) -> None:
 class DataSettings:
     GROUP: ClassVar[str] = DATA
 
-    data: Annotated[Path | None, Setting(
+    data: Annotated[DataLocation, Setting(
         "ImageFolder root (a sub-folder per class) or WebDataset-layout .tar shards (a brace pattern such as "
-        "train-{000..127}.tar, a folder of shards, a list file); default: the built-in dataset", "DIR|SHARDS",
-        machine_local=True)] = None
-    val: Annotated[Path | None, Setting(
-        "validation ImageFolder or shards (default: hold out --val-fraction of --data)", "DIR|SHARDS",
-        machine_local=True)] = None
+        "train-{000..127}.tar, a folder of shards, a list file), local or at an https:// or s3:// URL; default: "
+        "the built-in dataset", "DIR|SHARDS|URL", machine_local=True)] = None
+    val: Annotated[DataLocation, Setting(
+        "validation ImageFolder or shards, local or remote (default: hold out --val-fraction of --data)",
+        "DIR|SHARDS|URL", machine_local=True)] = None
+    cache_dir: Annotated[Path | None, Setting(
+        "keep whole copies of remote shards here, so later epochs read them from disk (shared safely by runs on "
+        "this machine); default: read remote shards over the network every epoch", "DIR", machine_local=True,
+        may_change_on_resume=True, loader=True)] = None
+    cache_size: Annotated[str | None, Setting(
+        "the most --cache-dir may hold, e.g. 50GB (default: half the disk's free space at start)", "SIZE",
+        machine_local=True, may_change_on_resume=True, loader=True)] = None
     val_fraction: Annotated[Real, Setting(
         "share of each class held out for validation when --val is not given", "F")] = Field(
         default=0.1, ge=0.0, lt=1.0)
@@ -122,6 +146,10 @@ class DataSettings:
     def _paths_exist(self) -> DataSettings:
         check_data_path("data", self.data)
         check_data_path("val", self.val)
+        if self.cache_size is not None:
+            parse_size("cache_size", self.cache_size)
+        if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
+            raise ValueError(f"cache_dir={str(self.cache_dir)!r} is a file, not a folder")
         return self
 
     @property
@@ -435,7 +463,7 @@ def default_of(name: str) -> Any:
 FIELD_NAMES = setting_names(TrainConfig)
 assert TrainConfig.__mro__[1:len(SECTIONS) + 1] == tuple(reversed(SECTIONS)), "TrainConfig's bases are SECTIONS"
 assert sorted(FIELD_NAMES) == sorted(n for s in SECTIONS for n in setting_names(s)), "a setting in two sections"
-PATH_SETTINGS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if "Path" in str(f.type))
+PATH_SETTINGS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if "Path" in str(f.type) or "DataLocation" in str(f.type))
 MAY_CHANGE_ON_RESUME = names_where("may_change_on_resume")
 
 RUN_CONFIG_FILE = "config.json"
@@ -510,5 +538,6 @@ def load_toml(path: Path) -> dict[str, Any]:
     # A file's paths mean what they say wherever the command runs from: relative to the file's own folder (and
     # shown resolved in any error).
     folder = path.resolve().parent
-    return {key: (str(folder / value) if key in PATH_SETTINGS and isinstance(value, str) else value)
+    return {key: (str(folder / value) if key in PATH_SETTINGS and isinstance(value, str) and not is_remote(value)
+                  else value)
             for key, value in values.items()}

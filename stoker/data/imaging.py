@@ -57,6 +57,11 @@ cv2.setNumThreads(1)  # producers are processes; OpenCV's own thread pool would 
 cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
 
 
+# A file that could not be read (EIO on a network disk, EMFILE, a request that kept failing): tried again in later
+# epochs, unlike one that was read and could not be decoded, which later epochs skip unread.
+UNREADABLE = "unreadable:"
+
+
 class UnusableImage(Exception):
     """The file cannot be turned into a training image; the message says why."""
 

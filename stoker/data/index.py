@@ -34,9 +34,11 @@ import numpy as np
 
 from stoker.common import faults
 from stoker.common.files import replace_durably, write_durably
+from stoker.common.urls import is_remote
+from stoker.data import remote
 from stoker.data.builtin_data import cache_root
 from stoker.data.dataset import Skipped, list_image_folder
-from stoker.data.imaging import UnusableImage
+from stoker.data.imaging import UNREADABLE, UnusableImage
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,6 @@ STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a runni
 MAX_OPEN_SHARDS = 128
 SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
-# A file that could not be read (EIO on a network disk, EMFILE): tried again in later epochs, unlike one that was
-# read and could not be decoded, which later epochs skip unread.
-UNREADABLE = "unreadable:"
 ABSENT = "absent"  # the stamp of an input that did not exist: it must still not exist
 _warned: set[str] = set()  # one warning per problem and process, not one per shard or split
 
@@ -68,16 +67,19 @@ class Packed:
     shard_ids: np.ndarray | None = None
     starts: np.ndarray | None = None
     sizes: np.ndarray | None = None
+    versions: list[str] = field(default_factory=list)  # each remote shard's ETag ('' for a local one)
 
 
 class PackedIndex:
     """Samples of one split: `paths[i]` names sample i (a file, or `shard.tar:KEY`), `labels[i]` its class,
     `read(i)` its bytes. Read-only, memory-mapped; pickles as the entry's folder."""
 
-    def __init__(self, folder: Path | None, part: str | None = None, memory: dict | None = None) -> None:
+    def __init__(self, folder: Path | None, part: str | None = None, memory: dict | None = None,
+                 copies: remote.LocalCopies | None = None) -> None:
         """From the entry `folder`, or (`folder` None) from `memory`: the arrays and meta of an entry the cache
-        could not hold, which then travel to producers whole."""
+        could not hold, which then travel to producers whole. Remote shards are read from `copies` once there."""
         self.folder, self.part, self._memory = (Path(folder) if folder is not None else None), part, memory
+        self.copies = copies
         if memory is None:
             # A shared lock for as long as this process maps the entry: a later start's clean-up leaves it alone.
             self._in_use = open(self._file("meta.json"), "rb")  # noqa: SIM115 (closed with this object)
@@ -88,6 +90,7 @@ class PackedIndex:
         self.classes: tuple[str, ...] = tuple(meta["classes"])
         self.base: str = meta["base"]
         self.shards: tuple[str, ...] = tuple(meta["shards"])
+        self.versions: tuple[str, ...] = tuple(meta.get("versions") or ("",) * len(self.shards))
         self._names = self._array("names.npy")
         self._offsets = self._array("offsets.npy")
         self._ids = self._array(f"{part}.ids.npy") if part else None
@@ -108,12 +111,21 @@ class PackedIndex:
         memory: dict = {file: np.asarray(self._array(file)) for file in ("names.npy", "offsets.npy", "labels.npy")}
         if self.shards:
             memory["where.npy"] = np.asarray(self._where)
-        memory.update(meta={"classes": list(self.classes), "base": self.base, "shards": list(self.shards)},
+        memory.update(meta={"classes": list(self.classes), "base": self.base, "shards": list(self.shards),
+                            "versions": list(self.versions)},
                       skipped=[[s.path, s.reason] for s in self.skipped])
         return memory
 
     def __reduce__(self):
-        return PackedIndex, (self.folder, self.part, self._memory)
+        return PackedIndex, (self.folder, self.part, self._memory, self.copies)
+
+    def reading_copies(self, copies: remote.LocalCopies) -> PackedIndex:
+        return PackedIndex(self.folder, self.part, self._memory, copies)
+
+    def remote_shards(self) -> list[tuple[str, str, int]]:
+        """(url, ETag, size) of each remote shard, in order."""
+        return [(shard, version, remote.stat(shard).size) for shard, version in zip(self.shards, self.versions)
+                if version]
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -139,6 +151,8 @@ class PackedIndex:
         if not self.shards:
             return read_file(self.name(position))
         shard, start, size = (int(v) for v in self._where[position])
+        if self.versions[shard]:
+            return remote.read_range(self.shards[shard], self.versions[shard], start, size, self.copies)
         return read_member(self.shards[shard], start, size)
 
     def subset(self, name: str, ids: np.ndarray) -> PackedIndex:
@@ -148,7 +162,8 @@ class PackedIndex:
         ids = np.asarray(ids, dtype=np.int64)
         labels = np.asarray(self.labels)[ids]
         if self._memory is not None:
-            return PackedIndex(None, name, {**self._memory, f"{name}.ids.npy": ids, f"{name}.labels.npy": labels})
+            return PackedIndex(None, name, {**self._memory, f"{name}.ids.npy": ids, f"{name}.labels.npy": labels},
+                               self.copies)
         ids_file, labels_file = self._file(f"{name}.ids.npy"), self._file(f"{name}.labels.npy")
         # Both compared, not trusted: a flipped bit in a cached label would train a sample under another class.
         if not (_holds(ids_file, ids) and _holds(labels_file, labels)):
@@ -157,8 +172,8 @@ class PackedIndex:
                 _save_atomically(ids_file, ids)
             except OSError as error:
                 _warn_unwritable(ids_file.parent, error)
-                return PackedIndex(None, None, self._as_memory()).subset(name, ids)
-        return PackedIndex(self.folder, name)
+                return PackedIndex(None, None, self._as_memory(), self.copies).subset(name, ids)
+        return PackedIndex(self.folder, name, copies=self.copies)
 
 
 def _holds(path: Path, expected: np.ndarray) -> bool:
@@ -270,9 +285,12 @@ def cache_key(*parts) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def file_stamp(path: str) -> list[int] | str | None:
+def file_stamp(path: str) -> list | str | None:
     """[size, mtime, ctime, inode], ABSENT for no such file, None when it cannot be asked. The mtime alone is
-    kept by `cp -p`, `rsync -t` and `tar x`; the ctime and inode are the file system's own, and `mv` changes them."""
+    kept by `cp -p`, `rsync -t` and `tar x`; the ctime and inode are the file system's own, and `mv` changes them.
+    A remote object's is [size, ETag]."""
+    if is_remote(path):
+        return _object_stamp(path)
     try:
         stat = os.stat(path)
     except FileNotFoundError:
@@ -282,12 +300,20 @@ def file_stamp(path: str) -> list[int] | str | None:
     return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
+def _object_stamp(url: str) -> list | str | None:
+    try:
+        version = remote.stat(url)
+    except ValueError as error:
+        return ABSENT if str(error).endswith(remote.NO_SUCH_OBJECT) else None
+    return [version.size, version.etag]
+
+
 def input_stamps(paths: list[str], started_ns: int) -> list[list]:
     """(path, stamp) of each input; None where it changed too close to the listing to be trusted."""
     stamps: list[list] = []
     for path in paths:
         stamp = file_stamp(path)
-        recent = isinstance(stamp, list) and stamp[1] >= started_ns - MTIME_GUARD_NS
+        recent = isinstance(stamp, list) and len(stamp) == 4 and stamp[1] >= started_ns - MTIME_GUARD_NS
         stamps.append([path, None if recent else stamp])
     return stamps
 
@@ -365,7 +391,8 @@ def _entry_files(packed: Packed) -> dict[str, bytes]:
     files = {file: _npy_bytes(array) for file, array in arrays.items()}
     files["skipped.json"] = json.dumps([[s.path, s.reason] for s in packed.skipped]).encode()
     files["meta.json"] = json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
-                                     "base": packed.base, "shards": packed.shards}).encode()
+                                     "base": packed.base, "shards": packed.shards,
+                                     "versions": packed.versions}).encode()
     return files
 
 
@@ -419,7 +446,8 @@ def _remove_stale(cache: Path, keep: str) -> None:
     for pointer in cache.glob("*.json"):
         try:
             stamp = json.loads(pointer.read_text())
-            gone = pointer.stat().st_mtime < cutoff and not all(os.path.exists(p) for p, _ in stamp["inputs"])
+            gone = pointer.stat().st_mtime < cutoff and not all(is_remote(p) or os.path.exists(p)
+                                                                for p, _ in stamp["inputs"])
         except (OSError, ValueError, KeyError):
             continue
         if gone:

@@ -20,7 +20,6 @@ import io
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 import signal
@@ -32,6 +31,7 @@ from pathlib import Path
 from stoker.common import faults
 from stoker.common.devices import available_cores
 from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children
+from stoker.common.sizes import parse_size
 from stoker.common.waiting import waiting
 from stoker.data.dataset import list_image_folder
 from stoker.data.shards import CLASSES_FILE
@@ -39,19 +39,9 @@ from stoker.data.sources import log_refused
 
 log = logging.getLogger(__name__)
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 TAR_BLOCK = 512
 
 Member = tuple[str, str, int]  # (source file, key, label)
-
-
-def parse_size(text: str) -> int:
-    """'1GB' -> 10**9, '500M' -> 5 * 10**8, '4096' -> 4096 (decimal units, as disks are sold)."""
-    match = _SIZE.match(text)
-    if match is None or float(match.group(1)) <= 0:
-        raise ValueError(f"shard_size={text!r}: expected a positive size such as 1GB, 500MB or 1048576")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
@@ -216,7 +206,7 @@ def pack_command(args: argparse.Namespace) -> int:
     try:
         if not args.source.is_dir():
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
-        shard_size = parse_size(args.shard_size)
+        shard_size = parse_size("shard_size", args.shard_size)
         shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
         val_shards = _pack_validation(args, shard_size)
     except ValueError as error:

@@ -16,6 +16,7 @@ import mmap
 import os
 import re
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from stoker.common.files import replace_durably
+from stoker.common.urls import check_url, is_remote
 from stoker.common.waiting import waiting
+from stoker.data import remote
 from stoker.data.dataset import IMAGE_EXTENSIONS, Skipped
 from stoker.data.index import (
     MTIME_GUARD_NS,
@@ -84,9 +87,13 @@ def expand_braces(pattern: str) -> list[str]:
     return list(itertools.chain.from_iterable(expand_braces(head + c + tail) for c in choices))
 
 
-def shard_paths(spec: Path) -> list[str] | None:
-    """The shards `spec` names (a brace pattern, one .tar, a folder of .tar files, a list file), or None for an
-    ImageFolder. Raises ValueError naming what is missing."""
+def shard_paths(spec: Path | str) -> list[str] | None:
+    """The shards `spec` names (a brace pattern, one .tar, a folder of .tar files, a list file; or the URL of
+    one, a brace pattern of URLs, an S3 prefix), or None for an ImageFolder. Raises ValueError naming what is
+    missing."""
+    if is_remote(spec):
+        return _remote_shards(str(spec))
+    spec = Path(spec)
     text = str(spec)
     if spec.is_dir():  # first: a folder's name may hold a brace
         paths = sorted(str(p) for p in spec.iterdir() if p.suffix.lower() == ".tar" and p.is_file())
@@ -106,6 +113,26 @@ def shard_paths(spec: Path) -> list[str] | None:
     if missing:
         raise ValueError(f"data={text!r}: {len(missing)} of {len(paths)} shards do not exist, e.g. {missing[0]!r}")
     return paths
+
+
+def _remote_shards(spec: str) -> list[str]:
+    """The objects a URL names, each asked for its version now: a missing or forbidden one is an error before any
+    process starts."""
+    check_url("data", spec)
+    if _RANGE.search(spec) or _ALTERNATIVES.search(spec):
+        urls = expand_braces(spec)
+    elif spec.lower().endswith(".tar"):
+        urls = [spec]
+    elif spec.endswith("/"):
+        urls = remote.list_tars(spec)
+        if not urls:
+            raise ValueError(f"data={spec!r}: no .tar object under this prefix")
+    else:
+        _refuse_compressed(spec, [spec.rsplit("/", 1)[-1]])
+        raise ValueError(f"data={spec!r}: expected .tar shards (train-{{0000..0127}}.tar), one .tar, or an S3 "
+                         f"prefix ending in /")
+    remote.stat_all(urls)
+    return urls
 
 
 def _refuse_compressed(data: str, names: list[str]) -> None:
@@ -131,28 +158,35 @@ def _read_list_file(spec: Path) -> list[str]:
     return paths
 
 
-def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:
-    """The packed index of these shards, from the cache while every shard keeps its modification time."""
+def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache: Path | None = None,
+                copies: remote.LocalCopies | None = None) -> PackedIndex:
+    """The packed index of these shards, from the cache while every shard keeps its modification time (a remote
+    one its ETag); remote shards are read from `copies` once copied there."""
     cache = cache or index_cache_dir()
-    paths = [os.path.realpath(p) for p in paths]
-    classes_file = os.path.join(os.path.dirname(paths[0]), CLASSES_FILE)
+    paths = [p if is_remote(p) else os.path.realpath(p) for p in paths]
+    classes_file = _beside(paths[0], CLASSES_FILE)
     key = cache_key("shards", paths, classes)
     cached = load_cached(cache, key)
-    if cached is not None:
-        return cached
-    started = time.time_ns()
-    # classes.json is stamped also while it does not exist: one written later must be read.
-    inputs = paths + [classes_file]
-    packed = index_shards(paths, classes or _classes_beside(classes_file), cache / SHARDS_FOLDER)
-    return write_entry(cache, key, packed, input_stamps(inputs, started))
+    if cached is None:
+        started = time.time_ns()
+        # classes.json is stamped also while it does not exist: one written later must be read.
+        inputs = paths + [classes_file]
+        packed = index_shards(paths, classes or _classes_beside(classes_file), cache / SHARDS_FOLDER, copies)
+        cached = write_entry(cache, key, packed, input_stamps(inputs, started))
+    return cached.reading_copies(copies) if copies is not None else cached
+
+
+def _beside(shard: str, name: str) -> str:
+    return shard.rsplit("/", 1)[0] + "/" + name if is_remote(shard) else os.path.join(os.path.dirname(shard),
+                                                                                               name)
 
 
 def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
     try:
-        with open(classes_file) as handle:
-            names = json.load(handle)
-    except FileNotFoundError:
-        return None
+        text = _read_small(classes_file, MAX_CLASSES_FILE_BYTES)
+        if text is None:
+            return None
+        names = json.loads(text)
     except ValueError as error:
         raise ValueError(f"{classes_file}: not a JSON list of class names ({error})") from None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
@@ -160,13 +194,32 @@ def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path | None = None) -> Packed:
+MAX_CLASSES_FILE_BYTES = 64 << 20  # a million long class names; a file past this is refused before it is read
+
+
+def _read_small(path: str, limit: int) -> bytes | None:
+    """A small file beside the shards, local or remote; None when it does not exist."""
+    if is_remote(path):
+        return remote.fetch(path, limit)
+    try:
+        size = os.path.getsize(path)
+        if size > limit:
+            raise ValueError(f"{path}: {size} bytes, more than the {limit} such a file may hold")
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        return None
+
+
+def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path | None = None,
+                 copies: remote.LocalCopies | None = None) -> Packed:
     """Every shard's samples in order; without class names, classes are '0'..'max label'. With `cache`, each
     shard's members are kept there, so a set with one shard added or changed reads only that shard again."""
     members = ShardMembers()
     with waiting("indexing shards", total=len(paths), unit="shards") as progress:
         for shard_id, path in enumerate(paths):
-            members.extend(_one_shard_cached(path, cache) if cache else index_one_shard(path), shard_id)
+            members.extend(_one_shard_cached(path, cache, copies) if cache else index_one_shard(path, copies),
+                           shard_id)
             progress.advance()
     labels = np.asarray(members.labels, dtype=np.int64)
     bound = len(classes) if classes is not None else MAX_CLASSES_WITHOUT_LIST
@@ -180,8 +233,9 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path 
         classes = tuple(str(i) for i in range(int(labels.max(initial=-1)) + 1))
     if not members.keys:
         raise ValueError(f"data={paths[0]!r}...: no sample (KEY.jpg|png|... with KEY.cls) in {len(paths)} shard(s)")
+    versions = [remote.stat(p).etag if is_remote(p) else "" for p in paths]
     return Packed("", members.keys, labels, classes, members.skipped, paths, np.asarray(members.shard_ids),
-                  np.asarray(members.starts), np.asarray(members.sizes))
+                  np.asarray(members.starts), np.asarray(members.sizes), versions)
 
 
 @dataclass
@@ -228,7 +282,7 @@ class ShardMembers:
 Member = tuple[str, int, int]  # (name, offset of its data, size)
 
 
-def _one_shard_cached(path: str, cache: Path) -> ShardMembers:
+def _one_shard_cached(path: str, cache: Path, copies: remote.LocalCopies | None = None) -> ShardMembers:
     """A shard's members from the cache while its stamp (size, mtime, ctime, inode) holds and the kept file its
     checksum, else read and kept."""
     started, stamp = time.time_ns(), file_stamp(path)
@@ -236,8 +290,9 @@ def _one_shard_cached(path: str, cache: Path) -> ShardMembers:
     kept = _read_kept(saved)
     if kept is not None:
         return kept
-    members = index_one_shard(path)
-    if isinstance(stamp, list) and stamp[1] < started - MTIME_GUARD_NS:  # one still being written: read again
+    members = index_one_shard(path, copies)
+    settled = isinstance(stamp, list) and (len(stamp) == 2 or stamp[1] < started - MTIME_GUARD_NS)
+    if settled:  # a local shard changed in the last seconds may still be being written: read again next time
         skipped = [[item.path, item.reason] for item in members.skipped]
         payload = json.dumps({**members.__dict__, "skipped": skipped}).encode()
         try:
@@ -265,16 +320,33 @@ def _read_kept(saved: Path) -> ShardMembers | None:
         return None
 
 
-def index_one_shard(path: str) -> ShardMembers:
+def index_one_shard(path: str, copies: remote.LocalCopies | None = None) -> ShardMembers:
     """The shard's samples (as shard 0); members that do not make a sample are listed, and a truncated shard is
-    indexed up to its last whole member."""
+    indexed up to its last whole member. A remote shard is fetched whole once, into a temporary file (or the
+    cache folder's copy, when there is one)."""
+    if not is_remote(path):
+        return _index_local(path, path)
+    version = remote.stat(path)
+    copy = copies.path(path, version.etag) if copies is not None else None
+    if copy is not None and (copy.exists() or copies.make_room(version.size, {copy})):  # type: ignore[union-attr]
+        if not copy.exists():
+            remote.download(path, version.etag, copy)
+        return _index_local(str(copy), path)
+    with tempfile.TemporaryDirectory(prefix="stoker-shard-") as scratch:
+        target = Path(scratch) / "shard.tar"
+        remote.download(path, version.etag, target)
+        return _index_local(str(target), path)
+
+
+def _index_local(file: str, path: str) -> ShardMembers:
+    """`file`'s samples, named as the shard `path`."""
     into = ShardMembers(shards=[path])
-    with open(path, "rb") as handle:
+    with open(file, "rb") as handle:
         data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(handle.fileno()).st_size else b""
     try:
         found = _plain_members(data)
         if found is None:
-            found = _tarfile_members(path, data)
+            found = _tarfile_members(file, data)
         members, truncated = found
         if truncated:
             into.skipped.append(Skipped(path, f"truncated shard: indexed its first {len(members)} members, then "
@@ -379,7 +451,7 @@ def _tarfile_members(path: str, data) -> tuple[list[Member], str]:
             except tarfile.ReadError as error:  # a header cut short
                 return members, f"a header cut short ({error})"
             if member is None:  # an end-of-archive block, or (tarfile does not tell) a header cut or damaged
-                return members, _end_problem(path, archive.offset)
+                return members, _end_problem(data, archive.offset)
             if member.size < 0:  # a pax 'size' keyword of -1000: tarfile would step back and read headers again
                 return members, f"a damaged header at byte {member.offset} (its size {member.size} is negative)"
             if member.offset_data + member.size > len(data):
@@ -421,11 +493,9 @@ def _size_field(header: bytes) -> int | None:
     return int(field, 8) if _OCTAL.fullmatch(field) else None
 
 
-def _end_problem(path: str, offset: int) -> str:
+def _end_problem(data, offset: int) -> str:
     """'' when the archive ends where tarfile stopped with its end-of-archive marker, else what went wrong."""
-    with open(path, "rb") as handle:
-        handle.seek(offset)
-        block = handle.read(TAR_BLOCK)
+    block = bytes(data[offset:offset + TAR_BLOCK])
     if block == _ZERO_BLOCK:
         return ""
     return "a header cut short" if len(block) < TAR_BLOCK else "a damaged header, or no end-of-archive marker"

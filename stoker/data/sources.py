@@ -4,14 +4,17 @@ has not changed; the validation split; the refused entries, logged once."""
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stoker.common.sizes import parse_size
 from stoker.common.waiting import waiting
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped, validation_ids
 from stoker.data.index import PackedIndex, load_image_folder
+from stoker.data.remote import LocalCopies
 from stoker.data.shards import load_shards, shard_paths
 
 if TYPE_CHECKING:  # `stoker pack` reads sources and needs no config (pydantic)
@@ -30,10 +33,11 @@ class Data:
 def load_data(config: TrainConfig) -> Data:
     """The run's training and validation samples (the built-in dataset without `--data`)."""
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    train = _load(train_root)
+    copies = local_copies(config.cache_dir, config.cache_size)
+    train = _load(train_root, copies=copies)
     val: PackedIndex | None
     if val_root is not None:
-        val = _load(val_root, classes=train.classes)
+        val = _load(val_root, classes=train.classes, copies=copies)
         refused = train.skipped + val.skipped
     else:
         refused = train.skipped
@@ -42,18 +46,31 @@ def load_data(config: TrainConfig) -> Data:
     return Data(train, val, refused)
 
 
-def _load(root: Path, classes: tuple[str, ...] | None = None) -> PackedIndex:
+def _load(root: Path | str, classes: tuple[str, ...] | None = None, copies: LocalCopies | None = None
+          ) -> PackedIndex:
     with waiting(f"indexing {root}", unit="files") as progress:
-        index = load_source(root, classes=classes)
+        index = load_source(root, classes=classes, copies=copies)
         progress.update(len(index))
     return index
 
 
-def load_source(spec: Path, classes: tuple[str, ...] | None = None, cache: Path | None = None) -> PackedIndex:
+def load_source(spec: Path | str, classes: tuple[str, ...] | None = None, cache: Path | None = None,
+                copies: LocalCopies | None = None) -> PackedIndex:
+    """The index of what `spec` names: shards (local or remote) or an ImageFolder."""
     shards = shard_paths(spec)
     if shards is not None:
-        return load_shards(shards, classes, cache)
-    return load_image_folder(spec, classes, cache)
+        return load_shards(shards, classes, cache, copies)
+    return load_image_folder(Path(spec), classes, cache)
+
+
+def local_copies(cache_dir: Path | None, cache_size: str | None) -> LocalCopies | None:
+    """The `--cache-dir` of remote shards, bounded by `--cache-size` (default: half the disk's free space now)."""
+    if cache_dir is None:
+        return None
+    if cache_size is not None:
+        return LocalCopies(cache_dir, parse_size("cache_size", cache_size))
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return LocalCopies(cache_dir, shutil.disk_usage(cache_dir).free // 2)
 
 
 def split_source(index: PackedIndex, fraction: float, seed: int) -> tuple[PackedIndex, PackedIndex | None]:

@@ -21,6 +21,8 @@ import numpy as np
 
 from stoker.common.procs import Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
+from stoker.data.index import PackedIndex
+from stoker.data.remote import CopyFiller
 from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
 from stoker.pipeline.gauges import EventLog, ProducerGauges
 from stoker.pipeline.parts import Assembler, parts_per_batch
@@ -119,6 +121,7 @@ class Engine:
         self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
         self.pool: ProducerPool | None = None
+        self.copying: CopyFiller | None = None
         self.closed = False
         sweep_dead_segments()
         self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size)
@@ -131,6 +134,7 @@ class Engine:
                                      build.max_in_flight)
             for _ in range(counts.initial):
                 self.pool.grow()
+            self.copying = start_copying(build.train, build.val)
         except BaseException:
             self.close()
             raise
@@ -319,8 +323,17 @@ class Engine:
         if self.closed:
             return
         self.closed = True
+        if self.copying is not None:
+            self.copying.close()
         self.stop_producers()
         self.ring.close()
+
+
+def start_copying(*sources: SampleSource | None) -> CopyFiller | None:
+    """Copy the remote shards of these sources into `--cache-dir` while the run goes on, when there is one."""
+    indexes = [s for s in sources if isinstance(s, PackedIndex) and s.copies is not None]
+    shards = list(dict.fromkeys(shard for index in indexes for shard in index.remote_shards()))
+    return CopyFiller(indexes[0].copies, shards) if shards else None  # type: ignore[arg-type]
 
 
 def producer_fields(engine: Engine | None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Literal
 
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
-from stoker.data.index import UNREADABLE
+from stoker.data.imaging import UNREADABLE
 from stoker.pipeline import zygote
 from stoker.pipeline.producer import STATUS_IDLE, Part, PartDone, ProducerSetup, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing

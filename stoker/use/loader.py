@@ -36,6 +36,7 @@ from stoker.common.config import (
     RunSettings,
     check_data_path,
     check_section,
+    data_location,
     names_where,
     setting_names,
 )
@@ -45,7 +46,8 @@ from stoker.common.procs import POLL_S, StokerRunError
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
-from stoker.data.sources import load_source, log_refused
+from stoker.data.remote import LocalCopies
+from stoker.data.sources import load_source, local_copies, log_refused
 from stoker.data.user_dataset import DatasetSource, check_dataset, unpack_item
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
@@ -240,7 +242,8 @@ class Loader:
         self.producer_timeout_s = feed.producer_timeout_s
         self.max_bad_fraction = data_settings.max_bad_fraction
         self.metrics_file = Path(own["metrics_file"]) if own["metrics_file"] is not None else None
-        self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size)
+        copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
+        self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies)
         self.sampler = EpochSampler(self)
         self.epoch = 0
         self._position = Position(0, 0, 0)  # the next batch to hand out
@@ -639,7 +642,7 @@ def _shut_down(driver: EngineDriver, events: _Events, owner_pid: int) -> None:
     events.close()
 
 
-def _open_data(data: str | Path | Any | None, image_size: int | None
+def _open_data(data: str | Path | Any | None, image_size: int | None, copies: LocalCopies | None = None
                ) -> tuple[Any, int, tuple[str, ...], tuple[Skipped, ...]]:
     """The samples, the image size, the class names, and what the index refused."""
     if isinstance(data, PackedIndex):  # an index made for the purpose: eval's classes in a model's order, predict's
@@ -648,8 +651,8 @@ def _open_data(data: str | Path | Any | None, image_size: int | None
         check_dataset(data)
         size = image_size or _first_item_size(data)
         return DatasetSource(data, size), size, (), ()
-    root = Path(data) if data is not None else builtin_dataset()[0]
-    index = load_source(root)
+    root = data_location(data) if data is not None else builtin_dataset()[0]
+    index = load_source(root, copies=copies)
     log_refused(index.skipped)
     size = image_size or (BUILTIN_IMAGE_SIZE if data is None else DEFAULT_IMAGE_SIZE)
     return index, size, tuple(index.classes), tuple(index.skipped)
@@ -678,7 +681,7 @@ def _check_settings(data: Any, values: dict[str, Any]) -> dict[type, Any]:
         raise TypeError(f"stoker.Loader got unexpected setting(s) {', '.join(unknown)}; it takes "
                         f"{', '.join(sorted(LOADER_SETTINGS))} and metrics_file")
     if isinstance(data, (str, Path)):
-        check_data_path("data", Path(data))
+        check_data_path("data", data_location(data))
     return {section: check_section(section, {name: value for name, value in values.items()
                                              if name in setting_names(section)})
             for section in (FeedSettings, DataSettings, DeviceSettings, RunSettings)}

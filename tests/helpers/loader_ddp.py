@@ -69,7 +69,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     producers = args.producers if args.producers == "auto" else int(args.producers)
-    data = NoisyDataset() if args.data == "noisy" else Path(args.data)
+    data = NoisyDataset() if args.data == "noisy" else args.data  # a folder, shards or their URL
     loader = stoker.Loader(data, batch_size=args.batch_size, image_size=16, seed=3, producers=producers,
                            device="cpu", max_producers=3)
     model = torch.nn.parallel.DistributedDataParallel(model_for(10))

@@ -13,8 +13,9 @@ import tarfile
 
 import pytest
 
+from stoker.common.sizes import parse_size
 from stoker.data.dataset import scan_image_folder
-from stoker.data.pack import pack, parse_size
+from stoker.data.pack import pack
 from stoker.data.shards import expand_braces, load_shards, shard_paths
 
 
@@ -131,9 +132,9 @@ def test_shard_index_is_cached_until_a_shard_changes(tmp_path):
 
 
 def test_parse_size():
-    assert parse_size("1GB") == 10**9 and parse_size("500M") == 5 * 10**8 and parse_size("4096") == 4096
-    with pytest.raises(ValueError, match="shard_size"):
-        parse_size("big")
+    assert parse_size("s", "1GB") == 10**9 and parse_size("s", "500M") == 5 * 10**8 and parse_size("s", "4096") == 4096
+    with pytest.raises(ValueError, match="shard_size='big'"):
+        parse_size("shard_size", "big")
 
 
 def test_pack_keeps_the_folder_order_labels_and_bytes_and_is_deterministic(textures, tmp_path):

@@ -1,0 +1,148 @@
+"""Shards where they live: served by a real nginx (HTTP, Range) and a real S3 server (moto's) on loopback, read
+through the same client code a user's run uses. Training from them gives bitwise the weights of training from the
+same shards on local disk, across an interrupt and a resume and with a producer killed as it reads; three ranks
+get equal batch counts over eight shards; and every failure is named."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+
+from stoker.bench import servers
+from tests.conftest import assert_same_weights, read_summary, run_cli
+from tests.integration.test_loader import launch
+
+SETTINGS = ("--devices", "cpu:2", "--epochs", "2", "--seed", "5", "--producers", "2", "--batch-size", "8",
+            "--image-size", "32", "--quiet")
+SHARDS = "shard-{000000..000007}.tar"
+BUCKET = "stoker-shards"
+
+
+@pytest.fixture(scope="module")
+def shards(textures, tmp_path_factory):
+    """The texture set packed into 8 shards (train) and 3 (val), and the reference run on local disk."""
+    train, val = textures
+    root = tmp_path_factory.mktemp("remote")
+    run_cli("pack", str(train), str(root / "train"), "--shard-size", "70KB", "--workers", "1")
+    run_cli("pack", str(val), str(root / "val"), "--shard-size", "40KB", "--workers", "1")
+    assert len(list((root / "train").glob("*.tar"))) == 8
+    run_cli("train", "--data", str(root / "train" / SHARDS), "--val", str(root / "val"), "--out",
+            str(root / "local"), *SETTINGS, env={"STOKER_CACHE": str(root / "cache")})
+    return root
+
+
+@pytest.fixture(scope="module")
+def web(shards):
+    if not os.path.exists(servers.NGINX):
+        pytest.skip("nginx is not installed and could not be (make test installs Debian's nginx-light as root)")
+    with servers.nginx(shards) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3(shards):
+    with servers.s3_server() as server:
+        servers.upload_folder(server.url, BUCKET, shards / "train", "data/train/")
+        servers.upload_folder(server.url, BUCKET, shards / "val", "data/val/")
+        yield server
+
+
+def val_shards(root) -> str:
+    names = sorted(p.name for p in (root / "val").glob("*.tar"))
+    return f"shard-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"
+
+
+def test_http_shards_train_bitwise_like_local_disk_across_a_resume(shards, web, tmp_path):
+    run = tmp_path / "http"
+    stopped = run_cli("train", "--data", f"{web.url}/train/{SHARDS}", "--val", f"{web.url}/val/{val_shards(shards)}",
+                      "--out", str(run), *SETTINGS, check=False,
+                      env={"STOKER_CACHE": str(tmp_path / "cache"),
+                           "STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=5;"})
+    assert stopped.returncode == 130, stopped.stderr[-3000:]
+    run_cli("train", "--resume", str(run), "--quiet", env={"STOKER_CACHE": str(tmp_path / "cache")})
+    summary = read_summary(run)
+    assert summary["status"] == "completed" and 5 < summary["start_step"] < 16  # the resume is mid-epoch
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert_same_weights(shards / "local", run)
+
+
+def test_s3_shards_with_a_producer_killed_as_it_reads_train_bitwise_like_local_disk(shards, s3, tmp_path):
+    once = tmp_path / "fired"
+    run = tmp_path / "s3"
+    run_cli("train", "--data", f"s3://{BUCKET}/data/train/{SHARDS}", "--val", f"s3://{BUCKET}/data/val/",
+            "--out", str(run), *SETTINGS,
+            env={**servers.s3_environment(s3.url), "STOKER_CACHE": str(tmp_path / "cache"),
+                 "STOKER_FAULT": "producer:sigkill:shard-000003.tar:", "STOKER_FAULT_ONCE": str(once)})
+    assert once.exists()  # the fault fired: a producer died holding a part
+    summary = read_summary(run)
+    assert summary["status"] == "completed"
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert_same_weights(shards / "local", run)
+    config = (run / "config.json").read_text()
+    assert servers.S3_TEST_KEY not in config and "AWS_" not in config  # credentials stay in the environment
+
+
+def test_three_ranks_over_eight_remote_shards_get_equal_batch_counts(shards, web, tmp_path):
+    records = launch(tmp_path / "record", "--data", f"{web.url}/train/{SHARDS}", "--epochs", "1", world=3)
+    assert records[0]["len"] == records[1]["len"] == records[2]["len"] == [5]  # ceil(120 / 24)
+    assert records[0]["batches"] == records[1]["batches"] == records[2]["batches"] == [5]
+    seen = [i for rank in records for _, ids in rank["ids"] for i in ids]
+    assert sorted(seen) == list(range(120))
+
+
+def test_a_missing_shard_is_named_before_any_process_starts(shards, web, tmp_path):
+    result = run_cli("train", "--data", f"{web.url}/train/shard-{{000000..000008}}.tar", "--out", str(tmp_path / "r"),
+                     "--quiet", check=False, env={"STOKER_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{web.url}/train/shard-000008.tar: no such object" in result.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_a_shard_replaced_during_the_run_is_named_not_read_at_old_offsets(shards, tmp_path):
+    from stoker.data.imaging import UnusableImage
+    from stoker.data.sources import load_source
+
+    served = tmp_path / "served"
+    shutil.copytree(shards / "train", served)
+    with servers.nginx(served) as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
+        assert len(index.read(0)) > 0
+        first = served / "shard-000000.tar"
+        time.sleep(1.1)  # nginx's ETag is the modification time (seconds) and the size
+        first.write_bytes(first.read_bytes())
+        with pytest.raises(UnusableImage, match=r"shard-000000\.tar changed during the run"):
+            index.read(0)
+
+
+def test_a_server_that_stops_answering_makes_samples_unreadable_not_a_hang(shards, tmp_path):
+    from stoker.data.imaging import UNREADABLE, UnusableImage
+    from stoker.data.sources import load_source
+
+    with servers.nginx(shards / "train") as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
+    started = time.monotonic()
+    with pytest.raises(UnusableImage, match=UNREADABLE) as error:
+        index.read(0)
+    assert "retries" in str(error.value) and time.monotonic() - started < 120  # bounded by the retry timeout
+
+
+def test_the_cache_folder_holds_copies_within_its_size_and_serves_without_the_server(shards, tmp_path):
+    from stoker.data.remote import LocalCopies
+    from stoker.data.sources import load_source
+
+    sizes = sorted(p.stat().st_size for p in (shards / "train").glob("*.tar"))
+    limit = sum(sizes[:5])
+    copies = LocalCopies(tmp_path / "copies", limit)
+    with servers.nginx(shards / "train") as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache", copies=copies)
+        expected = [index.read(i) for i in range(len(index))]
+        copies.fill(index.remote_shards(), lambda: True)
+        held = [p for p in copies.folder.iterdir() if not p.name.startswith(".")]
+        assert 0 < len(held) < 8 and sum(p.stat().st_size for p in held) <= limit
+        whole = LocalCopies(tmp_path / "whole", 10**9)
+        whole.fill(index.remote_shards(), lambda: True)
+    served = LocalCopies(whole.folder, whole.limit)
+    assert [index.reading_copies(served).read(i) for i in range(len(index))] == expected  # nginx has stopped
