@@ -6,7 +6,7 @@ import argparse
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from stoker.bench import autoscale, data, finetune, gpu, loader, pipeline, scaling, soak, start, sync
+    from stoker.bench import autoscale, data, finetune, gpu, loader, pipeline, remote, scaling, soak, start, sync
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
@@ -16,6 +16,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     gpu.add_parser(kinds)
     loader.add_parser(kinds)
     pipeline.add_parser(kinds)
+    remote.add_parser(kinds)
     start.add_parser(kinds)
     scaling.add_parser(kinds)
     soak.add_parser(kinds)

@@ -463,7 +463,8 @@ def default_of(name: str) -> Any:
 FIELD_NAMES = setting_names(TrainConfig)
 assert TrainConfig.__mro__[1:len(SECTIONS) + 1] == tuple(reversed(SECTIONS)), "TrainConfig's bases are SECTIONS"
 assert sorted(FIELD_NAMES) == sorted(n for s in SECTIONS for n in setting_names(s)), "a setting in two sections"
-PATH_SETTINGS = frozenset(f.name for f in dataclasses.fields(TrainConfig) if "Path" in str(f.type) or "DataLocation" in str(f.type))
+PATH_SETTINGS = frozenset(f.name for f in dataclasses.fields(TrainConfig)
+                          if "Path" in str(f.type) or "DataLocation" in str(f.type))
 MAY_CHANGE_ON_RESUME = names_where("may_change_on_resume")
 
 RUN_CONFIG_FILE = "config.json"

@@ -27,6 +27,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,7 @@ class PackedIndex:
         could not hold, which then travel to producers whole. Remote shards are read from `copies` once there."""
         self.folder, self.part, self._memory = (Path(folder) if folder is not None else None), part, memory
         self.copies = copies
+        self._ahead: dict[int, Future[bytes]] = {}
         if memory is None:
             # A shared lock for as long as this process maps the entry: a later start's clean-up leaves it alone.
             self._in_use = open(self._file("meta.json"), "rb")  # noqa: SIM115 (closed with this object)
@@ -146,7 +148,19 @@ class PackedIndex:
             return f"{self.shards[int(self._where[position, 0])]}:{os.fsdecode(raw)}"
         return self.base + os.fsdecode(raw)
 
+    def read_ahead(self, samples: Sequence[int]) -> None:
+        """Start fetching these samples' bytes together (remote shards only): a part of them then waits about one
+        round trip, not one per sample. `read` hands each over; a later call drops what was not read."""
+        if any(self.versions):
+            self._ahead = remote.read_ahead(self._read_now, samples)
+
     def read(self, sample: int) -> bytes:
+        ahead = self._ahead.pop(sample, None) if self._ahead else None
+        if ahead is not None:
+            return ahead.result()  # raises what reading it raised
+        return self._read_now(sample)
+
+    def _read_now(self, sample: int) -> bytes:
         position = self.position(sample)
         if not self.shards:
             return read_file(self.name(position))

@@ -18,8 +18,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -209,6 +209,19 @@ def read_range(url: str, version: str, start: int, size: int, copies: LocalCopie
     if len(data) != size:
         raise UnusableImage(f"{url} is shorter than its index (changed during the run?)")
     return bytes(data)
+
+
+READ_AHEAD_THREADS = 32  # requests in flight per producer: a part's samples wait one round trip, not one each
+_read_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def read_ahead(read: Callable[[int], bytes], samples: Sequence[int]) -> dict[int, Future[bytes]]:
+    """`read(sample)` of each sample started now in this process's pool of request threads."""
+    global _read_pool
+    if _read_pool is None or _read_pool[0] != os.getpid():  # a pool's threads do not survive a fork
+        _read_pool = (os.getpid(), ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="stoker-read"))
+    pool = _read_pool[1]
+    return {sample: pool.submit(read, sample) for sample in samples}
 
 
 def download(url: str, version: str, target: Path, keep_going: Callable[[], bool] = lambda: True) -> bool:

@@ -21,7 +21,7 @@ from stoker.common import faults
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
 from stoker.data.dataset import Skipped
 from stoker.data.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
-from stoker.data.index import read_file
+from stoker.data.index import PackedIndex, read_file
 from stoker.data.user_dataset import DatasetSource
 from stoker.pipeline.plan import BatchPlan, sample_rng
 from stoker.pipeline.ring import RingSpec, SlotRing
@@ -195,6 +195,8 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
     reads = reads or ReadClock()
     count = part.first
     skipped: dict[int, Skipped] = {}
+    if isinstance(source, PackedIndex):
+        source.read_ahead([int(i) for i in work.sample_ids[part.first:part.end] if int(i) not in part.skip])
     for position in range(part.first, part.end):
         # Between samples, not between parts only: a part of 256 large JPEGs is seconds of decoding, and a close
         # that waited for it killed the producer at its deadline.
