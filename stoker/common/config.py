@@ -101,9 +101,9 @@ def check_data_path(name: str, path: Path | str | None) -> None:
     """What `--data` (and `--val`, a Loader's `data`, eval's `--data`) may name, before anything is read."""
     if isinstance(path, str):
         check_url(name, path)
-    elif path is not None and not (path.is_dir() or path.is_file() or "{" in str(path)):
-        raise ValueError(f"{name}={str(path)!r} is not a folder, a .tar shard, a list file or a brace pattern "
-                         "(expected an ImageFolder root or WebDataset-layout shards)")
+    elif path is not None and not (path.is_dir() or path.is_file() or any(c in str(path) for c in "{*?")):
+        raise ValueError(f"{name}={str(path)!r} is not a folder, a .tar shard, a Parquet file, a list file or a "
+                         "pattern (expected an ImageFolder root, WebDataset-layout shards or Parquet files)")
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -111,12 +111,19 @@ class DataSettings:
     GROUP: ClassVar[str] = DATA
 
     data: Annotated[DataLocation, Setting(
-        "ImageFolder root (a sub-folder per class) or WebDataset-layout .tar shards (a brace pattern such as "
-        "train-{000..127}.tar, a folder of shards, a list file), local or at an https:// or s3:// URL; default: "
-        "the built-in dataset", "DIR|SHARDS|URL", machine_local=True)] = None
-    val: Annotated[DataLocation, Setting(
-        "validation ImageFolder or shards, local or remote (default: hold out --val-fraction of --data)",
+        "ImageFolder root (a sub-folder per class), WebDataset-layout .tar shards (a brace pattern such as "
+        "train-{000..127}.tar, a folder of shards, a list file) or Parquet files (one, a folder, a pattern, a "
+        "datasets.save_to_disk folder), local or at an https:// or s3:// URL; default: the built-in dataset",
         "DIR|SHARDS|URL", machine_local=True)] = None
+    val: Annotated[DataLocation, Setting(
+        "validation ImageFolder, shards or Parquet files, local or remote (default: hold out --val-fraction of "
+        "--data)", "DIR|SHARDS|URL", machine_local=True)] = None
+    image_column: Annotated[str | None, Setting(
+        "Parquet data: the column holding each image's bytes (default: image, else img, else the only one that "
+        "can)", "NAME", loader=True)] = None
+    label_column: Annotated[str | None, Setting(
+        "Parquet data: the column holding each integer label (default: label, else labels)", "NAME",
+        loader=True)] = None
     cache_dir: Annotated[Path | None, Setting(
         "keep whole copies of remote shards here, so later epochs read them from disk (shared safely by runs on "
         "this machine); default: read remote shards over the network every epoch", "DIR", machine_local=True,

@@ -49,6 +49,7 @@ INDEX_VERSION = 3  # 2: stamps with size, ctime and inode; checksums; labels rea
 MTIME_GUARD_NS = 2_000_000_000
 STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
 MAX_OPEN_SHARDS = 128
+MAX_READ_AHEAD = 4096  # samples fetched ahead and not yet read, per index and process (a few parts' worth)
 SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
 ABSENT = "absent"  # the stamp of an input that did not exist: it must still not exist
@@ -149,10 +150,13 @@ class PackedIndex:
         return self.base + os.fsdecode(raw)
 
     def read_ahead(self, samples: Sequence[int]) -> None:
-        """Start fetching these samples' bytes together (remote shards only): a part of them then waits about one
-        round trip, not one per sample. `read` hands each over; a later call drops what was not read."""
+        """Start fetching these samples' bytes together (remote shards only, those not already on their way): a
+        part of them then waits about one round trip, not one per sample. `read` hands each over."""
         if any(self.versions):
-            self._ahead = remote.read_ahead(self._read_now, samples)
+            if len(self._ahead) > MAX_READ_AHEAD:  # those of parts left unbuilt (a stop): never read
+                self._ahead.clear()
+            wanted = [sample for sample in samples if sample not in self._ahead]
+            self._ahead.update(remote.read_ahead(self._read_now, wanted))
 
     def read(self, sample: int) -> bytes:
         ahead = self._ahead.pop(sample, None) if self._ahead else None

@@ -1,5 +1,5 @@
-"""What `--data` / `--val` name (an ImageFolder or tar shards) and their packed index, from the cache when the data
-has not changed; the validation split; the refused entries, logged once."""
+"""What `--data` / `--val` name (an ImageFolder, tar shards, Parquet files) and their packed index, from the cache
+when the data has not changed; the validation split; the refused entries, logged once."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from stoker.common.waiting import waiting
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped, validation_ids
 from stoker.data.index import PackedIndex, load_image_folder
+from stoker.data.parquet import DEFAULT_COLUMNS, Columns, load_parquet, parquet_files
 from stoker.data.remote import LocalCopies
 from stoker.data.shards import load_shards, shard_paths
 
@@ -34,10 +35,11 @@ def load_data(config: TrainConfig) -> Data:
     """The run's training and validation samples (the built-in dataset without `--data`)."""
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
     copies = local_copies(config.cache_dir, config.cache_size)
-    train = _load(train_root, copies=copies)
+    columns = Columns(config.image_column, config.label_column)
+    train = _load(train_root, copies=copies, columns=columns)
     val: PackedIndex | None
     if val_root is not None:
-        val = _load(val_root, classes=train.classes, copies=copies)
+        val = _load(val_root, classes=train.classes, copies=copies, columns=columns)
         refused = train.skipped + val.skipped
     else:
         refused = train.skipped
@@ -46,17 +48,21 @@ def load_data(config: TrainConfig) -> Data:
     return Data(train, val, refused)
 
 
-def _load(root: Path | str, classes: tuple[str, ...] | None = None, copies: LocalCopies | None = None
-          ) -> PackedIndex:
+def _load(root: Path | str, classes: tuple[str, ...] | None = None, copies: LocalCopies | None = None,
+          columns: Columns = DEFAULT_COLUMNS) -> PackedIndex:
     with waiting(f"indexing {root}", unit="files") as progress:
-        index = load_source(root, classes=classes, copies=copies)
+        index = load_source(root, classes=classes, copies=copies, columns=columns)
         progress.update(len(index))
     return index
 
 
 def load_source(spec: Path | str, classes: tuple[str, ...] | None = None, cache: Path | None = None,
-                copies: LocalCopies | None = None) -> PackedIndex:
-    """The index of what `spec` names: shards (local or remote) or an ImageFolder."""
+                copies: LocalCopies | None = None, columns: Columns = DEFAULT_COLUMNS) -> PackedIndex:
+    """The index of what `spec` names: Parquet files or shards (local or remote), or an ImageFolder. Parquet is
+    asked first: a folder holding .parquet files is no ImageFolder."""
+    files = parquet_files(spec)
+    if files is not None:
+        return load_parquet(files, classes, cache, columns)
     shards = shard_paths(spec)
     if shards is not None:
         return load_shards(shards, classes, cache, copies)

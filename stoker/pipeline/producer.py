@@ -11,6 +11,7 @@ import functools
 import os
 import queue
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -138,12 +139,17 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, parts, outbox, s
         if isinstance(source, DatasetSource):
             source.load()  # idle meanwhile: a start-up, not a hang on the first item
     previous: Part | None = None
+    held: deque[Part | None] = deque()  # parts taken from the queue ahead of time, their reads already started
     while not stop.is_set() and not watch.parent_gone():
         status[:] = (STATUS_IDLE, 0, time.monotonic_ns())
-        try:
-            part = parts.get(timeout=POLL_S)
-        except queue.Empty:
-            continue
+        if not held:
+            try:
+                held.append(parts.get(timeout=POLL_S))
+            except queue.Empty:
+                continue
+            _read_ahead(held[0], setup)
+        _take_ahead(parts, held, setup)
+        part = held.popleft()
         if part is None:
             return
         started = time.perf_counter()
@@ -181,6 +187,25 @@ class StopRequested(Exception):
     """The stop event was set while a part was being built."""
 
 
+def _take_ahead(parts, held: deque[Part | None], setup: ProducerSetup) -> None:
+    """Take the parts already queued for this producer (at most its in-flight share) and start their reads together:
+    where reads wait on a network, the next part's round trip passes while this one decodes."""
+    while held[-1] is not None:
+        try:
+            held.append(parts.get_nowait())
+        except queue.Empty:
+            return
+        _read_ahead(held[-1], setup)
+
+
+def _read_ahead(part: Part | None, setup: ProducerSetup) -> None:
+    if part is None or part.compact:
+        return
+    source = setup.train if part.work.kind == "train" else setup.val
+    if isinstance(source, PackedIndex) and not setup.transport_only:
+        source.read_ahead([int(i) for i in part.work.sample_ids[part.first:part.end] if int(i) not in part.skip])
+
+
 def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.ndarray,
                 reads: ReadClock | None = None, stop: Any = None) -> tuple[int, dict[int, Skipped]]:
     """Write the part's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
@@ -195,8 +220,6 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
     reads = reads or ReadClock()
     count = part.first
     skipped: dict[int, Skipped] = {}
-    if isinstance(source, PackedIndex):
-        source.read_ahead([int(i) for i in work.sample_ids[part.first:part.end] if int(i) not in part.skip])
     for position in range(part.first, part.end):
         # Between samples, not between parts only: a part of 256 large JPEGs is seconds of decoding, and a close
         # that waited for it killed the producer at its deadline.

@@ -46,6 +46,7 @@ from stoker.common.procs import POLL_S, StokerRunError
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
+from stoker.data.parquet import DEFAULT_COLUMNS, Columns
 from stoker.data.remote import LocalCopies
 from stoker.data.sources import load_source, local_copies, log_refused
 from stoker.data.user_dataset import DatasetSource, check_dataset, unpack_item
@@ -243,7 +244,9 @@ class Loader:
         self.max_bad_fraction = data_settings.max_bad_fraction
         self.metrics_file = Path(own["metrics_file"]) if own["metrics_file"] is not None else None
         copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
-        self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies)
+        columns = Columns(data_settings.image_column, data_settings.label_column)
+        self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies,
+                                                                               columns)
         self.sampler = EpochSampler(self)
         self.epoch = 0
         self._position = Position(0, 0, 0)  # the next batch to hand out
@@ -642,8 +645,8 @@ def _shut_down(driver: EngineDriver, events: _Events, owner_pid: int) -> None:
     events.close()
 
 
-def _open_data(data: str | Path | Any | None, image_size: int | None, copies: LocalCopies | None = None
-               ) -> tuple[Any, int, tuple[str, ...], tuple[Skipped, ...]]:
+def _open_data(data: str | Path | Any | None, image_size: int | None, copies: LocalCopies | None = None,
+               columns: Columns = DEFAULT_COLUMNS) -> tuple[Any, int, tuple[str, ...], tuple[Skipped, ...]]:
     """The samples, the image size, the class names, and what the index refused."""
     if isinstance(data, PackedIndex):  # an index made for the purpose: eval's classes in a model's order, predict's
         return data, image_size or DEFAULT_IMAGE_SIZE, tuple(data.classes), tuple(data.skipped)
@@ -652,7 +655,7 @@ def _open_data(data: str | Path | Any | None, image_size: int | None, copies: Lo
         size = image_size or _first_item_size(data)
         return DatasetSource(data, size), size, (), ()
     root = data_location(data) if data is not None else builtin_dataset()[0]
-    index = load_source(root, copies=copies)
+    index = load_source(root, copies=copies, columns=columns)
     log_refused(index.skipped)
     size = image_size or (BUILTIN_IMAGE_SIZE if data is None else DEFAULT_IMAGE_SIZE)
     return index, size, tuple(index.classes), tuple(index.skipped)
