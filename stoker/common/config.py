@@ -29,7 +29,7 @@ from stoker.common.choices import BUILTIN_IMAGE_SIZE, DEFAULT_IMAGE_SIZE, Augmen
 from stoker.common.devices import check_devices_form
 from stoker.common.procs import MAX_PRODUCERS
 from stoker.common.sizes import parse_size
-from stoker.common.urls import check_url, is_remote
+from stoker.common.urls import check_url, data_location, is_remote
 
 __all__ = ["BUILTIN_IMAGE_SIZE", "DEFAULT_IMAGE_SIZE", "Augment", "ConfigError", "TrainConfig", "make_config"]
 
@@ -82,15 +82,6 @@ MaybeCount = Annotated[int | None, BeforeValidator(_not_a_bool)]
 # allow_inf_nan: no setting means anything at infinity or NaN (lr = inf passed, and diverged at step 1 after every
 # process had started).
 SECTION = ConfigDict(extra="forbid", strict=False, allow_inf_nan=False)
-
-
-def data_location(value: Any) -> Any:
-    """A URL stays the text it is (a Path would fold its '//'); anything else is a local path."""
-    if value is None or isinstance(value, Path):
-        return value
-    if isinstance(value, str) and is_remote(value):
-        return value
-    return Path(value) if isinstance(value, str) else value
 
 
 # `--data` and `--val`: a local folder, shard or list file (a Path), or the URL of remote shards (a str).

@@ -4,6 +4,8 @@ starts without one)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 SCHEMES = ("http", "https", "s3", "gs")
@@ -29,3 +31,10 @@ def check_url(name: str, url: str) -> None:
                          f"s3://bucket/train-{{0000..0127}}.tar)")
     if not parts.netloc:
         raise ValueError(f"{name}={url!r}: no host or bucket")
+
+
+def data_location(value: Any) -> Any:
+    """A URL stays the text it is (a Path would fold its '//'); other text is a local path."""
+    if isinstance(value, str):
+        return value if is_remote(value) else Path(value)
+    return value

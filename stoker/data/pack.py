@@ -34,7 +34,7 @@ from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_c
 from stoker.common.sizes import parse_size
 from stoker.common.waiting import waiting
 from stoker.data.dataset import list_image_folder
-from stoker.data.shards import CLASSES_FILE
+from stoker.data.shards import CLASSES_FILE, write_pack_index
 from stoker.data.sources import log_refused
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: 
         with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
             _write_shards(targets, plan, min(workers or available_cores(), len(plan)), progress.advance)
         (partial / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
+        write_pack_index(partial, targets)
         _move_into_place(partial, out)
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone already when the pack completed

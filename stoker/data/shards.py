@@ -327,6 +327,9 @@ def index_one_shard(path: str, copies: remote.LocalCopies | None = None) -> Shar
     if not is_remote(path):
         return _index_local(path, path)
     version = remote.stat(path)
+    packed = pack_index_members(path, version)
+    if packed is not None:
+        return packed
     copy = copies.path(path, version.etag) if copies is not None else None
     if copy is not None and (copy.exists() or copies.make_room(version.size, {copy})):  # type: ignore[union-attr]
         if not copy.exists():
@@ -336,6 +339,83 @@ def index_one_shard(path: str, copies: remote.LocalCopies | None = None) -> Shar
         target = Path(scratch) / "shard.tar"
         remote.download(path, version.etag, target)
         return _index_local(str(target), path)
+
+
+# ---- the index `stoker pack` writes beside its shards -------------------------------------------------------------
+
+PACK_INDEX_FILE = "index.json"
+PACK_INDEX_FORMAT = "stoker-shard-index/1"
+MAX_PACK_INDEX_BYTES = 1 << 30  # 30 bytes or so a sample: 30 million samples; a larger one is refused unread
+_MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
+
+
+def write_pack_index(folder: Path, shards: list[Path]) -> None:
+    """Each shard's members (as `index_one_shard` finds them), size and MD5 in `folder/index.json`: a run that
+    reads the shards remotely takes them from here instead of fetching every shard whole to index it."""
+    entries = {}
+    for shard in shards:
+        members = index_one_shard(str(shard))
+        with open(shard, "rb") as handle:
+            md5 = hashlib.file_digest(handle, "md5").hexdigest()
+        entries[shard.name] = {"size": shard.stat().st_size, "md5": md5, "keys": members.keys,
+                               "labels": members.labels, "starts": members.starts, "sizes": members.sizes,
+                               "skipped": [[item.path[len(str(shard)):], item.reason] for item in members.skipped]}
+    (folder / PACK_INDEX_FILE).write_text(json.dumps({"format": PACK_INDEX_FORMAT, "shards": entries}))
+
+
+_pack_indexes: dict[str, dict | None] = {}  # per folder URL, read once per process
+
+
+def pack_index_members(url: str, version: remote.Version) -> ShardMembers | None:
+    """The shard's members from the pack index beside it, when there is one that describes this very object (its
+    size, and its MD5 where the ETag is one, as S3's is for an object uploaded in one part); else None."""
+    folder, name = url.rsplit("/", 1)
+    if folder not in _pack_indexes:
+        _pack_indexes[folder] = _read_pack_index(f"{folder}/{PACK_INDEX_FILE}")
+    entry = (_pack_indexes[folder] or {}).get(name)
+    if not isinstance(entry, dict) or entry.get("size") != version.size:
+        return None
+    md5 = _MD5.match(version.etag)
+    if md5 is not None and md5.group(1) != entry.get("md5"):
+        return None
+    try:
+        return _checked_members(url, entry, version.size)
+    except (TypeError, ValueError) as error:
+        log.warning("%s/%s: its entry for %s is not usable (%s): the shard is read whole to index it", folder,
+                    PACK_INDEX_FILE, name, error)
+        return None
+
+
+def _read_pack_index(url: str) -> dict | None:
+    try:
+        text = remote.fetch(url, MAX_PACK_INDEX_BYTES)
+        if text is None:
+            return None
+        found = json.loads(text)
+    except ValueError as error:
+        log.warning("%s cannot be used (%s): each shard is read whole to index it", url, error)
+        return None
+    if not isinstance(found, dict) or found.get("format") != PACK_INDEX_FORMAT or not isinstance(found.get("shards"),
+                                                                                                  dict):
+        log.warning("%s is not a %s file: each shard is read whole to index it", url, PACK_INDEX_FORMAT)
+        return None
+    return found["shards"]
+
+
+def _checked_members(url: str, entry: dict, shard_size: int) -> ShardMembers:
+    """The entry's columns as the shard's members, each value checked before it places a read."""
+    keys, labels, starts, sizes = (entry[column] for column in ("keys", "labels", "starts", "sizes"))
+    if not (len(keys) == len(labels) == len(starts) == len(sizes)):
+        raise ValueError("its columns differ in length")
+    if not all(isinstance(k, str) for k in keys):
+        raise ValueError("a key is not text")
+    for column in (labels, starts, sizes):
+        if not all(type(v) is int and v >= 0 for v in column):
+            raise ValueError("a label, start or size is not a non-negative integer")
+    if any(start + size > shard_size for start, size in zip(starts, sizes)):
+        raise ValueError("a member lies beyond the shard's end")
+    skipped = [Skipped(url + suffix, reason) for suffix, reason in entry["skipped"]]
+    return ShardMembers(list(keys), list(labels), [0] * len(keys), list(starts), list(sizes), skipped, [url])
 
 
 def _index_local(file: str, path: str) -> ShardMembers:

@@ -89,7 +89,7 @@ def scored_batches(loaded: LoadedModel, index: PackedIndex, feed: Feed,
 
 # ---- eval ----------------------------------------------------------------------------------------------------------
 
-def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.ndarray]:
+def eval_index(data: Path | str, classes: tuple[str, ...]) -> tuple[PackedIndex, np.ndarray]:
     """The labelled data and, per class of the data, the model's output for it; a class the model does not know
     is an error naming it (and what the model knows)."""
     check_data_path("data", data)
@@ -104,7 +104,7 @@ def eval_index(data: Path, classes: tuple[str, ...]) -> tuple[PackedIndex, np.nd
     return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
 
 
-def evaluate(model_file: Path, data: Path, feed: Feed = DEFAULT_FEED, model: str | None = None,
+def evaluate(model_file: Path, data: Path | str, feed: Feed = DEFAULT_FEED, model: str | None = None,
              accept_changed_module: bool = False) -> dict[str, Any]:
     """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`. `model`: the
     `module:function` the card names, which its module's import needs (`--model`; `inference.rebuild`), taken

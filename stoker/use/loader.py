@@ -36,13 +36,13 @@ from stoker.common.config import (
     RunSettings,
     check_data_path,
     check_section,
-    data_location,
     names_where,
     setting_names,
 )
 from stoker.common.devices import available_cores
 from stoker.common.main_guard import check_main_guard
 from stoker.common.procs import POLL_S, StokerRunError
+from stoker.common.urls import data_location
 from stoker.data.builtin_data import builtin_dataset
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stoker.common.urls import data_location
+
 USAGE_ERROR = 2
 INTERRUPTED = 130
 DEFAULT_BATCH_SIZE = 64
@@ -22,8 +24,9 @@ def add_parsers(commands: Any) -> None:
                                    "per class, confusion matrix")
     evaluate.add_argument("model_file", type=Path, metavar="MODEL.pt", help="model.pt, model_best.pt or model_ema.pt "
                           "(or the run folder: its model.pt)")
-    evaluate.add_argument("--data", type=Path, required=True, metavar="DIR|SHARDS",
-                          help="ImageFolder root (a sub-folder per class, named as in training) or shards")
+    evaluate.add_argument("--data", type=data_location, required=True, metavar="DIR|SHARDS|URL",
+                          help="ImageFolder root (a sub-folder per class, named as in training), shards or Parquet "
+                          "files, local or at an https:// or s3:// URL")
     evaluate.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON to FILE ('-': to "
                           "stdout, the table then goes to stderr)")
     _feed_flags(evaluate)

@@ -107,6 +107,7 @@ def test_a_shard_replaced_during_the_run_is_named_not_read_at_old_offsets(shards
 
     served = tmp_path / "served"
     shutil.copytree(shards / "train", served)
+    (served / "index.json").unlink()  # each shard is fetched whole and indexed, as shards not made by `stoker pack`
     with servers.nginx(served) as server:
         index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
         assert len(index.read(0)) > 0
@@ -146,3 +147,17 @@ def test_the_cache_folder_holds_copies_within_its_size_and_serves_without_the_se
         whole.fill(index.remote_shards(), lambda: True)
     served = LocalCopies(whole.folder, whole.limit)
     assert [index.reading_copies(served).read(i) for i in range(len(index))] == expected  # nginx has stopped
+
+
+def test_a_run_reads_the_pack_index_instead_of_fetching_every_shard(shards, web, tmp_path, monkeypatch):
+    from stoker.data import remote
+    from stoker.data.sources import load_source
+
+    def fetch_whole(*args, **kwargs):
+        raise AssertionError("a shard was fetched whole to index it")
+
+    local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
+    monkeypatch.setattr(remote, "download", fetch_whole)
+    index = load_source(f"{web.url}/train/{SHARDS}", cache=tmp_path / "cache")
+    assert index.labels.tolist() == local.labels.tolist() and len(index) == 120
+    assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
