@@ -154,6 +154,8 @@ class PackedIndex:
         part of them then waits about one round trip, not one per sample. `read` hands each over."""
         if any(self.versions):
             if len(self._ahead) > MAX_READ_AHEAD:  # those of parts left unbuilt (a stop): never read
+                for left in self._ahead.values():
+                    left.cancel()
                 self._ahead.clear()
             wanted = [sample for sample in samples if sample not in self._ahead]
             self._ahead.update(remote.read_ahead(self._read_now, wanted))

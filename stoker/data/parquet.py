@@ -69,6 +69,7 @@ PARQUET_MAGIC, ENCRYPTED_MAGIC, ARROW_FILE_MAGIC = b"PAR1", b"PARE", b"ARROW1"
 MAX_FOOTER_BYTES = 64 << 20
 MAX_METADATA_BYTES = 64 << 20  # the Hugging Face metadata, state.json, dataset_info.json: read whole, then parsed
 MAX_ROWS_PER_FILE = 1 << 31
+MAX_REFUSED_ROWS = 100_000  # each is listed (an object and a line of summary.json): a file of nulls is refused whole
 # Images are compressed already: a column chunk claiming to expand more than this from its stored bytes is damaged
 # or a decompression bomb; and the blob of a file never grows past this many times the file (dictionary-encoded
 # repeats of one image included).
@@ -359,7 +360,7 @@ def _readable(source: str, folder: Path) -> Iterator[str]:
     _make_folder(folder, source)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as scratch:
         target = Path(scratch) / "object"
-        remote.download(source, version.etag, target)
+        remote.download(source, version, target)
         yield str(target)
 
 
@@ -483,7 +484,11 @@ def _copy_rows(opened: _Opened, image: str, label: str, source: str, rows: Shard
         starts, sizes = written + ends[:-1] - first, np.diff(ends)
         present = images.is_valid().to_numpy(zero_copy_only=False)
         usable = present & labelled & (labels >= 0) & (sizes > 0)
-        for i in np.flatnonzero(~usable).tolist():
+        refused = np.flatnonzero(~usable)
+        if len(rows.skipped) + len(refused) > MAX_REFUSED_ROWS:  # rows of nulls cost a file nothing to claim
+            raise ValueError(f"{source}: more than {MAX_REFUSED_ROWS} rows without a usable image or label: not "
+                             f"an image dataset, or damaged")
+        for i in refused.tolist():
             reason = _row_refusal(bool(present[i]), int(sizes[i]), bool(labelled[i]), int(labels[i]), named, i)
             rows.skipped.append(Skipped(f"{source}:row {row + i}", reason))
         kept = np.flatnonzero(usable)

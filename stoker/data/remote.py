@@ -5,10 +5,11 @@ on loopback: 0.34 against 0.56 ms a read, 4,359 against 2,529 reads/s from 16 th
 trip both are bound by the round trip. It retries with back-off, speaks If-Match, reads the AWS_* environment
 variables S3 users already set, and needs nothing else installed.
 
-A sample is one ranged GET of its member, asked with If-Match on the ETag the index was made from: an object
-replaced during the run is named, never read at the old offsets. Requests that keep failing (after `RETRIES`
-tries with back-off, each bounded by `REQUEST_TIMEOUT`) make the sample unreadable, as a local read error does:
-listed, and tried again in a later epoch. Each process makes its own clients (a fork must not share a runtime).
+A sample is one ranged GET of its member, asked with If-Match on the (strong) ETag the index was made from: an
+object replaced during the run is named, never read at the old offsets. A read that keeps failing (`RETRIES`
+retries with back-off, all within 10 s, inside the producer timeout) makes the sample unreadable, as a local read
+error does: listed, and tried again in a later epoch. Whole objects (a shard indexed or copied) have no deadline
+but one on silence.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,14 +45,23 @@ from stoker.data.imaging import UNREADABLE, UnusableImage
 
 log = logging.getLogger(__name__)
 
-REQUEST_TIMEOUT = timedelta(seconds=60)
-CONNECT_TIMEOUT = timedelta(seconds=10)
-RETRIES = 4  # then the sample is unreadable this epoch (UNREADABLE: tried again in the next)
-RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=120),
+# A sample's read, retries included, must end well inside the producer timeout (20 s by default): past that the
+# producer is taken for hung and the file for the cause. So a request has 5 s, and the retries 10 s in all; then
+# the sample is unreadable this epoch (UNREADABLE: tried again in the next).
+REQUEST_TIMEOUT = timedelta(seconds=5)
+CONNECT_TIMEOUT = timedelta(seconds=3)
+RETRIES = 3
+RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=10),
                                 "backoff": {"init_backoff": timedelta(milliseconds=200),
-                                            "max_backoff": timedelta(seconds=5), "base": 2}}
+                                            "max_backoff": timedelta(seconds=2), "base": 2}}
+# A whole object (a shard indexed or copied) may take minutes: no deadline on the transfer, only on silence.
+WHOLE_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=5),
+                                "backoff": {"init_backoff": timedelta(milliseconds=500),
+                                            "max_backoff": timedelta(seconds=10), "base": 2}}
+STALLED_TIMEOUT = timedelta(seconds=60)
 STAT_THREADS = 32  # HEADs at start go out together: 128 shards 100 ms away take 0.4 s, not 13
 NO_SUCH_OBJECT = "no such object"
+ACCESS_REFUSED = "access refused"
 
 
 @dataclass(frozen=True)
@@ -61,7 +72,10 @@ class Version:
     etag: str
 
 
-_stores: dict[tuple[int, str], Any] = {}
+# obstore's runtime is the process's: a process forked after its parent used it hangs on a new client. Producers
+# are forked from the zygote, which never reads data, or spawned: they start clean. The pid in the key keeps a
+# child from reusing its parent's client objects all the same.
+_stores: dict[tuple[int, str, bool], Any] = {}
 _stores_lock = threading.Lock()
 
 
@@ -71,19 +85,21 @@ def _split(url: str) -> tuple[str, str]:
     return f"{parts.scheme.lower()}://{parts.netloc}", parts.path.lstrip("/")
 
 
-def _store(root: str) -> Any:
-    key = (os.getpid(), root)  # a client's runtime does not survive a fork: each process makes its own
+def _store(root: str, whole: bool = False) -> Any:
+    """This process's client for `root`: for ranged reads, or (`whole`) for whole objects."""
+    key = (os.getpid(), root, whole)
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = _make_store(root)
+            store = _stores[key] = _make_store(root, whole)
     return store
 
 
-def _make_store(root: str) -> Any:
-    options = {"timeout": REQUEST_TIMEOUT, "connect_timeout": CONNECT_TIMEOUT,
-               "allow_http": root.startswith("http://") or os.environ.get("AWS_ALLOW_HTTP", "") == "true"}
-    kwargs: dict[str, Any] = {"client_options": options, "retry_config": RETRY_CONFIG}
+def _make_store(root: str, whole: bool) -> Any:
+    options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT,
+                               "allow_http": root.startswith("http://") or os.environ.get("AWS_ALLOW_HTTP") == "true"}
+    options.update({"read_timeout": STALLED_TIMEOUT} if whole else {"timeout": REQUEST_TIMEOUT})
+    kwargs: dict[str, Any] = {"client_options": options, "retry_config": WHOLE_CONFIG if whole else RETRY_CONFIG}
     if root.startswith("s3://"):
         provider = _aws_profile_provider()
         if provider is not None:
@@ -112,10 +128,11 @@ def describe(error: BaseException) -> str:
     return text[0] if text else type(error).__name__
 
 
-_versions: dict[str, Version] = {}  # this process's answers, asked once per start (`forget_versions` asks again)
+_versions: dict[str, Version] = {}  # this process's answers, asked once per load of the data (`forget_versions`)
 
 
 def forget_versions() -> None:
+    """The next `stat` asks the server again: a second Loader in one process must see objects replaced since."""
     _versions.clear()
 
 
@@ -134,8 +151,10 @@ def _ask_version(url: str) -> Version:
         meta = obstore.head(_store(root), path)
     except (BaseError, OSError) as error:
         raise ValueError(f"{url}: {_refusal(error)}") from None
-    etag = meta.get("e_tag") or meta.get("version") or str(meta.get("last_modified") or "")
-    return Version(int(meta["size"]), etag)
+    size = int(meta["size"])
+    # Without an ETag the version is the size and date: a copy or cached index of another size is never taken.
+    etag = meta.get("e_tag") or meta.get("version") or f"{size}@{meta.get('last_modified') or ''}"
+    return Version(size, etag)
 
 
 def _refusal(error: BaseException) -> str:
@@ -145,7 +164,7 @@ def _refusal(error: BaseException) -> str:
         return NO_SUCH_OBJECT
     if isinstance(error, (PermissionDeniedError, UnauthenticatedError)) or "403 Forbidden" in text or \
             "401 Unauthorized" in text:
-        return (f"access refused ({describe(error)}); credentials are read from AWS_ACCESS_KEY_ID and "
+        return (f"{ACCESS_REFUSED} ({describe(error)}); S3 credentials are read from AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws")
     return f"cannot be read ({describe(error)})"
 
@@ -166,11 +185,18 @@ def fetch(url: str, limit: int) -> bytes | None:
     except ValueError as error:
         if str(error).endswith(NO_SUCH_OBJECT):
             return None
+        if ACCESS_REFUSED in str(error):  # S3 answers a missing key with 403 to those who may not list the bucket
+            log.warning("%s: taken as absent", error)
+            return None
         raise
     if version.size > limit:
         raise ValueError(f"{url}: {version.size} bytes, more than the {limit} such a file may hold")
     root, path = _split(url)
-    return bytes(obstore.get(_store(root), path).bytes())
+    options: GetOptions = {"range": (0, version.size), **_precondition(version.etag)}  # never past what HEAD said
+    try:
+        return bytes(obstore.get(_store(root, whole=True), path, options=options).bytes()) if version.size else b""
+    except (BaseError, OSError) as error:
+        raise ValueError(f"{url}: {_refusal(error)}") from None
 
 
 def list_tars(prefix: str) -> list[str]:
@@ -190,13 +216,13 @@ def read_range(url: str, version: str, start: int, size: int, copies: LocalCopie
     """`size` bytes at `start` of the object as it was indexed (If-Match its ETag), from its local copy once one
     is complete."""
     faults.simulated_delay(faults.READ_LATENCY_ENV)
+    if size == 0:
+        return b""  # an empty range is no request a server takes
     local = _local_copy(copies, url, version) if copies is not None else None
     if local is not None:
         return local.read(start, size)
     root, path = _split(url)
-    options: GetOptions = {"range": (start, start + size)}
-    if version.startswith('"') or version.startswith('W/'):  # an ETag: dates are no If-Match validators
-        options["if_match"] = version
+    options: GetOptions = {"range": (start, start + size), **_precondition(version)}
     try:
         data = obstore.get(_store(root), path, options=options).bytes()
     except PreconditionError:
@@ -205,7 +231,7 @@ def read_range(url: str, version: str, start: int, size: int, copies: LocalCopie
     except NotFoundError:
         raise UnusableImage(f"{UNREADABLE} {url} no longer exists") from None
     except (BaseError, OSError) as error:
-        raise UnusableImage(f"{UNREADABLE} {url}: {describe(error)} (after {RETRIES} retries)") from None
+        raise UnusableImage(f"{UNREADABLE} {url}: {describe(error)}") from None
     if len(data) != size:
         raise UnusableImage(f"{url} is shorter than its index (changed during the run?)")
     return bytes(data)
@@ -213,6 +239,12 @@ def read_range(url: str, version: str, start: int, size: int, copies: LocalCopie
 
 READ_AHEAD_THREADS = 32  # requests in flight per producer: a part's samples wait one round trip, not one each
 _read_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def stop_reading_ahead() -> None:
+    """Cancel the reads not begun (a producer that stops must not wait for a queue of them at its exit)."""
+    if _read_pool is not None and _read_pool[0] == os.getpid():
+        _read_pool[1].shutdown(wait=False, cancel_futures=True)
 
 
 def read_ahead(read: Callable[[int], bytes], samples: Sequence[int]) -> dict[int, Future[bytes]]:
@@ -224,26 +256,41 @@ def read_ahead(read: Callable[[int], bytes], samples: Sequence[int]) -> dict[int
     return {sample: pool.submit(read, sample) for sample in samples}
 
 
-def download(url: str, version: str, target: Path, keep_going: Callable[[], bool] = lambda: True) -> bool:
-    """The whole object into `target` (written beside it, then renamed: a reader sees all of it or nothing);
-    False when `keep_going` said stop first."""
+def _precondition(version: str) -> GetOptions:
+    """If-Match on a strong ETag: a weak one never matches (RFC 9110 compares strongly), a size and date is none."""
+    return {"if_match": version} if version.startswith('"') else {}
+
+
+def download(url: str, version: Version, target: Path, keep_going: Callable[[], bool] = lambda: True) -> bool:
+    """The whole object into `target` (written beside it, synced, checked whole and renamed: a reader sees all of
+    it or nothing); False when `keep_going` said stop first. A failure is a ValueError naming the object."""
     root, path = _split(url)
-    options: GetOptions = {"if_match": version} if version.startswith(('"', "W/")) else {}
     partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.part")
     try:
-        result = obstore.get(_store(root), path, options=options)
+        result = obstore.get(_store(root, whole=True), path, options=_precondition(version.etag))
         with open(partial, "wb") as out:
             for chunk in result:
                 if not keep_going():
                     return False
                 out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if partial.stat().st_size != version.size:
+            raise ValueError(f"{url}: {partial.stat().st_size} bytes arrived, {version.size} expected")
         os.replace(partial, target)
         return True
+    except PreconditionError:
+        raise ValueError(f"{url} changed while it was read (its ETag is no longer {version.etag})") from None
+    except (BaseError, OSError) as error:
+        raise ValueError(f"{url}: {_refusal(error)}") from None
     finally:
         partial.unlink(missing_ok=True)
 
 
 # ---- the local copies (--cache-dir, --cache-size) -----------------------------------------------------------------
+
+DEAD_PART_S = 3600  # a partial copy this old belongs to a run that died
+
 
 @dataclass(frozen=True)
 class LocalCopies:
@@ -264,9 +311,19 @@ class LocalCopies:
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            copies = sorted((p.stat().st_mtime, p.stat().st_size, p) for p in self.folder.iterdir()
-                            if not p.name.startswith(".") and p.is_file())
-            used = sum(entry[1] for entry in copies)
+            copies, used = [], 0
+            for entry in self.folder.iterdir():
+                try:
+                    status = entry.stat()
+                except FileNotFoundError:  # another run's copy, evicted meanwhile
+                    continue
+                used += status.st_size  # copies being written (.part) take room too
+                if not entry.name.startswith("."):
+                    copies.append((status.st_mtime, status.st_size, entry))
+                elif entry.name.endswith(".part") and status.st_mtime < time.time() - DEAD_PART_S:
+                    entry.unlink(missing_ok=True)  # a killed run's
+                    used -= status.st_size
+            copies.sort()
             for _, held, path in copies:
                 if used + size <= self.limit:
                     break
@@ -286,9 +343,12 @@ class LocalCopies:
             if not keep_going() or not self.make_room(size, wanted):
                 return
             try:
-                download(url, version, target, keep_going)
-            except (BaseError, OSError) as error:
-                log.warning("could not copy %s into %s (%s): it is read remotely", url, self.folder, describe(error))
+                download(url, Version(size, version), target, keep_going)
+            except ValueError as error:
+                log.warning("could not copy %s into %s (%s): it is read remotely", url, self.folder, error)
+
+
+CLOSE_WAIT_S = 5.0
 
 
 class CopyFiller:
@@ -302,8 +362,9 @@ class CopyFiller:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop between two chunks; a chunk that hangs is left to the daemon thread (its client times it out)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=CLOSE_WAIT_S)
 
 
 class _Copy:
@@ -311,28 +372,35 @@ class _Copy:
         self.path, self.fd = path, os.open(path, os.O_RDONLY)
 
     def read(self, start: int, size: int) -> bytes:
-        data = os.pread(self.fd, size, start)
+        try:
+            data = os.pread(self.fd, size, start)
+        except OSError as error:
+            raise UnusableImage(f"{UNREADABLE} the local copy {self.path}: {error.strerror or error}") from None
         if len(data) != size:
             raise UnusableImage(f"the local copy {self.path} is shorter than its index")
         return data
 
+    def __del__(self) -> None:  # the last reader's reference closes it: never under a read in another thread
+        if hasattr(self, "fd"):
+            os.close(self.fd)
+
 
 _copies: dict[Path, _Copy] = {}
+_copies_lock = threading.Lock()  # the read-ahead threads look copies up together
 MAX_OPEN_COPIES = 128
 
 
 def _local_copy(copies: LocalCopies, url: str, version: str) -> _Copy | None:
     """The whole local copy of the object, once one is complete in the cache folder; None until then."""
     path = copies.path(url, version)
-    copy = _copies.get(path)
-    if copy is None:
-        try:
-            copy = _Copy(path)
-        except OSError:
-            return None
-        if len(_copies) >= MAX_OPEN_COPIES:
-            for old in _copies.values():
-                os.close(old.fd)
-            _copies.clear()
-        _copies[path] = copy
+    with _copies_lock:
+        copy = _copies.get(path)
+        if copy is None:
+            try:
+                copy = _Copy(path)
+            except OSError:
+                return None
+            if len(_copies) >= MAX_OPEN_COPIES:
+                _copies.clear()  # each closes once no thread holds it
+            _copies[path] = copy
     return copy

@@ -131,6 +131,8 @@ def _remote_shards(spec: str) -> list[str]:
         _refuse_compressed(spec, [spec.rsplit("/", 1)[-1]])
         raise ValueError(f"data={spec!r}: expected .tar shards (train-{{0000..0127}}.tar), one .tar, or an S3 "
                          f"prefix ending in /")
+    remote.forget_versions()  # each load asks again: objects may have been replaced since this process last asked
+    _pack_indexes.clear()
     remote.stat_all(urls)
     return urls
 
@@ -333,11 +335,13 @@ def index_one_shard(path: str, copies: remote.LocalCopies | None = None) -> Shar
     copy = copies.path(path, version.etag) if copies is not None else None
     if copy is not None and (copy.exists() or copies.make_room(version.size, {copy})):  # type: ignore[union-attr]
         if not copy.exists():
-            remote.download(path, version.etag, copy)
+            remote.download(path, version, copy)
         return _index_local(str(copy), path)
-    with tempfile.TemporaryDirectory(prefix="stoker-shard-") as scratch:
+    folder = index_cache_dir()  # not /tmp: often memory, and a shard may be gigabytes
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".shard-", dir=folder) as scratch:
         target = Path(scratch) / "shard.tar"
-        remote.download(path, version.etag, target)
+        remote.download(path, version, target)
         return _index_local(str(target), path)
 
 

@@ -70,13 +70,15 @@ def load_source(spec: Path | str, classes: tuple[str, ...] | None = None, cache:
 
 
 def local_copies(cache_dir: Path | None, cache_size: str | None) -> LocalCopies | None:
-    """The `--cache-dir` of remote shards, bounded by `--cache-size` (default: half the disk's free space now)."""
+    """The `--cache-dir` of remote shards, bounded by `--cache-size` (default: half of what the disk has free now,
+    the copies it holds counted as free: another run's copies are not evicted for want of room they take)."""
     if cache_dir is None:
         return None
     if cache_size is not None:
         return LocalCopies(cache_dir, parse_size("cache_size", cache_size))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    return LocalCopies(cache_dir, shutil.disk_usage(cache_dir).free // 2)
+    held = sum(entry.stat().st_size for entry in cache_dir.iterdir() if entry.is_file())
+    return LocalCopies(cache_dir, (shutil.disk_usage(cache_dir).free + held) // 2)  # what it holds counts as free
 
 
 def split_source(index: PackedIndex, fraction: float, seed: int) -> tuple[PackedIndex, PackedIndex | None]:

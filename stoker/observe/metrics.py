@@ -37,7 +37,7 @@ class WindowTotals:
 
     def add(self, report: StepReport) -> None:
         busy_s = report.wait_s + report.compute_s + report.averaging_s + report.host_s
-        self.stamps.append(StepStamp(report.ended_s, report.count, busy_s, report.wait_s))
+        self.stamps.append(StepStamp(report.ended_s, report.count, busy_s, report.wait_s, report.rank))
         self.wait_s += report.wait_s
         self.compute_s += report.compute_s
         self.averaging_s += report.averaging_s

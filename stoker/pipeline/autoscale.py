@@ -80,6 +80,7 @@ class StepStamp:
     samples: int
     train_s: float  # its time in the training step, input wait included
     wait_s: float = 0.0  # of train_s, waiting for its batch
+    consumer: int = -1  # which consumer stepped (-1: not known, as in a replay)
 
 
 @dataclass(frozen=True)
@@ -150,10 +151,11 @@ def _lockstep_groups(steps: list[StepStamp]) -> list[tuple[int, float]]:
 
 def _in_lockstep(steps: list[StepStamp]) -> list[list[StepStamp]]:
     """The steps grouped by ending within LOCKSTEP_S of their group's first: one step of each consumer that
-    averages with the others."""
+    averages with the others (a consumer's next step, however short, begins a group of its own)."""
     groups: list[list[StepStamp]] = []
     for step in sorted(steps, key=lambda s: s.ended_s):
-        if groups and step.ended_s - groups[-1][0].ended_s <= LOCKSTEP_S:
+        if groups and step.ended_s - groups[-1][0].ended_s <= LOCKSTEP_S and \
+                all(other.consumer != step.consumer for other in groups[-1]):
             groups[-1].append(step)
         else:
             groups.append([step])

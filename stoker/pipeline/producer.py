@@ -20,6 +20,7 @@ import numpy as np
 
 from stoker.common import faults
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.data import remote
 from stoker.data.dataset import Skipped
 from stoker.data.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
 from stoker.data.index import PackedIndex, read_file
@@ -118,6 +119,7 @@ def producer_main(producer: int, setup: ProducerSetup, parts, outbox, stop) -> N
     except BaseException as error:  # carried to the controller as a value, never lost
         outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
+        remote.stop_reading_ahead()
         ring.close()
 
 

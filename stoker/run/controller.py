@@ -426,7 +426,8 @@ class Controller:
             train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / n,
             shares={"compute": compute, "input_wait": wait, "averaging": averaging, "host": host},
             decide=not self.finishing,
-            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n) for s in window.stamps))
+            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n, s.consumer)
+                         for s in window.stamps))
         self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=producers,
                                producer_budget=limit, producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host)

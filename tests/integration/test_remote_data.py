@@ -62,7 +62,13 @@ def test_http_shards_train_bitwise_like_local_disk_across_a_resume(shards, web, 
                       env={"STOKER_CACHE": str(tmp_path / "cache"),
                            "STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=5;"})
     assert stopped.returncode == 130, stopped.stderr[-3000:]
-    run_cli("train", "--resume", str(run), "--quiet", env={"STOKER_CACHE": str(tmp_path / "cache")})
+    copies = tmp_path / "copies"  # the resumed part keeps local copies: its later epochs read from disk
+    run_cli("train", "--resume", str(run), "--quiet", "--cache-dir", str(copies),
+            env={"STOKER_CACHE": str(tmp_path / "cache")})
+    made = list(copies.glob("*.tar"))  # filled in the background while the run trains: how many is the machine's
+    assert made and not list(copies.glob(".*.part"))  # partial copies are removed when the run ends
+    originals = {p.read_bytes() for p in [*(shards / "train").glob("*.tar"), *(shards / "val").glob("*.tar")]}
+    assert all(copy.read_bytes() in originals for copy in made)
     summary = read_summary(run)
     assert summary["status"] == "completed" and 5 < summary["start_step"] < 16  # the resume is mid-epoch
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0

@@ -375,7 +375,21 @@ def test_a_gain_below_the_rule_is_kept_when_its_own_noise_says_it_is_real():
 
 def test_consumers_stepping_together_are_one_observation_of_the_noise():
     # Two consumers averaging every step end each step together: the same steps seen twice are no more certain.
-    one = [StepStamp(0.3 * i, 32, 0.3 * (1 + 0.1 * (-1) ** i)) for i in range(1, 13)]
-    two = [*one, *(replace(s, ended_s=s.ended_s + 0.005) for s in one)]
+    one = [StepStamp(0.3 * i, 32, 0.3 * (1 + 0.1 * (-1) ** i), consumer=0) for i in range(1, 13)]
+    two = [*one, *(replace(s, ended_s=s.ended_s + 0.005, consumer=1) for s in one)]
     assert abs(relative_error(two) - relative_error(one)) < 1e-9
     assert relative_error(one[:4]) == float("inf")  # too few steps to say
+
+
+def test_the_input_wait_is_judged_in_lockstep_by_the_consumer_that_waited():
+    """Two consumers averaging every step: consumer 0 waits 10 ms for its batch and computes 20; consumer 1 has
+    its batch, computes 20 and waits 10 in the averaging for consumer 0. Without the wait a step would take 20 ms
+    of 30: the input held up a third of the time (the mean over consumers said a sixth)."""
+    from stoker.pipeline.autoscale import lockstep_stall
+
+    steps = [StepStamp(0.030 * k + 0.030, 8, 0.030, wait, consumer) for k in range(10)
+             for consumer, wait in ((0, 0.010), (1, 0.0))]
+    assert abs(lockstep_stall(steps) - 1 / 3) < 1e-9
+    # One consumer with steps shorter than the lockstep tolerance: each step is its own group, 20% waited.
+    alone = [StepStamp(0.005 * k, 8, 0.005, 0.001, 0) for k in range(20)]
+    assert abs(lockstep_stall(alone) - 0.2) < 1e-9
