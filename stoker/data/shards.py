@@ -285,15 +285,18 @@ Member = tuple[str, int, int]  # (name, offset of its data, size)
 
 
 def _one_shard_cached(path: str, cache: Path, copies: remote.LocalCopies | None = None) -> ShardMembers:
-    """A shard's members from the cache while its stamp (size, mtime, ctime, inode) holds and the kept file its
-    checksum, else read and kept."""
+    """A shard's members from the cache while its stamp (size, mtime, ctime, inode; a remote one's size, ETag and
+    its pack index's version, which may have been corrected since) holds and the kept file its checksum, else read
+    and kept."""
     started, stamp = time.time_ns(), file_stamp(path)
+    if is_remote(path) and isinstance(stamp, list):
+        stamp = [*stamp, file_stamp(_beside(path, PACK_INDEX_FILE))]
     saved = cache / f"{cache_key(path, stamp)}.json"
     kept = _read_kept(saved)
     if kept is not None:
         return kept
     members = index_one_shard(path, copies)
-    settled = isinstance(stamp, list) and (len(stamp) == 2 or stamp[1] < started - MTIME_GUARD_NS)
+    settled = isinstance(stamp, list) and (is_remote(path) or stamp[1] < started - MTIME_GUARD_NS)
     if settled:  # a local shard changed in the last seconds may still be being written: read again next time
         skipped = [[item.path, item.reason] for item in members.skipped]
         payload = json.dumps({**members.__dict__, "skipped": skipped}).encode()

@@ -22,6 +22,7 @@ The policy holds no clock and touches no process: windows in, decisions out, so 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,7 +86,7 @@ class StepStamp:
 
 @dataclass(frozen=True)
 class Window:
-    stall: float  # input wait / consumer wall time over the window, mean over consumers
+    stall: float  # input wait / consumer wall time over the window, mean over consumers (`input_stall` judges)
     queue_fill: float  # ready batches / ready slots, mean over the window
     utilization: float  # producer busy time / (window x producers)
     producers: int
@@ -102,7 +103,7 @@ class Window:
     def rate(self) -> float:
         return self.samples / self.train_s if self.train_s > 0 else 0.0
 
-    @property
+    @functools.cached_property
     def input_stall(self) -> float:
         """The stall judged in lockstep from the window's steps (`lockstep_stall`); without steps, `stall`."""
         return lockstep_stall(list(self.stamps)) if any(s.train_s > 0 for s in self.stamps) else self.stall
@@ -212,9 +213,10 @@ class Autoscaler:
         previous, self._clock = self._clock, window.ended_s if window.ended_s is not None else self._clock + 1.0
         self._count_down_hold()
         rate_text = f"{seen_rate:.1f} samples/s" if trained else "no training step"
-        summary = (f"stall {window.stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
+        summary = (f"stall {window.input_stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
                    f"producers {window.utilization:.0%} busy")
-        measurement = {"stall": round(window.stall, 4), **({"samples_per_s": round(seen_rate, 2)} if trained else {}),
+        measurement = {"stall": round(window.input_stall, 4),
+                       **({"samples_per_s": round(seen_rate, 2)} if trained else {}),
                        "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
                        "read_share": round(window.read_share, 4), "producers": window.producers,
                        "limit": self.limit}
@@ -236,7 +238,7 @@ class Autoscaler:
                 # (A window without steps has no rate to judge the fork against: the next one forks.)
                 self._startup = 0
                 measurement["rate_at_count"] = round(rate, 2)
-                return self._fork(window, rate, window.stall, f"consumers wait from the start: {summary}",
+                return self._fork(window, rate, window.input_stall, f"consumers wait from the start: {summary}",
                                   measurement, self._counted(window))
             return Decision(0, "start-up: the batches the ring held before training began are being drained; "
                                f"{summary}", measurement=measurement)
@@ -252,7 +254,8 @@ class Autoscaler:
                 return verdict
         if window.input_stall > STALL_HIGH:
             return self._maybe_fork(window, rate, summary, measurement)
-        calm = window.stall < STALL_LOW and window.queue_fill > QUEUE_FULL and window.utilization < IDLE_UTILIZATION
+        calm = (window.input_stall < STALL_LOW and window.queue_fill > QUEUE_FULL
+                and window.utilization < IDLE_UTILIZATION)
         self._calm_windows = self._calm_windows + 1 if calm else 0
         if self._calm_windows >= 2 and window.producers > self.minimum:
             return self._change(-1, f"queues full, producers idle: {summary}", measurement)
@@ -266,7 +269,7 @@ class Autoscaler:
         counted = [s for s in stamps if s.ended_s >= self._count_from]
         steps = window.steps if not window.stamps else len(counted)
         if counted:
-            self._stalls = [*self._stalls, window.stall][-int(KEEP_S):]
+            self._stalls = [*self._stalls, window.input_stall][-int(KEEP_S):]
         self._steps = [s for s in [*self._steps, *counted] if s.ended_s >= self._clock - KEEP_S - 1.0]
         self._step_count += steps
 
@@ -336,7 +339,8 @@ class Autoscaler:
             # more producers are wanted (a count restarted by a refused fork, or the first window after start-up,
             # once waited 2 windows and 8 steps here). Unmeasured, the fork is judged against this window's rate.
             measured = self._measured(jump=True)
-            base, stall = ((rate, self._mean_stall()) if measured else (self._window_rate(window), window.stall))
+            base, stall = ((rate, self._mean_stall()) if measured
+                           else (self._window_rate(window), window.input_stall))
             if base > 0:
                 measurement["rate_at_count"] = round(base, 2)
                 return self._fork(window, base, stall, f"consumers wait: {summary}", measurement,

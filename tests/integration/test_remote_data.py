@@ -167,3 +167,72 @@ def test_a_run_reads_the_pack_index_instead_of_fetching_every_shard(shards, web,
     index = load_source(f"{web.url}/train/{SHARDS}", cache=tmp_path / "cache")
     assert index.labels.tolist() == local.labels.tolist() and len(index) == 120
     assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def test_a_server_that_hangs_makes_a_read_unreadable_within_the_producer_timeout():
+    """A server that takes the connection and never answers: the read gives up (retries included) well inside
+    the producer timeout's default of 20 s, so the producer is never taken for hung and the file never blamed."""
+    import socket
+    import threading
+
+    from stoker.data import remote
+    from stoker.data.imaging import UNREADABLE, UnusableImage
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def take_and_hold() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    taker = threading.Thread(target=take_and_hold, daemon=True)
+    taker.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(UnusableImage, match=UNREADABLE):
+            remote.read_range(f"http://127.0.0.1:{listener.getsockname()[1]}/shard.tar", '"v1"', 0, 100)
+        assert time.monotonic() - started < 20  # bounded by the client (10 s with retries), not by this machine
+    finally:
+        stop.set()
+        taker.join()
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+def test_pack_index_entries_that_do_not_describe_the_object_are_not_trusted(shards, tmp_path, monkeypatch):
+    """An entry of another size, one with a label that is no integer, one placing a member past the shard's end:
+    those three shards are fetched whole and indexed; the others come from index.json. Same samples either way."""
+    import json
+
+    from stoker.data import remote
+    from stoker.data.sources import load_source
+
+    served = tmp_path / "served"
+    shutil.copytree(shards / "train", served)
+    index_file = served / "index.json"
+    pack_index = json.loads(index_file.read_text())
+    entries = pack_index["shards"]
+    entries["shard-000000.tar"]["size"] += 512
+    entries["shard-000001.tar"]["labels"][0] = "x"
+    entries["shard-000002.tar"]["starts"][0] = 10**12
+    index_file.write_text(json.dumps(pack_index))
+    fetched: list[str] = []
+    download = remote.download
+
+    def counted(url, *args, **kwargs):
+        fetched.append(url.rsplit("/", 1)[1])
+        return download(url, *args, **kwargs)
+
+    monkeypatch.setattr(remote, "download", counted)
+    local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
+    with servers.nginx(served) as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
+        assert sorted(fetched) == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+        assert index.labels.tolist() == local.labels.tolist()
+        assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
