@@ -114,6 +114,7 @@ def _remote_files(spec: str) -> list[str] | None:
     urls = expand_braces(spec)
     if not all(url.lower().endswith(PARQUET_SUFFIX) for url in urls):
         return None
+    remote.forget_versions()  # each load asks again: objects may have been replaced since
     remote.stat_all(urls)
     return urls
 
@@ -549,7 +550,7 @@ def _open_parquet(file: str, source: str) -> Iterator[_Opened]:
     try:
         handle = pa.parquet.ParquetFile(file, pre_buffer=False, buffer_size=READ_BUFFER_BYTES)
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{source}: not a readable Parquet file ({_first_line(error)})") from None
+        raise ValueError(f"{source}: not a readable Parquet file ({remote.describe(error)})") from None
     with closing(handle):
         def batches(names: list[str]) -> Iterator[Any]:
             _check_claims(handle.metadata, source, size, names)
@@ -614,7 +615,7 @@ def _open_arrow(file: str, source: str) -> Iterator[_Opened]:
     try:
         mapped = pa.memory_map(file)
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{source}: cannot be read ({_first_line(error)})") from None
+        raise ValueError(f"{source}: cannot be read ({remote.describe(error)})") from None
     with closing(mapped):
         try:
             is_file = mapped.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC
@@ -622,7 +623,7 @@ def _open_arrow(file: str, source: str) -> Iterator[_Opened]:
             reader = pa.ipc.open_file(mapped) if is_file else pa.ipc.open_stream(mapped)
         except (pa.ArrowException, OSError) as error:
             raise ValueError(f"{source}: not an Arrow stream as datasets' save_to_disk writes "
-                             f"({_first_line(error)})") from None
+                             f"({remote.describe(error)})") from None
 
         def batches(names: list[str]) -> Iterator[Any]:
             every = (reader.get_batch(i) for i in range(reader.num_record_batches)) if is_file else iter(reader)
@@ -636,12 +637,7 @@ def _guarded(batches: Iterator[Any], source: str) -> Iterator[Any]:
     try:
         yield from batches
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{source}: damaged, cannot be read past its start ({_first_line(error)})") from None
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0][:300] if lines else type(error).__name__
+        raise ValueError(f"{source}: damaged, cannot be read past its start ({remote.describe(error)})") from None
 
 
 # ---- columns and class names ------------------------------------------------------------------------------------

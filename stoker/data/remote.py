@@ -123,9 +123,9 @@ def _aws_profile_provider() -> Any:
 
 
 def describe(error: BaseException) -> str:
-    """The first line of a client error: obstore appends a debug dump after it."""
+    """The first line of a library's error, bounded: obstore appends a debug dump after it, pyarrow a trace."""
     text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    return text[0][:300] if text else type(error).__name__
 
 
 _versions: dict[str, Version] = {}  # this process's answers, asked once per load of the data (`forget_versions`)
