@@ -146,6 +146,8 @@ class DataSettings:
         check_data_path("val", self.val)
         if self.cache_size is not None:
             parse_size("cache_size", self.cache_size)
+            if self.cache_dir is None:
+                raise ValueError(f"cache_size={self.cache_size!r} bounds --cache-dir, which is not given")
         if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
             raise ValueError(f"cache_dir={str(self.cache_dir)!r} is a file, not a folder")
         return self

@@ -15,6 +15,7 @@ but one on silence.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -79,6 +80,7 @@ _stores: dict[tuple[int, str, bool], Any] = {}
 _stores_lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=4096)  # every sample's read asks: urlsplit costs more than the lookup
 def _split(url: str) -> tuple[str, str]:
     """(root the client is made for, path of the object under it)."""
     parts = urlsplit(url)

@@ -174,6 +174,7 @@ def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache:
         # classes.json is stamped also while it does not exist: one written later must be read.
         inputs = paths + [classes_file]
         packed = index_shards(paths, classes or _classes_beside(classes_file), cache / SHARDS_FOLDER, copies)
+        _pack_indexes.clear()  # read for this index only: not held for the run
         cached = write_entry(cache, key, packed, input_stamps(inputs, started))
     return cached.reading_copies(copies) if copies is not None else cached
 
@@ -352,7 +353,8 @@ def index_one_shard(path: str, copies: remote.LocalCopies | None = None) -> Shar
 
 PACK_INDEX_FILE = "index.json"
 PACK_INDEX_FORMAT = "stoker-shard-index/1"
-MAX_PACK_INDEX_BYTES = 1 << 30  # 30 bytes or so a sample: 30 million samples; a larger one is refused unread
+MAX_PACK_INDEX_BYTES = 256 << 20  # about 60 bytes a sample: 4 million samples; a larger one is not read (the
+# shards are then fetched whole to index them): parsed, JSON takes ten times its size in memory
 _MD5 = re.compile(r'^"?([0-9a-f]{32})"?$')
 
 
