@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,15 +181,17 @@ def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache:
 
 
 def _beside(shard: str, name: str) -> str:
-    return shard.rsplit("/", 1)[0] + "/" + name if is_remote(shard) else os.path.join(os.path.dirname(shard),
-                                                                                               name)
+    """The file `name` in the shard's folder (a URL's folder for a remote shard)."""
+    if is_remote(shard):
+        return shard.rsplit("/", 1)[0] + "/" + name
+    return os.path.join(os.path.dirname(shard), name)
 
 
 def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
+    text = _read_small(classes_file, MAX_CLASSES_FILE_BYTES)
+    if text is None:
+        return None
     try:
-        text = _read_small(classes_file, MAX_CLASSES_FILE_BYTES)
-        if text is None:
-            return None
         names = json.loads(text)
     except ValueError as error:
         raise ValueError(f"{classes_file}: not a JSON list of class names ({error})") from None
@@ -197,6 +200,7 @@ def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
     return tuple(names)
 
 
+REMOTE_INDEX_THREADS = 8
 MAX_CLASSES_FILE_BYTES = 64 << 20  # a million long class names; a file past this is refused before it is read
 
 
@@ -219,10 +223,16 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path 
     """Every shard's samples in order; without class names, classes are '0'..'max label'. With `cache`, each
     shard's members are kept there, so a set with one shard added or changed reads only that shard again."""
     members = ShardMembers()
-    with waiting("indexing shards", total=len(paths), unit="shards") as progress:
-        for shard_id, path in enumerate(paths):
-            members.extend(_one_shard_cached(path, cache, copies) if cache else index_one_shard(path, copies),
-                           shard_id)
+
+    def one(path: str) -> ShardMembers:
+        return _one_shard_cached(path, cache, copies) if cache else index_one_shard(path, copies)
+
+    # Remote shards wait on the network (a whole shard fetched, or a round trip): several at once, kept in order.
+    workers = REMOTE_INDEX_THREADS if any(is_remote(p) for p in paths) else 1
+    with waiting("indexing shards", total=len(paths), unit="shards") as progress, \
+            ThreadPoolExecutor(workers, thread_name_prefix="stoker-index") as pool:
+        for shard_id, found in enumerate(pool.map(one, paths)):
+            members.extend(found, shard_id)
             progress.advance()
     labels = np.asarray(members.labels, dtype=np.int64)
     bound = len(classes) if classes is not None else MAX_CLASSES_WITHOUT_LIST
