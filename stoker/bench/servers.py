@@ -137,8 +137,6 @@ def latency_proxy(target_port: int, round_trip_ms: float) -> Server:
                   port, f"latency proxy ({round_trip_ms:g} ms)")
 
 
-
-
 # ---- the proxy (run as `python -m stoker.bench.servers LISTEN_PORT TARGET_PORT ROUND_TRIP_MS`) ----------------
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:

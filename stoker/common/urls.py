@@ -27,7 +27,8 @@ def check_url(name: str, url: str) -> None:
         raise ValueError(f"{name}: a URL with credentials in it would be written to config.json and the logs; "
                          f"give them in the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_PROFILE)")
     if parts.query or parts.fragment:
-        raise ValueError(f"{name}={url!r}: a URL with a query or fragment is not read (name the objects, e.g. "
+        shown = url.split("?", 1)[0].split("#", 1)[0]  # a presigned query holds a signature: not for a log
+        raise ValueError(f"{name}={shown!r}...: a URL with a query or fragment is not read (name the objects, e.g. "
                          f"s3://bucket/train-{{0000..0127}}.tar)")
     if not parts.netloc:
         raise ValueError(f"{name}={url!r}: no host or bucket")

@@ -49,7 +49,6 @@ INDEX_VERSION = 3  # 2: stamps with size, ctime and inode; checksums; labels rea
 MTIME_GUARD_NS = 2_000_000_000
 STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
 MAX_OPEN_SHARDS = 128
-MAX_READ_AHEAD = 4096  # samples fetched ahead and not yet read, per index and process (a few parts' worth)
 SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
 ABSENT = "absent"  # the stamp of an input that did not exist: it must still not exist
@@ -70,6 +69,7 @@ class Packed:
     starts: np.ndarray | None = None
     sizes: np.ndarray | None = None
     versions: list[str] = field(default_factory=list)  # each remote shard's ETag ('' for a local one)
+    shard_sizes: list[int] = field(default_factory=list)  # and its size (0 for a local one)
 
 
 class PackedIndex:
@@ -94,6 +94,7 @@ class PackedIndex:
         self.base: str = meta["base"]
         self.shards: tuple[str, ...] = tuple(meta["shards"])
         self.versions: tuple[str, ...] = tuple(meta.get("versions") or ("",) * len(self.shards))
+        self.sizes: tuple[int, ...] = tuple(meta.get("sizes") or (0,) * len(self.shards))  # a remote shard's bytes
         self._names = self._array("names.npy")
         self._offsets = self._array("offsets.npy")
         self._ids = self._array(f"{part}.ids.npy") if part else None
@@ -115,7 +116,7 @@ class PackedIndex:
         if self.shards:
             memory["where.npy"] = np.asarray(self._where)
         memory.update(meta={"classes": list(self.classes), "base": self.base, "shards": list(self.shards),
-                            "versions": list(self.versions)},
+                            "versions": list(self.versions), "sizes": list(self.sizes)},
                       skipped=[[s.path, s.reason] for s in self.skipped])
         return memory
 
@@ -126,8 +127,8 @@ class PackedIndex:
         return PackedIndex(self.folder, self.part, self._memory, copies)
 
     def remote_shards(self) -> list[tuple[str, str, int]]:
-        """(url, ETag, size) of each remote shard, in order."""
-        return [(shard, version, remote.stat(shard).size) for shard, version in zip(self.shards, self.versions)
+        """(url, ETag, size) of each remote shard, in order, as the index was made from them."""
+        return [(shard, version, size) for shard, version, size in zip(self.shards, self.versions, self.sizes)
                 if version]
 
     def __len__(self) -> int:
@@ -153,10 +154,6 @@ class PackedIndex:
         """Start fetching these samples' bytes together (remote shards only, those not already on their way): a
         part of them then waits about one round trip, not one per sample. `read` hands each over."""
         if any(self.versions):
-            if len(self._ahead) > MAX_READ_AHEAD:  # those of parts left unbuilt (a stop): never read
-                for left in self._ahead.values():
-                    left.cancel()
-                self._ahead.clear()
             wanted = [sample for sample in samples if sample not in self._ahead]
             self._ahead.update(remote.read_ahead(self._read_now, wanted))
 
@@ -324,7 +321,8 @@ def _object_stamp(url: str) -> list | str | None:
     try:
         version = remote.stat(url)
     except ValueError as error:
-        return ABSENT if str(error).endswith(remote.NO_SUCH_OBJECT) else None
+        refused = remote.NO_SUCH_OBJECT in str(error) or remote.ACCESS_REFUSED in str(error)  # S3: 403 for absent
+        return ABSENT if refused else None
     return [version.size, version.etag]
 
 
@@ -412,7 +410,7 @@ def _entry_files(packed: Packed) -> dict[str, bytes]:
     files["skipped.json"] = json.dumps([[s.path, s.reason] for s in packed.skipped]).encode()
     files["meta.json"] = json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
                                      "base": packed.base, "shards": packed.shards,
-                                     "versions": packed.versions}).encode()
+                                     "versions": packed.versions, "sizes": packed.shard_sizes}).encode()
     return files
 
 

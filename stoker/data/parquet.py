@@ -114,7 +114,7 @@ def _remote_files(spec: str) -> list[str] | None:
     urls = expand_braces(spec)
     if not all(url.lower().endswith(PARQUET_SUFFIX) for url in urls):
         return None
-    remote.forget_versions()  # each load asks again: objects may have been replaced since
+    remote.forget_versions(urls)  # each load asks again: objects may have been replaced since
     remote.stat_all(urls)
     return urls
 

@@ -7,7 +7,7 @@ variables S3 users already set, and needs nothing else installed.
 
 A sample is one ranged GET of its member, asked with If-Match on the (strong) ETag the index was made from: an
 object replaced during the run is named, never read at the old offsets. A read that keeps failing (`RETRIES`
-retries with back-off, all within 10 s, inside the producer timeout) makes the sample unreadable, as a local read
+retries with back-off, 14 s at worst, inside the default producer timeout) makes the sample unreadable, as a local read
 error does: listed, and tried again in a later epoch. Whole objects (a shard indexed or copied) have no deadline
 but one on silence.
 """
@@ -46,13 +46,13 @@ from stoker.data.imaging import UNREADABLE, UnusableImage
 
 log = logging.getLogger(__name__)
 
-# A sample's read, retries included, must end well inside the producer timeout (20 s by default): past that the
-# producer is taken for hung and the file for the cause. So a request has 5 s, and the retries 10 s in all; then
-# the sample is unreadable this epoch (UNREADABLE: tried again in the next).
-REQUEST_TIMEOUT = timedelta(seconds=5)
+# A sample's read, retries included, must end inside the producer timeout (20 s by default): past that the producer
+# is taken for hung and the file for the cause. Then the sample is unreadable this epoch (tried again in the next).
+REQUEST_TIMEOUT = timedelta(seconds=4)
 CONNECT_TIMEOUT = timedelta(seconds=3)
 RETRIES = 3
-RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=10),
+# No retry starts after 8 s; the last may take its 4 s and a back-off of at most 2 s before it: 14 s at worst.
+RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=8),
                                 "backoff": {"init_backoff": timedelta(milliseconds=200),
                                             "max_backoff": timedelta(seconds=2), "base": 2}}
 # A whole object (a shard indexed or copied) may take minutes: no deadline on the transfer, only on silence.
@@ -130,12 +130,14 @@ def describe(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
-_versions: dict[str, Version] = {}  # this process's answers, asked once per load of the data (`forget_versions`)
+_versions: dict[str, Version | str] = {}  # this process's answers (a refusal as its text), once per load of them
 
 
-def forget_versions() -> None:
-    """The next `stat` asks the server again: a second Loader in one process must see objects replaced since."""
-    _versions.clear()
+def forget_versions(urls: list[str]) -> None:
+    """The next `stat` of these asks the server again: a second Loader in one process must see objects replaced
+    since (and the others' answers stay those their index was made from)."""
+    for url in urls:
+        _versions.pop(url, None)
 
 
 def stat(url: str) -> Version:
@@ -143,7 +145,14 @@ def stat(url: str) -> Version:
     ValueError naming it."""
     known = _versions.get(url)
     if known is None:
-        known = _versions[url] = _ask_version(url)
+        try:
+            known = _versions[url] = _ask_version(url)
+        except ValueError as error:
+            if NO_SUCH_OBJECT not in str(error) and ACCESS_REFUSED not in str(error):
+                raise  # a passing failure: asked again next time
+            known = _versions[url] = str(error)  # absent: not asked again until forgotten
+    if isinstance(known, str):
+        raise ValueError(known)
     return known
 
 
@@ -166,8 +175,9 @@ def _refusal(error: BaseException) -> str:
         return NO_SUCH_OBJECT
     if isinstance(error, (PermissionDeniedError, UnauthenticatedError)) or "403 Forbidden" in text or \
             "401 Unauthorized" in text:
-        return (f"{ACCESS_REFUSED} ({describe(error)}); S3 credentials are read from AWS_ACCESS_KEY_ID and "
-                f"AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws")
+        hint = ("; S3 credentials are read from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws"
+                if "s3://" in text or isinstance(error, UnauthenticatedError) else "")
+        return f"{ACCESS_REFUSED} ({describe(error)}){hint}"
     return f"cannot be read ({describe(error)})"
 
 
@@ -245,8 +255,10 @@ _read_pool: tuple[int, ThreadPoolExecutor] | None = None
 
 def stop_reading_ahead() -> None:
     """Cancel the reads not begun (a producer that stops must not wait for a queue of them at its exit)."""
+    global _read_pool
     if _read_pool is not None and _read_pool[0] == os.getpid():
         _read_pool[1].shutdown(wait=False, cancel_futures=True)
+    _read_pool = None
 
 
 def read_ahead(read: Callable[[int], bytes], samples: Sequence[int]) -> dict[int, Future[bytes]]:
@@ -283,8 +295,10 @@ def download(url: str, version: Version, target: Path, keep_going: Callable[[], 
         return True
     except PreconditionError:
         raise ValueError(f"{url} changed while it was read (its ETag is no longer {version.etag})") from None
-    except (BaseError, OSError) as error:
+    except BaseError as error:
         raise ValueError(f"{url}: {_refusal(error)}") from None
+    except OSError as error:  # the local side: a full or read-only disk
+        raise ValueError(f"{target.parent}: cannot hold a copy of {url} ({error.strerror or error})") from None
     finally:
         partial.unlink(missing_ok=True)
 
@@ -292,6 +306,12 @@ def download(url: str, version: Version, target: Path, keep_going: Callable[[], 
 # ---- the local copies (--cache-dir, --cache-size) -----------------------------------------------------------------
 
 DEAD_PART_S = 3600  # a partial copy this old belongs to a run that died
+
+
+@functools.lru_cache(maxsize=4096)  # every sample read asks: sha256 and urlsplit cost more than the lookup
+def _copy_name(url: str, version: str) -> str:
+    digest = hashlib.sha256(f"{url}\n{version}".encode()).hexdigest()[:32]
+    return f"{digest}.{os.path.basename(urlsplit(url).path)[-60:]}"
 
 
 @dataclass(frozen=True)
@@ -305,8 +325,7 @@ class LocalCopies:
     limit: int
 
     def path(self, url: str, version: str) -> Path:
-        digest = hashlib.sha256(f"{url}\n{version}".encode()).hexdigest()[:32]
-        return self.folder / f"{digest}.{os.path.basename(urlsplit(url).path)[-60:]}"
+        return self.folder / _copy_name(url, version)
 
     def make_room(self, size: int, keep: set[Path]) -> bool:
         """Whether `size` more bytes fit, after removing the least recently written copies not in `keep`."""

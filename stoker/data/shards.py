@@ -8,6 +8,7 @@ Samples are numbered in shard order, then member order: the plan picks samples e
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -15,8 +16,10 @@ import logging
 import mmap
 import os
 import re
+import shutil
 import tarfile
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -132,8 +135,8 @@ def _remote_shards(spec: str) -> list[str]:
         _refuse_compressed(spec, [spec.rsplit("/", 1)[-1]])
         raise ValueError(f"data={spec!r}: expected .tar shards (train-{{0000..0127}}.tar), one .tar, or an S3 "
                          f"prefix ending in /")
-    remote.forget_versions()  # each load asks again: objects may have been replaced since this process last asked
-    _pack_indexes.clear()
+    remote.forget_versions(urls + [_beside(urls[0], PACK_INDEX_FILE), _beside(urls[0], CLASSES_FILE)])
+    _pack_indexes.clear()  # each load asks again: objects may have been replaced since this process last asked
     remote.stat_all(urls)
     return urls
 
@@ -200,7 +203,8 @@ def _classes_beside(classes_file: str) -> tuple[str, ...] | None:
     return tuple(names)
 
 
-REMOTE_INDEX_THREADS = 8
+REMOTE_INDEX_THREADS = 8  # shards indexed at once: each waits on a whole fetch or a round trip, not on a core
+DEAD_FETCH_S = 3600  # a shard being fetched to be indexed this long ago was a killed run's
 MAX_CLASSES_FILE_BYTES = 64 << 20  # a million long class names; a file past this is refused before it is read
 
 
@@ -224,16 +228,21 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path 
     shard's members are kept there, so a set with one shard added or changed reads only that shard again."""
     members = ShardMembers()
 
+    stop = threading.Event()  # set on an error or Ctrl-C: the shards being fetched stop at their next chunk
+
     def one(path: str) -> ShardMembers:
-        return _one_shard_cached(path, cache, copies) if cache else index_one_shard(path, copies)
+        return _one_shard_cached(path, cache, copies, stop) if cache else index_one_shard(path, copies, stop)
 
     # Remote shards wait on the network (a whole shard fetched, or a round trip): several at once, kept in order.
     workers = REMOTE_INDEX_THREADS if any(is_remote(p) for p in paths) else 1
     with waiting("indexing shards", total=len(paths), unit="shards") as progress, \
             ThreadPoolExecutor(workers, thread_name_prefix="stoker-index") as pool:
-        for shard_id, found in enumerate(pool.map(one, paths)):
-            members.extend(found, shard_id)
-            progress.advance()
+        try:
+            for shard_id, found in enumerate(pool.map(one, paths)):
+                members.extend(found, shard_id)
+                progress.advance()
+        finally:
+            stop.set()
     labels = np.asarray(members.labels, dtype=np.int64)
     bound = len(classes) if classes is not None else MAX_CLASSES_WITHOUT_LIST
     outside = labels >= bound
@@ -246,9 +255,11 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path 
         classes = tuple(str(i) for i in range(int(labels.max(initial=-1)) + 1))
     if not members.keys:
         raise ValueError(f"data={paths[0]!r}...: no sample (KEY.jpg|png|... with KEY.cls) in {len(paths)} shard(s)")
-    versions = [remote.stat(p).etag if is_remote(p) else "" for p in paths]
+    remote_versions = {p: remote.stat(p) for p in paths if is_remote(p)}  # as asked at this load
+    versions = [remote_versions[p].etag if p in remote_versions else "" for p in paths]
+    sizes = [remote_versions[p].size if p in remote_versions else 0 for p in paths]
     return Packed("", members.keys, labels, classes, members.skipped, paths, np.asarray(members.shard_ids),
-                  np.asarray(members.starts), np.asarray(members.sizes), versions)
+                  np.asarray(members.starts), np.asarray(members.sizes), versions, sizes)
 
 
 @dataclass
@@ -295,7 +306,8 @@ class ShardMembers:
 Member = tuple[str, int, int]  # (name, offset of its data, size)
 
 
-def _one_shard_cached(path: str, cache: Path, copies: remote.LocalCopies | None = None) -> ShardMembers:
+def _one_shard_cached(path: str, cache: Path, copies: remote.LocalCopies | None = None,
+                      stop: threading.Event | None = None) -> ShardMembers:
     """A shard's members from the cache while its stamp (size, mtime, ctime, inode; a remote one's size, ETag and
     its pack index's version, which may have been corrected since) holds and the kept file its checksum, else read
     and kept."""
@@ -306,7 +318,7 @@ def _one_shard_cached(path: str, cache: Path, copies: remote.LocalCopies | None 
     kept = _read_kept(saved)
     if kept is not None:
         return kept
-    members = index_one_shard(path, copies)
+    members = index_one_shard(path, copies, stop)
     settled = isinstance(stamp, list) and (is_remote(path) or stamp[1] < started - MTIME_GUARD_NS)
     if settled:  # a local shard changed in the last seconds may still be being written: read again next time
         skipped = [[item.path, item.reason] for item in members.skipped]
@@ -336,27 +348,40 @@ def _read_kept(saved: Path) -> ShardMembers | None:
         return None
 
 
-def index_one_shard(path: str, copies: remote.LocalCopies | None = None) -> ShardMembers:
+def index_one_shard(path: str, copies: remote.LocalCopies | None = None, stop: threading.Event | None = None
+                    ) -> ShardMembers:
     """The shard's samples (as shard 0); members that do not make a sample are listed, and a truncated shard is
-    indexed up to its last whole member. A remote shard is fetched whole once, into a temporary file (or the
-    cache folder's copy, when there is one)."""
+    indexed up to its last whole member. A remote shard's come from its pack index, or from a local copy already
+    in `copies`, else from the shard fetched whole into a temporary file (copies are the `CopyFiller`'s to make)."""
     if not is_remote(path):
         return _index_local(path, path)
     version = remote.stat(path)
     packed = pack_index_members(path, version)
     if packed is not None:
         return packed
-    copy = copies.path(path, version.etag) if copies is not None else None
-    if copy is not None and (copy.exists() or copies.make_room(version.size, {copy})):  # type: ignore[union-attr]
-        if not copy.exists():
-            remote.download(path, version, copy)
-        return _index_local(str(copy), path)
-    folder = index_cache_dir()  # not /tmp: often memory, and a shard may be gigabytes
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".shard-", dir=folder) as scratch:
+    if copies is not None:
+        with contextlib.suppress(FileNotFoundError):  # evicted by another run meanwhile: fetched as if never copied
+            return _index_local(str(copies.path(path, version.etag)), path)
+    with tempfile.TemporaryDirectory(prefix=".shard-", dir=_fetch_folder()) as scratch:
         target = Path(scratch) / "shard.tar"
-        remote.download(path, version, target)
+        if not remote.download(path, version, target, lambda: stop is None or not stop.is_set()):
+            raise ValueError(f"{path}: indexing stopped")
         return _index_local(str(target), path)
+
+
+def _fetch_folder() -> str | None:
+    """Where a shard is fetched to be indexed: the index cache (not /tmp, often memory, and a shard may be
+    gigabytes), clear of what a killed run left there; None (the system's temporary folder) where it cannot be
+    written."""
+    folder = index_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for left in folder.glob(".shard-*"):
+            if left.stat().st_mtime < time.time() - DEAD_FETCH_S:
+                shutil.rmtree(left, ignore_errors=True)
+    except OSError:
+        return None
+    return str(folder)
 
 
 # ---- the index `stoker pack` writes beside its shards -------------------------------------------------------------
@@ -382,15 +407,17 @@ def write_pack_index(folder: Path, shards: list[Path]) -> None:
     (folder / PACK_INDEX_FILE).write_text(json.dumps({"format": PACK_INDEX_FORMAT, "shards": entries}))
 
 
-_pack_indexes: dict[str, dict | None] = {}  # per folder URL, read once per process
+_pack_indexes: dict[str, dict | None] = {}  # per folder URL, read once per load
+_pack_indexes_lock = threading.Lock()
 
 
 def pack_index_members(url: str, version: remote.Version) -> ShardMembers | None:
     """The shard's members from the pack index beside it, when there is one that describes this very object (its
     size, and its MD5 where the ETag is one, as S3's is for an object uploaded in one part); else None."""
     folder, name = url.rsplit("/", 1)
-    if folder not in _pack_indexes:
-        _pack_indexes[folder] = _read_pack_index(f"{folder}/{PACK_INDEX_FILE}")
+    with _pack_indexes_lock:  # the indexing threads: one of them reads it, the others wait for it
+        if folder not in _pack_indexes:
+            _pack_indexes[folder] = _read_pack_index(f"{folder}/{PACK_INDEX_FILE}")
     entry = (_pack_indexes[folder] or {}).get(name)
     if not isinstance(entry, dict) or entry.get("size") != version.size:
         return None
@@ -399,7 +426,7 @@ def pack_index_members(url: str, version: remote.Version) -> ShardMembers | None
         return None
     try:
         return _checked_members(url, entry, version.size)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, LookupError) as error:
         log.warning("%s/%s: its entry for %s is not usable (%s): the shard is read whole to index it", folder,
                     PACK_INDEX_FILE, name, error)
         return None
@@ -429,8 +456,10 @@ def _checked_members(url: str, entry: dict, shard_size: int) -> ShardMembers:
     if not all(isinstance(k, str) for k in keys):
         raise ValueError("a key is not text")
     for column in (labels, starts, sizes):
-        if not all(type(v) is int and v >= 0 for v in column):
+        if not all(type(v) is int and 0 <= v < 1 << 62 for v in column):
             raise ValueError("a label, start or size is not a non-negative integer")
+    if any(label >= 10**MAX_LABEL_DIGITS for label in labels):
+        raise ValueError("a label is far beyond any class count")
     if any(start + size > shard_size for start, size in zip(starts, sizes)):
         raise ValueError("a member lies beyond the shard's end")
     skipped = [Skipped(url + suffix, reason) for suffix, reason in entry["skipped"]]

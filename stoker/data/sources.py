@@ -3,6 +3,7 @@ when the data has not changed; the validation split; the refused entries, logged
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from dataclasses import dataclass
@@ -77,7 +78,10 @@ def local_copies(cache_dir: Path | None, cache_size: str | None) -> LocalCopies 
     if cache_size is not None:
         return LocalCopies(cache_dir, parse_size("cache_size", cache_size))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    held = sum(entry.stat().st_size for entry in cache_dir.iterdir() if entry.is_file())
+    held = 0
+    for entry in cache_dir.iterdir():
+        with contextlib.suppress(FileNotFoundError):  # another run's copy, evicted meanwhile
+            held += entry.stat().st_size if entry.is_file() else 0
     return LocalCopies(cache_dir, (shutil.disk_usage(cache_dir).free + held) // 2)  # what it holds counts as free
 
 

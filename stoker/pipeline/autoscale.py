@@ -81,7 +81,7 @@ class StepStamp:
     samples: int
     train_s: float  # its time in the training step, input wait included
     wait_s: float = 0.0  # of train_s, waiting for its batch
-    consumer: int = -1  # which consumer stepped (-1: not known, as in a replay)
+    consumer: int = -1  # which consumer stepped (-1: not known, as in a replay: grouped by time alone)
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,7 @@ class Window:
     starting: int = 0  # producers forked and not yet done with their first part
     working_since: float | None = None  # when the last producer started working (the count's real start)
     read_share: float = 0.0  # of the producers' busy time, the share spent reading files (off the CPU)
+    lockstep: bool = True  # the consumers average every step, so one's wait for input holds the others
 
     @property
     def rate(self) -> float:
@@ -105,8 +106,10 @@ class Window:
 
     @functools.cached_property
     def input_stall(self) -> float:
-        """The stall judged in lockstep from the window's steps (`lockstep_stall`); without steps, `stall`."""
-        return lockstep_stall(list(self.stamps)) if any(s.train_s > 0 for s in self.stamps) else self.stall
+        """The stall judged in lockstep from the window's steps (`lockstep_stall`); without steps, or with consumers
+        that step on their own between averages (`--sync-every` over 1, overlapped averaging), `stall`."""
+        judged = self.lockstep and any(s.train_s > 0 for s in self.stamps)
+        return lockstep_stall(list(self.stamps)) if judged else self.stall
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,7 @@ def _in_lockstep(steps: list[StepStamp]) -> list[list[StepStamp]]:
     groups: list[list[StepStamp]] = []
     for step in sorted(steps, key=lambda s: s.ended_s):
         if groups and step.ended_s - groups[-1][0].ended_s <= LOCKSTEP_S and \
-                all(other.consumer != step.consumer for other in groups[-1]):
+                (step.consumer < 0 or all(other.consumer != step.consumer for other in groups[-1])):
             groups[-1].append(step)
         else:
             groups.append([step])
@@ -298,7 +301,7 @@ class Autoscaler:
         """The share of their time the window's counted steps waited, judged in lockstep (`lockstep_stall`; no
         stamps: the window's own stall, which also counts the ring's start-up steps)."""
         counted = self._counted(window)
-        return lockstep_stall(counted) if any(s.train_s > 0 for s in counted) else window.stall
+        return lockstep_stall(counted) if window.lockstep and any(s.train_s > 0 for s in counted) else window.stall
 
     def _measured(self, jump: bool) -> bool:
         windows, steps = (1, JUMP_MEASURE_STEPS) if jump else (MEASURE_WINDOWS, MEASURE_STEPS)

@@ -74,7 +74,7 @@ class EngineDriver:
 
     def close_window(self, elapsed_s: float, samples: int, steps: int, queue_fill: float, input_wait: float,
                      train_s: float, shares: dict[str, float] | None = None, decide: bool = True,
-                     stamps: tuple[StepStamp, ...] = ()) -> float:
+                     stamps: tuple[StepStamp, ...] = (), lockstep: bool = True) -> float:
         """The window that ends now: a `pipeline` event (the samples' rate, the ready queue, the producers and
         `shares` of the consumers' time, by default just the input wait), then the autoscaler's turn when
         consumers trained in it and `decide`. Returns the producers' utilization over the window."""
@@ -87,7 +87,7 @@ class EngineDriver:
         if steps and decide:
             engine.autoscale(Window(stall=input_wait, queue_fill=queue_fill, utilization=utilization,
                                     producers=engine.num_active, samples=samples, steps=steps, train_s=train_s,
-                                    stamps=stamps))
+                                    stamps=stamps, lockstep=lockstep))
         return utilization
 
     def stop_producers(self) -> None:

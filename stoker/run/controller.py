@@ -427,7 +427,8 @@ class Controller:
             shares={"compute": compute, "input_wait": wait, "averaging": averaging, "host": host},
             decide=not self.finishing,
             stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n, s.consumer)
-                         for s in window.stamps))
+                         for s in window.stamps),
+            lockstep=self.config.sync_every == 1 and not self.config.overlap_averaging)
         self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=producers,
                                producer_budget=limit, producer_utilization=utilization,
                                sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host)
