@@ -120,7 +120,8 @@ class DataSettings:
         "this machine); default: read remote shards over the network every epoch", "DIR", machine_local=True,
         may_change_on_resume=True, loader=True)] = None
     cache_size: Annotated[str | None, Setting(
-        "the most --cache-dir may hold, e.g. 50GB (default: half the disk's free space at start)", "SIZE",
+        "the most --cache-dir may hold, e.g. 50GB (default: half the disk's free space at start, its own copies "
+        "counted as free)", "SIZE",
         machine_local=True, may_change_on_resume=True, loader=True)] = None
     val_fraction: Annotated[Real, Setting(
         "share of each class held out for validation when --val is not given", "F")] = Field(

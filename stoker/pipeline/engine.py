@@ -333,7 +333,8 @@ def start_copying(*sources: SampleSource | None) -> CopyFiller | None:
     """Copy the remote shards of these sources into `--cache-dir` while the run goes on, when there is one."""
     indexes = [s for s in sources if isinstance(s, PackedIndex) and s.copies is not None]
     shards = list(dict.fromkeys(shard for index in indexes for shard in index.remote_shards()))
-    return CopyFiller(indexes[0].copies, shards) if shards else None  # type: ignore[arg-type]
+    copies = indexes[0].copies if indexes else None
+    return CopyFiller(copies, shards) if copies is not None and shards else None
 
 
 def producer_fields(engine: Engine | None) -> dict[str, Any]:
