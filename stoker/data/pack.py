@@ -10,7 +10,10 @@ number of workers. `classes.json` goes beside.
 A pack is written whole or not at all: into a hidden folder beside OUT_DIR, renamed to OUT_DIR at the end, so a
 pack killed or interrupted midway leaves no set that trains as if complete (its hidden folder is removed by the
 next pack into the same place). OUT_DIR must be empty or absent unless `--overwrite`; the workers die with the
-parent.
+parent. `index.json` holds each shard's members, size and MD5: a run reading the shards remotely needs no scan.
+
+OUT_DIR may be an `s3://` (or `gs://`) prefix: the pack is made in a temporary folder and uploaded, the shards
+first and `classes.json` and `index.json` last, so a reader that finds the index finds every shard it names.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import shutil
 import signal
 import sys
 import tarfile
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -32,9 +36,11 @@ from stoker.common import faults
 from stoker.common.devices import available_cores
 from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children
 from stoker.common.sizes import parse_size
+from stoker.common.urls import check_url, data_location, is_remote
 from stoker.common.waiting import waiting
+from stoker.data import remote
 from stoker.data.dataset import list_image_folder
-from stoker.data.shards import CLASSES_FILE, write_pack_index
+from stoker.data.shards import CLASSES_FILE, PACK_INDEX_FILE, write_pack_index
 from stoker.data.sources import log_refused
 
 log = logging.getLogger(__name__)
@@ -193,7 +199,8 @@ def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("pack", help="write an ImageFolder as WebDataset-layout tar shards")
     parser.add_argument("source", type=Path, metavar="IMAGEFOLDER")
-    parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    parser.add_argument("out", type=data_location, metavar="OUT_DIR", help="a folder, or an s3:// prefix (the pack is "
+                        "uploaded)")
     parser.add_argument("--val", type=Path, metavar="VAL_IMAGEFOLDER", help="also pack this validation folder, "
                         "labelled with the training classes, into OUT_DIR/val")
     parser.add_argument("--shard-size", default="1GB", help="largest shard (default 1GB)")
@@ -208,13 +215,19 @@ def pack_command(args: argparse.Namespace) -> int:
         if not args.source.is_dir():
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
         shard_size = parse_size("shard_size", args.shard_size)
+        if is_remote(args.out):
+            return _pack_to_store(args, shard_size)
         shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
         val_shards = _pack_validation(args, shard_size)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
+        if is_remote(args.out):  # objects appear one by one: what was uploaded stays, index.json (uploaded last) not
+            print(f"stoker: pack interrupted; the objects uploaded so far stay under {args.out}, without its "
+                  f"{PACK_INDEX_FILE}: pack again with --overwrite", file=sys.stderr)
+        else:
+            print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
         return 130
     use = f"--data {shlex.quote(str(shard_pattern(args.out, shards)))}"
     if val_shards:
@@ -226,6 +239,42 @@ def pack_command(args: argparse.Namespace) -> int:
 
 
 VAL_FOLDER = "val"
+
+
+def _pack_to_store(args: argparse.Namespace, shard_size: int) -> int:
+    """Pack into a temporary folder, then upload it under the S3 (or GCS) prefix `args.out`: the shards first,
+    `classes.json` and `index.json` last, so a reader that finds the index finds every shard it names. Refused
+    where the prefix holds objects, unless --overwrite (which then removes those the new pack does not write)."""
+    out = str(args.out).rstrip("/")
+    check_url("out", out)
+    if out.startswith(("http://", "https://")):
+        raise ValueError(f"out={out!r}: HTTP servers take no uploads; pack into a folder and serve it")
+    held = set(remote.objects_under(out + "/"))
+    if held and not args.overwrite:
+        raise ValueError(f"out={out!r}: the prefix holds {len(held)} object(s) already (old shards would train beside "
+                         f"the new ones); give an empty prefix, or --overwrite to replace what it holds")
+    with tempfile.TemporaryDirectory(prefix="stoker-pack-") as scratch:
+        local = Path(scratch) / "out"
+        args = argparse.Namespace(**{**vars(args), "out": local})
+        shards = pack(args.source, local, shard_size, args.workers, False)
+        val_shards = _pack_validation(args, shard_size)
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+        last = {CLASSES_FILE, PACK_INDEX_FILE}
+        written = []
+        with waiting(f"uploading to {out}", total=len(files), unit="files") as progress:
+            for file in [f for f in files if f.name not in last] + [f for f in files if f.name in last]:
+                written.append(f"{out}/{file.relative_to(local).as_posix()}")
+                remote.upload(file, written[-1])
+                progress.advance()
+    for stale in held - set(written):
+        remote.delete(stale)
+    use = f"--data {shlex.quote(out + '/' + shard_pattern(Path(), shards).name)}"
+    if val_shards:
+        use += f" --val {shlex.quote(out + '/' + VAL_FOLDER + '/' + shard_pattern(Path(), val_shards).name)}"
+    print(f"wrote {len(shards)} shard(s), {CLASSES_FILE} and {PACK_INDEX_FILE} to {out}"
+          + (f", {len(val_shards)} validation shard(s) to {out}/{VAL_FOLDER}" if val_shards else "")
+          + f"; train with {use}")
+    return 0
 
 
 def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:

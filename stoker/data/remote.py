@@ -224,6 +224,34 @@ def list_tars(prefix: str) -> list[str]:
     return sorted(f"{root}/{item['path']}" for item in listing["objects"] if item["path"].lower().endswith(".tar"))
 
 
+def objects_under(prefix: str) -> list[str]:
+    """Every object's URL under an S3 or GCS prefix (all levels)."""
+    root, path = _split(prefix)
+    try:
+        found = [item["path"] for batch in obstore.list(_store(root), path.rstrip("/") + "/" if path else None)
+                 for item in batch]
+    except BaseError as error:
+        raise ValueError(f"{prefix}: cannot be listed ({describe(error)})") from None
+    return [f"{root}/{key}" for key in found]
+
+
+def upload(file: Path, url: str) -> None:
+    """`file` written to `url` (in parts where it is large): the object appears whole or not at all."""
+    root, path = _split(url)
+    try:
+        obstore.put(_store(root, whole=True), path, file)
+    except BaseError as error:
+        raise ValueError(f"{url}: cannot be written ({_refusal(error)})") from None
+
+
+def delete(url: str) -> None:
+    root, path = _split(url)
+    try:
+        obstore.delete(_store(root, whole=True), path)
+    except BaseError as error:
+        raise ValueError(f"{url}: cannot be removed ({_refusal(error)})") from None
+
+
 def read_range(url: str, version: str, start: int, size: int, copies: LocalCopies | None = None) -> bytes:
     """`size` bytes at `start` of the object as it was indexed (If-Match its ETag), from its local copy once one
     is complete."""

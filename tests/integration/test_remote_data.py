@@ -236,3 +236,20 @@ def test_pack_index_entries_that_do_not_describe_the_object_are_not_trusted(shar
         assert sorted(fetched) == ["shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
         assert index.labels.tolist() == local.labels.tolist()
         assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def test_pack_uploads_to_an_s3_prefix_that_reads_like_the_local_pack(textures, shards, s3, tmp_path, monkeypatch):
+    from stoker.data.sources import load_source
+
+    env = servers.s3_environment(s3.url)
+    out = f"s3://{BUCKET}/packed"
+    result = run_cli("pack", str(textures[0]), out, "--shard-size", "70KB", "--workers", "1", env=env)
+    assert f"--data '{out}/{SHARDS}'" in result.stdout
+    again = run_cli("pack", str(textures[0]), out, "--shard-size", "70KB", "--workers", "1", env=env, check=False)
+    assert again.returncode == 2 and "holds 10 object(s) already" in again.stderr  # 8 shards, classes and index
+    local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
+    for key, value in env.items():  # this process reads the store the way a run does
+        monkeypatch.setenv(key, value)
+    index = load_source(f"{out}/{SHARDS}", cache=tmp_path / "cache")
+    assert index.classes == local.classes and index.labels.tolist() == local.labels.tolist()
+    assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
