@@ -111,7 +111,13 @@ def _remote_files(spec: str) -> list[str] | None:
     """The objects a URL names, each asked for its version now: a missing or forbidden one is an error before
     any process starts."""
     check_url("data", spec)
-    urls = expand_braces(spec)
+    if spec.endswith("/") and not spec.lower().startswith("http"):  # an S3 or GCS prefix (HTTP has no listing)
+        urls = sorted(u for u in remote.objects_under(spec)  # those right under it: a split's sub-folder is not
+                      if u.lower().endswith(PARQUET_SUFFIX) and "/" not in u[len(spec):])  # this split's
+        if not urls:
+            return None  # shards, perhaps: shards.py says what the prefix lacks
+    else:
+        urls = expand_braces(spec)
     if not all(url.lower().endswith(PARQUET_SUFFIX) for url in urls):
         return None
     remote.forget_versions(urls)  # each load asks again: objects may have been replaced since

@@ -253,3 +253,24 @@ def test_pack_uploads_to_an_s3_prefix_that_reads_like_the_local_pack(textures, s
     index = load_source(f"{out}/{SHARDS}", cache=tmp_path / "cache")
     assert index.classes == local.classes and index.labels.tolist() == local.labels.tolist()
     assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def test_parquet_files_under_an_s3_prefix_read_as_written(textures, s3, tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stoker.data.sources import load_source
+
+    images = sorted((textures[0] / "0_horizontal").iterdir())[:6]
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    for part in range(2):
+        rows = images[part * 3:part * 3 + 3]
+        pq.write_table(pa.table({"image": [p.read_bytes() for p in rows], "label": [part] * 3}),
+                       folder / f"train-{part}.parquet")
+    servers.upload_folder(s3.url, BUCKET, folder, "parquet/")
+    for key, value in servers.s3_environment(s3.url).items():
+        monkeypatch.setenv(key, value)
+    index = load_source(f"s3://{BUCKET}/parquet/", cache=tmp_path / "cache")
+    assert index.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    assert [index.read(i) for i in range(6)] == [p.read_bytes() for p in images]
