@@ -355,8 +355,10 @@ class LocalCopies:
     def path(self, url: str, version: str) -> Path:
         return self.folder / _copy_name(url, version)
 
-    def make_room(self, size: int, keep: set[Path]) -> bool:
-        """Whether `size` more bytes fit, after removing the least recently written copies not in `keep`."""
+    def make_room(self, size: int, keep: set[Path], reserve: Path | None = None) -> bool:
+        """Whether `size` more bytes fit, after removing the least recently written copies not in `keep`; when they
+        do, `reserve` is made a file of that size under the same lock, so that two runs filling the folder at once
+        count each other's copies in full before they are written (and meanwhile twice: on the safe side)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -369,7 +371,7 @@ class LocalCopies:
                 used += status.st_size  # copies being written (.part) take room too
                 if not entry.name.startswith("."):
                     copies.append((status.st_mtime, status.st_size, entry))
-                elif entry.name.endswith(".part") and status.st_mtime < time.time() - DEAD_PART_S:
+                elif entry.name.endswith((".part", ".reserve")) and status.st_mtime < time.time() - DEAD_PART_S:
                     entry.unlink(missing_ok=True)  # a killed run's
                     used -= status.st_size
             copies.sort()
@@ -379,7 +381,11 @@ class LocalCopies:
                 if path not in keep:
                     path.unlink(missing_ok=True)
                     used -= held
-            return used + size <= self.limit
+            fits = used + size <= self.limit
+            if fits and reserve is not None:
+                with open(reserve, "wb") as held_room:
+                    held_room.truncate(size)  # sparse: it takes no disk, only its place in the count
+            return fits
 
     def fill(self, shards: list[tuple[str, str, int]], keep_going: Callable[[], bool]) -> None:
         """Copy each (url, version, size) in turn while it fits and `keep_going()`; the first that does not fit
@@ -389,12 +395,15 @@ class LocalCopies:
             target = self.path(url, version)
             if target.exists():
                 continue
-            if not keep_going() or not self.make_room(size, wanted):
+            reserve = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.reserve")
+            if not keep_going() or not self.make_room(size, wanted, reserve):
                 return
             try:
                 download(url, Version(size, version), target, keep_going)
             except ValueError as error:
                 log.warning("could not copy %s into %s (%s): it is read remotely", url, self.folder, error)
+            finally:
+                reserve.unlink(missing_ok=True)
 
 
 CLOSE_WAIT_S = 5.0

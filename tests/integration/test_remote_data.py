@@ -274,3 +274,30 @@ def test_parquet_files_under_an_s3_prefix_read_as_written(textures, s3, tmp_path
     index = load_source(f"s3://{BUCKET}/parquet/", cache=tmp_path / "cache")
     assert index.labels.tolist() == [0, 0, 0, 1, 1, 1]
     assert [index.read(i) for i in range(6)] == [p.read_bytes() for p in images]
+
+
+def test_two_runs_filling_one_cache_folder_stay_within_its_size(shards, tmp_path):
+    """Two fillers at once (each as a run's would), in opposite orders, into one folder that holds 5 of the 8
+    shards: every copy is whole, nothing is left half-written, and the folder never ends over its size."""
+    import threading
+
+    from stoker.data.remote import LocalCopies
+    from stoker.data.sources import load_source
+
+    sizes = sorted(p.stat().st_size for p in (shards / "train").glob("*.tar"))
+    originals = {p.read_bytes() for p in (shards / "train").glob("*.tar")}
+    with servers.nginx(shards / "train") as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
+        wanted = index.remote_shards()
+        runs = [LocalCopies(tmp_path / "copies", sum(sizes[:5])) for _ in range(2)]
+        fillers = [threading.Thread(target=copies.fill, args=(order, lambda: True))
+                   for copies, order in zip(runs, (wanted, wanted[::-1]))]
+        for filler in fillers:
+            filler.start()
+        for filler in fillers:
+            filler.join()
+    held = list((tmp_path / "copies").iterdir())
+    copies = [p for p in held if not p.name.startswith(".")]
+    assert copies and all(p.read_bytes() in originals for p in copies)
+    assert [p.name for p in held if p.name.startswith(".") and p.name != ".lock"] == []
+    assert sum(p.stat().st_size for p in copies) <= sum(sizes[:5])
