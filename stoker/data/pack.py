@@ -216,9 +216,11 @@ def pack_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
         shard_size = parse_size("shard_size", args.shard_size)
         if is_remote(args.out):
-            return _pack_to_store(args, shard_size)
-        shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
-        val_shards = _pack_validation(args, shard_size)
+            where, shards, val_shards = _pack_to_store(args, shard_size)
+        else:
+            where = str(args.out)
+            shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
+            val_shards = _pack_validation(args, shard_size)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
         return 2
@@ -229,22 +231,28 @@ def pack_command(args: argparse.Namespace) -> int:
         else:
             print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
         return 130
-    use = f"--data {shlex.quote(str(shard_pattern(args.out, shards)))}"
-    if val_shards:
-        use += f" --val {shlex.quote(str(shard_pattern(args.out / VAL_FOLDER, val_shards)))}"
-    print(f"wrote {len(shards)} shard(s) and {CLASSES_FILE} to {args.out}"
-          + (f", {len(val_shards)} validation shard(s) to {args.out / VAL_FOLDER}" if val_shards else "")
-          + f"; train with {use}")
+    _print_use(where, shards, val_shards)
     return 0
+
+
+def _print_use(where: str, shards: list[Path], val_shards: list[Path]) -> None:
+    """What was written under `where` (a folder or a prefix) and the `--data` (and `--val`) that trains on it."""
+    use = f"--data {shlex.quote(where + '/' + shard_pattern(Path(), shards).name)}"
+    if val_shards:
+        use += f" --val {shlex.quote(f'{where}/{VAL_FOLDER}/' + shard_pattern(Path(), val_shards).name)}"
+    print(f"wrote {len(shards)} shard(s), {CLASSES_FILE} and {PACK_INDEX_FILE} to {where}"
+          + (f", {len(val_shards)} validation shard(s) to {where}/{VAL_FOLDER}" if val_shards else "")
+          + f"; train with {use}")
 
 
 VAL_FOLDER = "val"
 
 
-def _pack_to_store(args: argparse.Namespace, shard_size: int) -> int:
+def _pack_to_store(args: argparse.Namespace, shard_size: int) -> tuple[str, list[Path], list[Path]]:
     """Pack into a temporary folder, then upload it under the S3 (or GCS) prefix `args.out`: the shards first,
     `classes.json` and `index.json` last, so a reader that finds the index finds every shard it names. Refused
-    where the prefix holds objects, unless --overwrite (which then removes those the new pack does not write)."""
+    where the prefix holds objects, unless --overwrite (which then removes those the new pack does not write).
+    Returns the prefix and the shards and validation shards as they were packed locally."""
     out = str(args.out).rstrip("/")
     check_url("out", out)
     if out.startswith(("http://", "https://")):
@@ -268,13 +276,7 @@ def _pack_to_store(args: argparse.Namespace, shard_size: int) -> int:
                 progress.advance()
     for stale in held - set(written):
         remote.delete(stale)
-    use = f"--data {shlex.quote(out + '/' + shard_pattern(Path(), shards).name)}"
-    if val_shards:
-        use += f" --val {shlex.quote(out + '/' + VAL_FOLDER + '/' + shard_pattern(Path(), val_shards).name)}"
-    print(f"wrote {len(shards)} shard(s), {CLASSES_FILE} and {PACK_INDEX_FILE} to {out}"
-          + (f", {len(val_shards)} validation shard(s) to {out}/{VAL_FOLDER}" if val_shards else "")
-          + f"; train with {use}")
-    return 0
+    return out, shards, val_shards
 
 
 def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:
