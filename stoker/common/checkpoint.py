@@ -42,11 +42,14 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class Position:
-    """Where training resumes: the next train step to run and the global step count so far."""
+    """Where training resumes: the next train step to run, the global step count so far, and the samples of the
+    epoch before that step (None in checkpoints written before the consumers could change mid-run: `step` steps of
+    the run's own size)."""
 
     epoch: int
     step: int
     global_step: int
+    offset: int | None = None
 
 
 def rank_file(rank: int) -> str:
@@ -229,13 +232,16 @@ def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
     files, position = meta.get("files"), meta.get("position")
     if not isinstance(files, dict) or not all(isinstance(v, str) and "/" not in k for k, v in files.items()):
         return "'files' is not a mapping of file names to checksums"
-    if not isinstance(position, dict) or set(position) != {"epoch", "step", "global_step"} or not all(
-            type(v) is int and v >= 0 for v in position.values()):
-        return "'position' is not {epoch, step, global_step} as non-negative integers"
+    if not isinstance(position, dict) or not {"epoch", "step", "global_step"} <= set(position) <= {
+            "epoch", "step", "global_step", "offset"} or not all(type(v) is int and v >= 0 for v in position.values()):
+        return "'position' is not {epoch, step, global_step[, offset]} as non-negative integers"
     if position["global_step"] != folder_step:
         return f"'position' says step {position['global_step']}, the folder's name {folder_step}"
     if type(meta.get("num_consumers")) is not int or meta["num_consumers"] < 1:
         return "'num_consumers' is not a positive integer"
+    reference = meta.get("reference_consumers", meta["num_consumers"])
+    if type(reference) is not int or not meta["num_consumers"] <= reference <= 1 << 20:
+        return "'reference_consumers' is not an integer at least 'num_consumers'"
     return None
 
 

@@ -342,6 +342,12 @@ class AveragingSettings:
     collective_timeout_s: Annotated[Real, Setting(
         "seconds a consumer waits for its peers before the run fails", "S", group=EXPERT,
         may_change_on_resume=True)] = Field(default=60.0, gt=0)
+    on_consumer_failure: Annotated[Literal["auto", "continue", "stop"], Setting(
+        "continue | stop: when a consumer dies, the others go on without it (auto: continue on one machine with 2 "
+        "or more consumers and no overlapped averaging, else stop)", "WHAT", may_change_on_resume=True)] = "auto"
+    min_consumers: Annotated[Count, Setting(
+        "fewest consumers a run goes on with after failures; below, it ends failed", "K",
+        may_change_on_resume=True)] = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _outer_step_needs_the_average(self) -> AveragingSettings:
@@ -349,6 +355,19 @@ class AveragingSettings:
             raise ValueError(f"overlap_averaging=true cannot be combined with outer_optimizer="
                              f"{self.outer_optimizer!r}: the outer step needs the average before training goes on")
         return self
+
+    @model_validator(mode="after")
+    def _survivors_need_an_agreed_state(self) -> AveragingSettings:
+        if self.overlap_averaging and self.on_consumer_failure == "continue":
+            raise ValueError("on_consumer_failure='continue' cannot be combined with overlap_averaging=true: "
+                             "overlapped replicas never hold one agreed state to go on from; use 'stop' or 'auto'")
+        return self
+
+    def continues_after_failure(self, consumers: int, machines: int) -> bool:
+        """Whether the survivors of a consumer's death go on without it (`on_consumer_failure`)."""
+        if self.on_consumer_failure == "stop" or consumers < 2 or self.overlap_averaging:
+            return False
+        return machines == 1
 
 
 @dataclass(frozen=True, config=SECTION)

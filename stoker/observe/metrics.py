@@ -230,6 +230,7 @@ class RunStats:
         self.steps_per_epoch = steps_per_epoch
         self._finished_last_step: dict[int, set[int]] = defaultdict(set)  # epoch -> ranks done with its last step
         self.consumers = [ConsumerTimes() for _ in range(num_consumers)]
+        self.members = num_consumers  # consumers training now: fewer after one died and the others went on
         self.epochs: dict[int, EpochAccount] = {}
         self.skipped: dict[str, str] = {}
         self.digests: dict[int, dict[int, str]] = defaultdict(dict)  # global step -> rank -> digest
@@ -250,16 +251,36 @@ class RunStats:
         account = self._account(report.epoch)
         np.add.at(account.counts, report.sample_ids, 1)
         account.loss_sum += report.loss * report.count
-        if report.step == self.steps_per_epoch - 1:
+        if report.step == (report.epoch_steps or self.steps_per_epoch) - 1:
             self._finished_last_step[report.epoch].add(self.first_rank + report.rank)
         _keep_whole_steps(self.recent[report.rank], now, report.count)
+
+    @property
+    def steps_done(self) -> int:
+        """Steps this part of the run trained (consumers that died trained fewer)."""
+        return max(times.steps for times in self.consumers)
+
+    def retract(self, report: StepReport) -> None:
+        """Take back a step that a group which broke trained and the survivors train again (their state went
+        back to before it): its samples, time and loss no longer count."""
+        times = self.consumers[report.rank]
+        times.compute_s -= report.compute_s
+        times.averaging_s -= report.averaging_s
+        times.wait_s -= report.wait_s
+        times.host_s -= report.host_s
+        times.steps -= 1
+        times.samples -= report.count
+        account = self._account(report.epoch)
+        np.subtract.at(account.counts, report.sample_ids, 1)
+        account.loss_sum -= report.loss * report.count
+        self._finished_last_step[report.epoch].discard(self.first_rank + report.rank)
 
     def record_digest(self, report: StepReport) -> bool | None:
         """Keep a replica's hash; once every replica reported for that step, whether they are all equal."""
         assert report.digest is not None, "called for reports that carry a digest"
         check = self.digests[report.global_step]
         check[self.first_rank + report.rank] = report.digest
-        return len(set(check.values())) == 1 if len(check) == len(self.consumers) else None
+        return len(set(check.values())) == 1 if len(check) >= self.members else None
 
     def export(self) -> dict[str, Any]:
         """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.common.wire`)."""
@@ -276,6 +297,7 @@ class RunStats:
     def merge(self, other: dict[str, Any]) -> None:
         """Add another machine's consumers, acknowledged ids, skipped files and hashes to these."""
         self.consumers.extend(ConsumerTimes(**times) for times in other["consumers"])
+        self.members += len(other["consumers"])
         for epoch, theirs in other["epochs"].items():
             mine = self._account(epoch)
             mine.counts += theirs["counts"].numpy()
@@ -293,7 +315,7 @@ class RunStats:
     def completed_epochs(self) -> list[int]:
         """Epochs whose last step every consumer finished in this run."""
         done = self._finished_last_step
-        return sorted(e for e, ranks in done.items() if len(ranks) == len(self.consumers))
+        return sorted(e for e, ranks in done.items() if ranks and len(ranks) >= self.members)
 
     def record_skipped(self, epoch: int | None, skipped: dict[int, Skipped]) -> None:
         for item in skipped.values():

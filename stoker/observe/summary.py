@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.common.checkpoint import CheckpointError, write_atomic
+from stoker.common.checkpoint import CheckpointError, Position
 from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows, host_share, time_shares
 from stoker.pipeline.messages import StepReport
 
@@ -45,25 +45,25 @@ class Ledger:
     def record_step(self, report: StepReport) -> None:
         self._recent.append((report.global_step, report.epoch, report.sample_ids, report.loss * report.count))
 
+    def take_back(self, agreed_step: int) -> None:
+        """Steps after `agreed_step` are trained again by a new group of consumers: they no longer count."""
+        self._recent = deque(entry for entry in self._recent if entry[0] <= agreed_step)
+
     def checkpointed(self, global_step: int) -> None:
         """Steps before a checkpoint are never taken out again: at most the steps between two checkpoints (an
         epoch at most) are kept."""
         while self._recent and self._recent[0][0] < global_step:
             self._recent.popleft()
 
-    def write_snapshot(self, stats: RunStats, global_step: int, folder: Path) -> tuple[str, str]:
-        """Write the accounting at `global_step` into a checkpoint folder; returns (file name, checksum)."""
-        return ACCOUNTING_FILE, write_atomic(folder / ACCOUNTING_FILE, self.snapshot(stats, global_step))
-
-    def snapshot(self, stats: RunStats, global_step: int) -> bytes:
-        """The accounting at `global_step`, as the bytes of the checkpoint's accounting file."""
-        self.checkpointed(global_step)
+    def snapshot(self, stats: RunStats, position: Position) -> bytes:
+        """The accounting at `position`, as the bytes of the checkpoint's accounting file."""
+        self.checkpointed(position.global_step)
         epochs = {e: EpochAccount(a.counts.copy(), a.expected, a.skipped_ids, a.loss_sum)
                   for e, a in stats.epochs.items()}
         for _, epoch, ids, loss in self._recent:  # trained after the checkpoint's step: a resume trains it again
             np.subtract.at(epochs[epoch].counts, ids, 1)
             epochs[epoch].loss_sum -= loss
-        split_epoch, split_step = divmod(global_step, self.steps_per_epoch)
+        split_epoch, split_step = position.epoch, position.step
         done = {e: a for e, a in epochs.items() if e < split_epoch}
         rows = self.rows + [row for row in accounting_rows(done) if row["epoch"] not in {r["epoch"] for r in self.rows}]
         losses = {**self.train_loss, **{e: a.loss_sum / max(1, a.consumed()) for e, a in done.items()}}

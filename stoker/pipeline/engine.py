@@ -146,8 +146,19 @@ class Engine:
         earlier scheduler that were built and not taken are dropped (none may still be in flight)."""
         assert not self.parts and not self.pending_parts, "a new scheduler while batches of the last are being built"
         self.scheduler = scheduler
+        self.assembler = Assembler(self.ring, self.assembler.parts)
         self.slot_owner = {}
         self.delivered = [0] * scheduler.num_ranks
+
+    def abandon(self) -> None:
+        """The consumers changed: parts not yet given to a producer are dropped. Those a producer holds still finish
+        (into slots nobody takes); `follow` comes once none is left (`building_now`)."""
+        self.pending_parts.clear()
+
+    @property
+    def building_now(self) -> int:
+        """Parts a producer holds and has not reported built."""
+        return len(self.parts)
 
     @property
     def building(self) -> int:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from stoker.common.procs import ChildError
 from stoker.pipeline.plan import Kind
+
+if TYPE_CHECKING:
+    from stoker.common.checkpoint import Position  # torch: never in a producer
 
 
 # Controller -> consumer, in the order they must be handled.
@@ -20,6 +24,9 @@ class Batch:
     global_step: int
     slot: int | None  # None: this rank has no samples in this step but still joins the collective
     step_samples: int
+    schedule_step: float = 0.0  # where the step stands on the learning-rate schedule (`EpochPlan.schedule_step`)
+    lr_scale: float = 1.0  # the learning rate over the schedule's: the consumers over the run's first count
+    epoch_steps: int = 0  # steps of this epoch (they change when the consumers do)
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class ValEnd:
 class Save:
     folder: Path
     global_step: int
+    position: Position  # where a resume from this checkpoint continues
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Finish:
 @dataclass(frozen=True)
 class SlotFree:
     slot: int
+    generation: int = 0  # the group the consumer was in: a slot of a group that broke was already taken back
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class StepReport:
     memory: dict[str, int] = field(default_factory=dict)  # GPU memory peaks so far (nothing on the CPU)
     host_s: float = 0.0  # on a GPU: the device idled for the host (Python, copies), not for input (timing.py)
     ended_s: float = 0.0  # time.monotonic() when the host ended the step: the autoscaler judges windows by it
+    epoch_steps: int = 0  # steps of this epoch in the plan the step belonged to (0: not known)
+    generation: int = 0  # the consumers' group the step was trained in (`Regroup`)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,19 @@
-"""What every batch holds, as a pure function of (seed, epoch, step, rank).
+"""What every batch holds, as a pure function of (seed, epoch, step, rank) and the consumers' membership.
 
 Whichever producer builds a batch, and whenever, the bytes are the same: determinism independent of the number of
 producers and of timing, exactly-once delivery, re-issue of a dead producer's work, and exact resume.
+
+An epoch is one permutation of the training set, eaten from its start in steps of `batch_size` x consumers. When
+the consumers change (one died and the survivors go on, `run/membership.py`), the plan is made again from where the
+agreed steps ended: the same permutation, from that sample on, in steps of the new count. So the plan of a run is
+a pure function of (seed, epoch, position in the epoch, membership history), and every sample of every epoch is
+still in exactly one step.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -33,17 +39,46 @@ class BatchPlan:
 
 @dataclass(frozen=True)
 class EpochPlan:
+    """The steps of every epoch for `num_consumers`. From `start_step` of `start_epoch` on, step k holds the
+    samples from `start_offset` + (k - start_step) x the step's size: a plan made again after the consumers changed
+    mid-epoch (`start_offset` samples were trained, in `start_step` steps, before). Defaults: the plan of the whole
+    run, where step k of any epoch starts at k x the step's size."""
+
     num_train: int
     num_val: int
     batch_size: int
     num_consumers: int
     seed: int
     drop_last: bool = False  # as in DataLoader: no short last step (`stoker.Loader(drop_last=True)`)
+    start_epoch: int = 0
+    start_step: int = 0
+    start_offset: int = 0
+    # The consumers the learning-rate schedule was made for (the run's first count): `schedule_step`.
+    reference_consumers: int | None = None
+
+    @property
+    def per_step(self) -> int:
+        return self.batch_size * self.num_consumers
 
     @property
     def steps_per_epoch(self) -> int:
-        per_step = self.batch_size * self.num_consumers
-        return self.num_train // per_step if self.drop_last else -(-self.num_train // per_step)
+        """Steps of a whole epoch (every epoch after `start_epoch`)."""
+        return self._steps(self.num_train)
+
+    def steps_in(self, epoch: int) -> int:
+        """Steps of `epoch` as this plan numbers them: the steps before the plan's start included."""
+        if epoch != self.start_epoch or not self.start_offset:
+            return self.steps_per_epoch
+        return self.start_step + self._steps(self.num_train - self.start_offset)
+
+    def offset(self, epoch: int, step: int) -> int:
+        """Samples of `epoch` in the steps before `step`."""
+        if epoch == self.start_epoch and step >= self.start_step:
+            return min(self.num_train, self.start_offset + (step - self.start_step) * self.per_step)
+        return min(self.num_train, step * self.per_step)
+
+    def _steps(self, samples: int) -> int:
+        return samples // self.per_step if self.drop_last else -(-samples // self.per_step)
 
     @property
     def samples_per_epoch(self) -> int:
@@ -54,10 +89,29 @@ class EpochPlan:
         """The samples an epoch's steps hold: all of them, less a dropped short last step's."""
         return min(self.num_train, self.steps_per_epoch * self.batch_size * self.num_consumers)
 
+    def schedule_step(self, epoch: int, step: int) -> float:
+        """Where `step` stands on the learning-rate schedule, in steps of the reference count: its own global step
+        while the consumers have not changed, else the samples before it over the reference step's size."""
+        reference = self.reference_consumers or self.num_consumers
+        whole = replace(self, num_consumers=reference, start_epoch=0, start_step=0, start_offset=0)
+        if reference == self.num_consumers and not self.start_offset:
+            return float(epoch * whole.steps_per_epoch + step)
+        return epoch * whole.steps_per_epoch + self.offset(epoch, step) / whole.per_step
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning rate follows the global batch (Goyal et al. 2017): fewer consumers, a smaller step."""
+        return self.num_consumers / (self.reference_consumers or self.num_consumers)
+
+    def regrouped(self, consumers: int, epoch: int, step: int, offset: int) -> EpochPlan:
+        """The plan from step `step` of `epoch` (after `offset` of its samples) for `consumers`."""
+        return replace(self, num_consumers=consumers, start_epoch=epoch, start_step=step, start_offset=offset,
+                       reference_consumers=self.reference_consumers or self.num_consumers)
+
     def train_work(self, epoch: int, step: int, rank: int) -> BatchPlan:
         order = self.permutation(epoch)
-        per_step = self.batch_size * self.num_consumers
-        chunk = order[step * per_step:(step + 1) * per_step]
+        first = self.offset(epoch, step)
+        chunk = order[first:first + self.per_step]
         # The last step is split evenly: shard sizes differ by at most one sample.
         bounds = np.linspace(0, len(chunk), self.num_consumers + 1).round().astype(int)
         return BatchPlan("train", epoch, step, rank, chunk[bounds[rank]:bounds[rank + 1]], len(chunk))

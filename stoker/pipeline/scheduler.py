@@ -28,6 +28,15 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class Unfinished:
+    """What a plan made again after the consumers changed does first: the validation of the epoch before its start,
+    and the checkpoint at its start, when the group that broke did not finish them."""
+
+    validate: bool = False
+    save: bool = False
+
+
+@dataclass(frozen=True)
 class Placement:
     """A batch to build: for `rank`, at `seq` in its stream, into `slot`."""
 
@@ -42,8 +51,11 @@ class Scheduler:
     """Schedules this machine's consumers: local rank r is global rank `first_rank + r` in the plan."""
 
     def __init__(self, plan: EpochPlan, epochs: int, start: Position, num_slots: int, has_val: bool,
-                 checkpoint_every: int, run_dir: Path, first_rank: int = 0, num_ranks: int | None = None) -> None:
+                 checkpoint_every: int, run_dir: Path, first_rank: int = 0, num_ranks: int | None = None,
+                 unfinished: Unfinished | None = None) -> None:
         self.plan = plan
+        self.start = start
+        self.unfinished = unfinished or Unfinished()
         self.num_ranks = plan.num_consumers if num_ranks is None else num_ranks
         self.per_rank_slots = num_slots // self.num_ranks
         self.free_slots = deque(range(num_slots))
@@ -60,30 +72,57 @@ class Scheduler:
         self._skip_validation_row: int | None = None  # an interrupt's: the validation not yet handed out is dropped
         self._validation_ends_taken: set[int] = set()  # rows whose ValEnd some rank has (its all_reduce is due)
         self.position = start
-        self.saves_issued: set[int] = set()  # global steps a Save was handed out for
+        self.saves_issued: dict[int, Position] = {}  # global steps a Save was handed out for, and where they stand
 
     def _stream(self, rank: int, epochs: int, start: Position, has_val: bool, checkpoint_every: int,
                 run_dir: Path) -> Iterator[Entry]:
-        plan, row = self.plan, 0
-        steps = plan.steps_per_epoch
-        for epoch in range(start.epoch, epochs):
-            for step in range(start.step if epoch == start.epoch else 0, steps):
-                global_step = epoch * steps + step
-                after = Position(epoch + (step + 1) // steps, (step + 1) % steps, global_step + 1)
-                work = plan.train_work(epoch, step, rank)
-                yield Entry(row, global_step, work=work, resume_at=after)
-                if checkpoint_every and (global_step + 1) % checkpoint_every == 0 and step + 1 < steps:
-                    yield Entry(row, global_step, message=_save(run_dir, after),
-                               resume_at=after)
-                row += 1
-            after = Position(epoch + 1, 0, (epoch + 1) * steps)
-            if has_val:
-                for index in range(plan.val_batches(rank)):
-                    yield Entry(row, after.global_step - 1, work=plan.val_work(epoch, index, rank))
-                yield Entry(row, after.global_step - 1, message=ValEnd(epoch), resume_at=after)
-            yield Entry(row, after.global_step - 1, message=_save(run_dir, after),
-                       resume_at=after)
+        plan, row, global_step = self.plan, 0, start.global_step
+        if self.unfinished.validate or self.unfinished.save:
+            if start.step == 0 and start.epoch > 0:
+                yield from self._epoch_end(rank, start.epoch - 1, row, start, self.unfinished.validate and has_val,
+                                           run_dir, save=self.unfinished.save)
+            else:
+                yield Entry(row, global_step - 1, message=_save(run_dir, start), resume_at=start)
             row += 1
+        for epoch in range(start.epoch, epochs):
+            steps = plan.steps_in(epoch)
+            for step in range(start.step if epoch == start.epoch else 0, steps):
+                last = step + 1 == steps
+                after = Position(epoch + 1, 0, global_step + 1, 0) if last else Position(
+                    epoch, step + 1, global_step + 1, plan.offset(epoch, step + 1))
+                yield Entry(row, global_step, work=plan.train_work(epoch, step, rank), resume_at=after)
+                if checkpoint_every and (global_step + 1) % checkpoint_every == 0 and not last:
+                    yield Entry(row, global_step, message=_save(run_dir, after), resume_at=after)
+                row += 1
+                global_step += 1
+            yield from self._epoch_end(rank, epoch, row, Position(epoch + 1, 0, global_step, 0), has_val, run_dir)
+            row += 1
+
+    def _epoch_end(self, rank: int, epoch: int, row: int, after: Position, has_val: bool,
+                   run_dir: Path, save: bool = True) -> Iterator[Entry]:
+        """The row after an epoch's last step: its validation pass, then its checkpoint."""
+        if has_val:
+            for index in range(self.plan.val_batches(rank)):
+                yield Entry(row, after.global_step - 1, work=self.plan.val_work(epoch, index, rank))
+            yield Entry(row, after.global_step - 1, message=ValEnd(epoch), resume_at=after)
+        if save:
+            yield Entry(row, after.global_step - 1, message=_save(run_dir, after), resume_at=after)
+
+    def position_after(self, global_step: int) -> Position:
+        """Where training continues after `global_step` (one of this scheduler's steps, or the one before its
+        start)."""
+        epoch, step, steps_done = self.start.epoch, self.start.step, global_step + 1 - self.start.global_step
+        assert steps_done >= 0, f"step {global_step} is before this plan's start at {self.start.global_step}"
+        while steps_done >= self.plan.steps_in(epoch) - step:
+            steps_done -= self.plan.steps_in(epoch) - step
+            epoch, step = epoch + 1, 0
+        step += steps_done
+        return Position(epoch, step, global_step + 1, self.plan.offset(epoch, step))
+
+    def work_of(self, global_step: int, rank: int) -> BatchPlan:
+        """What `rank` trained at `global_step` (one of this scheduler's steps)."""
+        before = self.position_after(global_step - 1)
+        return self.plan.train_work(before.epoch, before.step, rank)
 
     def cut(self, row: int | None = None, skip_validation: bool = False) -> int:
         """Stop every rank at the end of `row`, by default the furthest row any rank has started (used to
@@ -146,8 +185,10 @@ class Scheduler:
     def _message(self, item: Entry, slot: int | None) -> Any:
         if item.work is None:
             return item.message
-        work = item.work
-        return Batch(work.kind, work.epoch, work.step, item.global_step, slot, work.step_samples)
+        work, plan = item.work, self.plan
+        return Batch(work.kind, work.epoch, work.step, item.global_step, slot, work.step_samples,
+                     schedule_step=plan.schedule_step(work.epoch, work.step), lr_scale=plan.lr_scale,
+                     epoch_steps=plan.steps_in(work.epoch))
 
     def complete(self, issue: Placement) -> None:
         """A producer finished the batch: it can be handed over once every earlier one has been."""
@@ -163,7 +204,7 @@ class Scheduler:
                 if item.resume_at is not None and rank == 0:
                     self.position = item.resume_at
                 if isinstance(item.message, Save):
-                    self.saves_issued.add(item.message.global_step)
+                    self.saves_issued[item.message.global_step] = item.message.position
                 self._next_delivery[rank] += 1
                 yield rank, ready.pop(seq)
 
@@ -182,4 +223,4 @@ def _needs_slot(item: Entry) -> bool:
 
 
 def _save(run_dir: Path, position: Position) -> Save:
-    return Save(checkpoint_dir(run_dir, position.global_step, temporary=True), position.global_step)
+    return Save(checkpoint_dir(run_dir, position.global_step, temporary=True), position.global_step, position)

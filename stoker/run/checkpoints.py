@@ -7,6 +7,7 @@ committed one recorded for the summary. The consumers write the state; this neve
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from stoker.common import checkpoint
@@ -24,23 +25,34 @@ KEEP_CHECKPOINTS = 3
 
 class Checkpoints:
     def __init__(self, run_dir: Path, config: TrainConfig, cluster: Cluster, num_consumers: int,
-                 steps_per_epoch: int, classes: list[str], sample_counts: dict[str, int], ledger: Ledger) -> None:
+                 classes: list[str], sample_counts: dict[str, int], ledger: Ledger) -> None:
         self.run_dir = run_dir
         self.config = config
         self.cluster = cluster
         self.num_consumers = num_consumers  # on this machine
-        self.steps_per_epoch = steps_per_epoch
         self.classes = classes
         self.sample_counts = sample_counts
         self.ledger = ledger
         self.pending: dict[int, dict[int, dict[str, str]]] = {}  # global step -> rank -> its files and digests
+        self.positions: dict[int, Position] = {}  # global step -> where a resume from its checkpoint continues
+        self.reference_consumers = cluster.world  # the count the run's learning-rate schedule was made for
+        self.completed: set[int] = set()  # global steps whose every part is written (committed, or committing)
         self.last: Path | None = None
         self.commits = checkpoint.BackgroundCommits()
         self.failure: str | None = None  # a commit that failed while closing
 
-    def expect(self, global_step: int) -> None:
-        """A save was handed to the consumers outside the scheduler's own (an interrupt's)."""
-        self.pending[global_step] = {}
+    def expect(self, position: Position) -> None:
+        """A save at `position` was handed to the consumers."""
+        self.pending.setdefault(position.global_step, {})
+        self.positions[position.global_step] = position
+
+    def regroup(self, num_consumers: int, after_step: int) -> None:
+        """The consumers changed: saves after the agreed step were not all written and are made again (their
+        temporary folders are overwritten), and a checkpoint now takes the survivors' parts."""
+        self.num_consumers = num_consumers
+        for global_step in [step for step in self.pending if step > after_step]:
+            del self.pending[global_step]
+            shutil.rmtree(checkpoint.checkpoint_dir(self.run_dir, global_step, temporary=True), ignore_errors=True)
 
     def saved(self, message: Saved, stats: RunStats) -> None:
         """A consumer's part is written; once every consumer's is, the checkpoint is committed."""
@@ -49,19 +61,21 @@ class Checkpoints:
         if len(parts) < self.num_consumers:
             return
         del self.pending[message.global_step]
+        self.completed.add(message.global_step)
+        position = self.positions.pop(message.global_step)
         self.ledger.checkpointed(message.global_step)
         if not self.cluster.leader:
             return  # the first machine's rank 0 wrote every replica's state
         files = {name: digest for rank_files in parts.values() for name, digest in rank_files.items()}
-        steps = self.steps_per_epoch
-        position = Position(message.global_step // steps, message.global_step % steps, message.global_step)
-        meta = {"position": position.__dict__, "files": files, "num_consumers": self.cluster.world,
+        consumers = self.num_consumers if not self.cluster.multi else self.cluster.world  # fewer after a death
+        meta = {"position": position.__dict__, "files": files, "num_consumers": consumers,
+                "reference_consumers": self.reference_consumers,
                 "config": self.config.as_json(), "classes": self.classes, "samples": self.sample_counts}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
         temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
         extra = {}
         if not self.cluster.multi:  # several machines: the others' accounting reaches this one only at the end
-            extra[ACCOUNTING_FILE] = self.ledger.snapshot(stats, message.global_step)
+            extra[ACCOUNTING_FILE] = self.ledger.snapshot(stats, position)
         self.commits.submit(temporary, final, meta, extra, KEEP_CHECKPOINTS)
 
     def record_commits(self, metrics: MetricsLog, wait: bool = False) -> None:

@@ -8,13 +8,16 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from statistics import mean
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
-from stoker.common.config import RUN_CONFIG_FILE, TrainConfig, names_where
+from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, TrainConfig, names_where
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
 from stoker.common.files import write_json
 from stoker.common.procs import (
@@ -38,15 +41,17 @@ from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_field
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import check_hang_timeout
-from stoker.pipeline.scheduler import Scheduler
+from stoker.pipeline.scheduler import Scheduler, Unfinished
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.checkpoints import Checkpoints
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
+from stoker.run.membership import Membership, check_membership_settings
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
+from stoker.training.elastic import Regroup, Stranded
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
@@ -73,6 +78,9 @@ class Controller:
         if warning := oversubscription(self.devices, available_cores()):
             log.warning("%s", warning)
         self.cluster = cluster.from_environment(self.num_consumers)
+        self.elastic = config.section(AveragingSettings).continues_after_failure(self.num_consumers,
+                                                                                 self.cluster.nodes)
+        check_membership_settings(config, self.num_consumers, self.cluster.multi)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
         self.val_image_size = config.resolved_val_image_size
@@ -130,7 +138,7 @@ class Controller:
         self.resume_accounting: bytes | None = None  # read here, on the machine whose disk holds it
         if self.config.resume is None:
             return Position(0, 0, 0), None
-        found: tuple[str | None, Any, Any, str | None] | None = None
+        found: tuple[str | None, Any, Any, Any, str | None] | None = None
         if self.cluster.leader:
             try:
                 fits = model_fit_check(self.config, len(self.data.train.classes))
@@ -139,16 +147,21 @@ class Controller:
                                        self._sample_counts(), self.plan.steps_per_epoch)
                 self.resume_accounting = read_accounting(folder, meta)
                 self._set_aside_discarded_best(meta["position"]["epoch"])
-                found = (str(folder), meta["position"], meta["num_consumers"], None)
+                found = (str(folder), meta["position"], meta["num_consumers"],
+                         meta.get("reference_consumers", meta["num_consumers"]), None)
             except (ValueError, checkpoint.CheckpointError) as failure:  # RunDirError, ResumeError
-                found = (None, None, None, str(failure))
-        folder, position, consumers, error = cluster.from_leader(self.cluster, found)
+                found = (None, None, None, None, str(failure))
+        folder, position, consumers, reference, error = cluster.from_leader(self.cluster, found)
         if error is not None:
             raise rundir.RunDirError(error)
         if consumers != self.cluster.world:
             raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
                              f"run {self.cluster.world}; resume with the same machines and devices")
-        return Position(**position), Path(folder)
+        start = Position(**position)
+        if reference != consumers:  # written after a consumer died: the survivors' plan goes on
+            self.plan = replace(self.plan, reference_consumers=reference).regrouped(
+                consumers, start.epoch, start.step, start.offset or 0)
+        return start, Path(folder)
 
     def _set_aside_discarded_best(self, epochs_done: int) -> None:
         aside = resume.set_aside_later_best(self.run_dir, epochs_done)
@@ -170,6 +183,10 @@ class Controller:
         self.stop = self.driver.stop
         self.mailbox = self.driver.mailbox
         self.witness = FailureWitness(self.consumers, self.mailbox, self.config.collective_timeout_s)
+        self.membership = Membership(self.devices, CONTEXT.Value("i", 0) if self.elastic else None,
+                                     self.config.min_consumers, self.config.sync_every,
+                                     self.config.collective_timeout_s, time.monotonic())
+        self.failure_causes: dict[int, str] = {}  # consumer -> the error it reported before it died
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
         for item in self.data.refused:
@@ -178,8 +195,9 @@ class Controller:
         if self.resume_from is not None:  # the folder other machines receive is never opened there
             self.ledger.resume(self.resume_accounting, self.run_dir, self.stats)
         self.checkpoints = Checkpoints(self.run_dir, self.config, self.cluster, self.num_consumers,
-                                       self.plan.steps_per_epoch, list(self.data.train.classes),
+                                       list(self.data.train.classes),
                                        self._sample_counts(), self.ledger)
+        self.checkpoints.reference_consumers = self.plan.reference_consumers or self.cluster.world
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
@@ -208,7 +226,7 @@ class Controller:
         self.metrics = MetricsLog(self.run_dir / metrics_file,
                                   self.run_dir / "tensorboard" if self.config.tensorboard else None,
                                   append=self.config.resume is not None)
-        self.started = time.monotonic()
+        self.started = self.membership.started = time.monotonic()
         status, error, forced = "completed", None, False
         try:
             self._start()
@@ -287,26 +305,34 @@ class Controller:
         if self.cluster.multi:
             self.agreement = cluster.StopAgreement.join(self.cluster, self.store, store,
                                                         self.config.collective_timeout_s)
+        reference = replace(self.plan, num_consumers=self.plan.reference_consumers or self.plan.num_consumers)
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
-                                 self.data.train.classes, self.plan.steps_per_epoch * self.config.epochs,
-                                 self.plan.steps_per_epoch, self.resume_from, self.run_dir)
+                                 self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
+                                 reference.steps_per_epoch, self.resume_from, self.run_dir)
         for rank, setup in enumerate(setups):
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
             outbox = self.mailbox.open()
-            self.consumers.append(start(consumer_main, (setup, ready, outbox, self.stop), f"stoker consumer {rank}"))
+            setup = replace(setup, start_step=self.start_at.global_step, elastic=self.elastic)
+            self.consumers.append(start(consumer_main, (setup, ready, outbox, self.stop, self.membership.generation),
+                                        f"stoker consumer {rank}"))
             outbox.close()
 
     def _loop(self) -> None:
         window_started = time.monotonic()
         window = WindowTotals()
-        while len(self.finished) < self.num_consumers:
+        while len(self.finished) < len(self.membership.members):
             self._follow_interrupts()
-            self.engine.dispatch()
-            self._deliver(window)
-            for message in self.driver.pump(POLL_S):  # the producers' go to the engine
+            regrouping = self.membership.regrouping  # nothing new is built or handed over meanwhile
+            if not regrouping:
+                self.engine.dispatch()
+                self._deliver(window)
+            for message in self.driver.pump(POLL_S, dispatch=not regrouping):  # the producers' go to the engine
                 self._handle(message, window)
             self._check_consumers()
+            if self.membership.ready():
+                self._regroup()
+            self.membership.check_deadline()
             self.checkpoints.record_commits(self.metrics)
             if time.monotonic() - window_started >= SCALE_WINDOW_S:
                 self._close_window(window, time.monotonic() - window_started)
@@ -337,7 +363,9 @@ class Controller:
 
     def _deliver(self, window: WindowTotals) -> None:
         for rank, message in self.driver.deliverable():
-            self.ready_queues[rank].put(message)
+            self.ready_queues[self.membership.members[rank]].put(message)
+            if isinstance(message, Save):
+                self.checkpoints.expect(message.position)
             if faults.armed() and getattr(message, "kind", None) == "val":
                 faults.maybe_inject("controller", f"val batch {message.step} of epoch {message.epoch} handed over")
         waiting = self.agreement is not None and self.agreement.waiting
@@ -352,26 +380,20 @@ class Controller:
         position = self.scheduler.position
         if self.stopping and position.global_step not in self.scheduler.saves_issued:
             folder = checkpoint.checkpoint_dir(self.run_dir, position.global_step, temporary=True)
-            for ready in self.ready_queues:
-                ready.put(Save(folder, position.global_step))
-            self.checkpoints.expect(position.global_step)
-        for ready in self.ready_queues:
-            ready.put(Finish(self.run_dir / "model.pt"))
+            for consumer in self.membership.members:
+                self.ready_queues[consumer].put(Save(folder, position.global_step, position))
+            self.checkpoints.expect(position)
+        for consumer in self.membership.members:
+            self.ready_queues[consumer].put(Finish(self.run_dir / "model.pt"))
 
     def _handle(self, message: Any, window: WindowTotals) -> None:
         now = time.monotonic()
         if isinstance(message, SlotFree):
-            self.engine.release(message.slot)
+            if self.membership.slot_counts(message.generation):
+                self.engine.release(message.slot)
         elif isinstance(message, StepReport):
-            self.stats.record_step(message, now)
-            self.ledger.record_step(message)
-            window.add(message)
-            self.metrics.write("step", **step_fields(message, self.cluster.first_rank))
-            if message.count and (diverged := divergence(message.loss, message.global_step,
-                                                         self.cluster.first_rank + message.rank, self.config.lr)):
-                raise StokerRunError(diverged)
-            if message.digest is not None:
-                self._compare_replicas(message)
+            if self.membership.counts(message):
+                self._record_step(message, window, now)
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
@@ -383,11 +405,28 @@ class Controller:
         elif isinstance(message, Finished):
             self.finished[message.rank] = message
             self.final_digests[self.cluster.first_rank + message.rank] = message.digest
+        elif isinstance(message, Stranded):
+            self.membership.strand(message)
         elif isinstance(message, ConsumerFailed):
+            if self.membership.elastic:  # it ends now; its death is what the survivors regroup after
+                self.failure_causes[message.rank] = str(message.error)
+                log.error("consumer %d failed: %s\n%s", message.rank, message.error, message.error.trace)
+                return
             causes = self.witness.causes(message)
             if not causes and self.cluster.multi:
                 causes = ["a consumer on another machine may have stopped first (see that machine's log)"]
             raise StokerRunError("; ".join([*causes, str(message.error)]) + f"\n{message.error.trace}")
+
+    def _record_step(self, message: StepReport, window: WindowTotals, now: float) -> None:
+        self.stats.record_step(message, now)
+        self.ledger.record_step(message)
+        window.add(message)
+        self.metrics.write("step", **step_fields(message, self.cluster.first_rank))
+        if message.count and (diverged := divergence(message.loss, message.global_step,
+                                                     self.cluster.first_rank + message.rank, self.config.lr)):
+            raise StokerRunError(diverged)
+        if message.digest is not None:
+            self._compare_replicas(message)
 
     def _compare_replicas(self, report: StepReport) -> None:
         identical = self.stats.record_digest(report)
@@ -397,13 +436,101 @@ class Controller:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
 
     def _check_consumers(self) -> None:
-        for rank, process in enumerate(self.consumers):
+        for rank in list(self.membership.members):
+            process = self.consumers[rank]
             if not process.is_alive() and rank not in self.finished:
                 self._read_last_messages(rank)
                 if rank in self.finished:
                     continue
-                self.witness.log_reported_failures()
-                raise StokerRunError(f"consumer {rank} (pid {process.pid}) {describe_exit(process)}")
+                cause = f"consumer {rank} (pid {process.pid}) {describe_exit(process)}"
+                if not self.membership.elastic:
+                    self.witness.log_reported_failures()
+                    raise StokerRunError(cause)
+                self._lose(rank, cause)
+
+    # ---- a consumer's death, when the others go on --------------------------------------------------------------
+
+    def _lose(self, consumer: int, cause: str) -> None:
+        if reported := self.failure_causes.get(consumer):
+            cause = f"{cause}: {reported.splitlines()[0]}"
+        loss = self.membership.lose(consumer, cause)  # below --min-consumers: the run fails
+        log.warning("%s; the other %d consumer(s) go on without it", cause, len(self.membership.members))
+        self.metrics.write("consumer_lost", consumer=consumer, device=loss.device, cause=cause,
+                           t=round(loss.died_s, 3), consumers=len(self.membership.members))
+
+    def _regroup(self) -> None:
+        """Every survivor left the broken group: go back to the state they all hold, plan the rest of the run
+        for them from there, and send each its place in the new group."""
+        membership, old = self.membership, self.scheduler
+        agreed = membership.agreed_step()
+        taken_back = membership.take_back(agreed)
+        for report in taken_back:
+            self.stats.retract(report)
+        self.ledger.take_back(agreed)
+        self._credit_lost_steps(old, agreed)
+        self._drain_engine()
+        position = old.position_after(agreed)
+        consumers = len(membership.members)
+        self.plan = self.plan.regrouped(consumers, position.epoch, position.step, position.offset or 0)
+        self.checkpoints.regroup(consumers, agreed)
+        self.scheduler = Scheduler(self.plan, self.config.epochs, position, self.num_slots,
+                                   self.data.val is not None, self.config.checkpoint_every, self.run_dir,
+                                   self.cluster.first_rank, consumers, self._unfinished(position))
+        if self.stopping:
+            self.scheduler.cut(-1)  # interrupted meanwhile: only the checkpoint where the survivors stand
+        self.engine.abandon()
+        self.engine.follow(self.scheduler)
+        self.stats.members = consumers
+        for rank, consumer in enumerate(membership.members):
+            self.ready_queues[consumer].put(Regroup(membership.current, rank, consumers, agreed))
+        membership.regrouped(agreed, len({report.global_step for report in taken_back}))
+        self.finishing = False
+        loss = membership.losses[-1]
+        log.warning("%d consumer(s) go on from the state after step %d (%.1f s after the death; %d step(s) "
+                    "trained again)", consumers, agreed, loss.recovered_s or 0.0, loss.steps_taken_back)
+        self.metrics.write("regrouped", consumers=consumers, members=list(membership.members), agreed_step=agreed,
+                           recovered_s=loss.recovered_s, steps_taken_back=loss.steps_taken_back,
+                           epoch=position.epoch, offset=position.offset)
+
+    def _credit_lost_steps(self, old: Scheduler, agreed: int) -> None:
+        """A dead consumer's steps up to the agreed state are in the survivors' weights (its part of every
+        averaging up to it arrived) even where its report did not (on a GPU, steps are reported in groups):
+        they count, with the samples the plan gave it, less those that were unusable."""
+        for loss in self.membership.losses:
+            if loss.recovered_s is not None:
+                continue
+            first = max(self.membership.last_reported.get(loss.consumer, -1) + 1, old.start.global_step)
+            for global_step in range(first, agreed + 1):
+                work = old.work_of(global_step, loss.rank)
+                skipped = self.stats.epochs[work.epoch].skipped_ids if work.epoch in self.stats.epochs else set()
+                ids = np.array([i for i in work.sample_ids.tolist() if i not in skipped], np.int64)
+                report = StepReport(loss.consumer, work.epoch, work.step, global_step, len(ids), 0.0, 0.0, 0.0,
+                                    0.0, ids, None, epoch_steps=old.plan.steps_in(work.epoch))
+                self.stats.record_step(report, time.monotonic())
+                self.ledger.record_step(report)
+
+    def _drain_engine(self) -> None:
+        """Let the parts producers hold finish (into slots nobody takes) before the ring is planned again."""
+        self.engine.abandon()
+        deadline = time.monotonic() + 3 * self.config.producer_timeout_s
+        while self.engine.building_now:
+            if time.monotonic() > deadline:
+                raise StokerRunError(f"{self.engine.building_now} part(s) of batches were still being built "
+                                     f"{3 * self.config.producer_timeout_s:.0f} s after a consumer died")
+            for message in self.driver.pump(POLL_S, dispatch=False):
+                self._handle(message, WindowTotals())
+
+    def _unfinished(self, position: Position) -> Unfinished:
+        """What of the row before `position` the broken group may not have done: the validation of the epoch it
+        ended, and the checkpoint at it."""
+        if position.global_step <= self.start_at.global_step:
+            return Unfinished()  # this part started there: the part before did both
+        epoch_end = position.step == 0 and position.epoch > 0
+        every = self.config.checkpoint_every
+        due = epoch_end or bool(every and position.global_step % every == 0)
+        validated = any(report.epoch == position.epoch - 1 for report in self.val_reports)
+        return Unfinished(validate=epoch_end and self.data.val is not None and not validated,
+                          save=due and position.global_step not in self.checkpoints.completed)
 
     def _read_last_messages(self, rank: int) -> None:
         """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
@@ -436,7 +563,7 @@ class Controller:
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
         and the report all show this one."""
-        if not self.stats.consumers[0].steps:
+        if not self.stats.steps_done:
             return Verdict("starting", "no training step finished")
         run = self.ledger.so_far(self.stats)  # after --resume, the parts before this one too
         return diagnose(TimeSplit(
@@ -445,6 +572,13 @@ class Controller:
             overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]),
             **self.engine.verdict_fields()))
 
+    def _steps_left(self, position: Position) -> int:
+        """Global steps from `position` to the end of the run, as the plan stands now."""
+        if position.epoch >= self.config.epochs:
+            return 0
+        rest = self.plan.steps_in(position.epoch) - position.step
+        return rest + self.plan.steps_per_epoch * (self.config.epochs - position.epoch - 1)
+
     @property
     def engine(self) -> Engine:
         return self.driver.engine
@@ -452,12 +586,14 @@ class Controller:
     def _show(self, final: bool = False) -> None:
         if not (final or self.view.due()):
             return
-        steps_per_epoch = self.plan.steps_per_epoch
-        step = self.start_at.global_step + self.stats.consumers[0].steps
-        epoch = min(self.config.epochs - 1, step // steps_per_epoch)
+        step = self.start_at.global_step + self.stats.steps_done
+        position = self.scheduler.position_after(max(step, self.scheduler.start.global_step) - 1)
+        epoch = min(self.config.epochs - 1, position.epoch)
+        steps_per_epoch = self.plan.steps_in(epoch)
         self.view.update(Snapshot(
-            epoch=epoch, epochs=self.config.epochs, epoch_step=step - epoch * steps_per_epoch,
-            steps_per_epoch=steps_per_epoch, step=step, total_steps=steps_per_epoch * self.config.epochs,
+            epoch=epoch, epochs=self.config.epochs, epoch_step=min(position.step, steps_per_epoch) if
+            position.epoch == epoch else steps_per_epoch, steps_per_epoch=steps_per_epoch, step=step,
+            total_steps=position.global_step + self._steps_left(position),
             samples_per_s=(self.ledger.so_far(self.stats)["throughput_samples_per_s"] if final
                            else self.stats.rate(time.monotonic())),
             loss=self.stats.latest_train_loss(),
@@ -500,4 +636,5 @@ class Controller:
             samples_expected=self.plan.samples_trained_per_epoch, verdict=self.run_verdict().as_json(),
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
-            started=self.started), status, error)
+            started=self.started, consumers_lost=tuple(loss.as_json() for loss in self.membership.losses)),
+            status, error)

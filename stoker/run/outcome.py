@@ -37,6 +37,7 @@ class RunFacts:
     val_image_size: int
     start_step: int
     started: float  # time.monotonic() at the start
+    consumers_lost: tuple[dict[str, Any], ...] = ()  # `run.membership.Loss.as_json()`, in order
 
 
 def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]:
@@ -46,8 +47,10 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "status": status,
         **({"error": error} if error else {}),
         "epochs": len(run.stats.completed_epochs),
-        "steps": run.stats.consumers[0].steps,
+        "steps": run.stats.steps_done,
         "num_consumers": run.world,
+        "consumers_lost": list(run.consumers_lost),
+        "consumers_at_end": run.world - len(run.consumers_lost),
         "machines": run.machines,
         "devices": run.devices,
         "gpu_memory": run.gpu_memory,
@@ -66,7 +69,7 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "val_accuracy": last_val.accuracy if last_val else None,
         "val_loss": last_val.loss if last_val else None,
         "train_loss": run.stats.latest_train_loss(),
-        "replicas_identical": bool(digests) and len(digests) == run.world
+        "replicas_identical": bool(digests) and len(digests) == run.world - len(run.consumers_lost)
                               and run.stats.replicas_identical(digests),
         "replica_mismatch_steps": run.stats.mismatched_steps(),
         "checkpoint": str(run.checkpoint) if run.checkpoint else None,

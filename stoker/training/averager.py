@@ -55,6 +55,7 @@ class Averager:
             raise ValueError("an outer optimizer needs the average before it steps: it cannot overlap")
         self.sync_every = sync_every
         self.world_size = world_size
+        self.batch_size = batch_size
         self.full_step_samples = batch_size * world_size
         self.float_buckets, parameters = flatten_float_state(model)
         self.int_tensors = [t for t in _state_tensors(model) if not t.is_floating_point()]
@@ -64,6 +65,15 @@ class Averager:
         hide = in_backward and world_size > 1 and outer is None and not overlap
         self.backward = BackwardAverage(model, self.float_buckets, world_size,
                                         _group_bytes(self.float_buckets)) if hide else None
+
+    def regroup(self, world_size: int) -> None:
+        """The group changed (a peer died): average over `world_size` replicas from now on; an averaging that was
+        in flight in the old group is dropped (the replica went back to the state before it)."""
+        self.world_size = world_size
+        self.full_step_samples = self.batch_size * world_size
+        if self.backward is not None:
+            self.backward.world_size = world_size
+            self.backward.optimizer, self.backward.works = None, []
 
     @property
     def replicas_agree(self) -> bool:

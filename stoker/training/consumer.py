@@ -50,6 +50,7 @@ from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.training import accel, exchange, model_file, warmup
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
+from stoker.training.elastic import AgreedStates, GroupLost, Regroup, Stranded, is_group_error
 from stoker.training.ema import ModelEma
 from stoker.training.evaluation import ValTotals
 from stoker.training.feed import DeviceLoader
@@ -94,6 +95,8 @@ class ConsumerSetup:
     model_card: model_file.ModelCard | None = None  # written into model.pt beside the weights (None: plain weights)
     best_model: Path | None = None  # where rank 0 keeps the model of the best validation accuracy so far
     local_consumers: int = 1  # consumers on this machine: they share its cores
+    start_step: int = 0  # the global step this part of the run starts at
+    elastic: bool = False  # survivors of a peer's death go on (`--on-consumer-failure`): keep the agreed states
 
     @property
     def outer(self) -> OuterSpec | None:
@@ -106,16 +109,17 @@ class Stopped(Exception):
     """The controller asked us to stop, or it is gone."""
 
 
-def consumer_main(setup: ConsumerSetup, ready, outbox, stop) -> None:
-    """Process entry point."""
+def consumer_main(setup: ConsumerSetup, ready, outbox, stop, generation=None) -> None:
+    """Process entry point. `generation`: the controller's count of regroups (a shared integer), None when the
+    survivors of a death do not go on."""
     name_process(f"stoker consumer {setup.rank}")
     exit_with_parent()
     ring = SlotRing.attach(setup.ring)
     doing, finished = "starting", False
     try:
-        replica = Replica(setup, ring, outbox, stop)
+        replica = Replica(setup, ring, outbox, stop, generation)
         doing = "training"
-        replica.serve(ready, stop)
+        replica.serve(ready)
         finished = True
     except Stopped:
         pass
@@ -164,8 +168,10 @@ def abort_group() -> None:
 
 
 class Replica:
-    def __init__(self, setup: ConsumerSetup, ring: SlotRing, outbox, stop) -> None:
+    def __init__(self, setup: ConsumerSetup, ring: SlotRing, outbox, stop, generation=None) -> None:
         self.setup = setup
+        self.generation = 0  # the group this replica is in (`Regroup`)
+        self.shared_generation = generation
         self.ring = ring
         self.outbox = outbox
         torch.set_num_threads(setup.num_threads)
@@ -176,7 +182,8 @@ class Replica:
         self.stop = stop
         self.watch = ParentWatch()
         accel.configure_backends(setup.hardware.deterministic)
-        self.store = _join_group(setup)
+        self.base_store = _connect_store(setup)
+        self.store = _join_group(setup, self.base_store)
         self.host_group = exchange.host_group()
         self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
         self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
@@ -224,12 +231,30 @@ class Replica:
         self.ema_val_totals = ValTotals(setup.num_classes, self.device) if self.ema is not None else None
         self.best = _BestModel(setup.best_model, setup.model_card, setup.resume_from is not None) \
             if setup.rank == 0 else None
+        self.agreed = AgreedStates(self._agreed_state) if setup.elastic else None
+        if self.agreed is not None:
+            self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
 
-    def serve(self, ready, stop) -> None:
-        watch = ParentWatch()
+    def serve(self, ready) -> None:
+        """Train on what the controller sends until `Finish`. With `--on-consumer-failure continue`, a group that
+        breaks (a peer died) is left and joined again as the controller says (`_rejoin`)."""
+        broken: Exception | None = None
+        while True:
+            try:
+                if broken is not None:
+                    self._rejoin(ready, broken)  # a peer may die while the new group forms: stranded again
+                    broken = None
+                self._serve(ready)
+                return
+            except Exception as error:
+                if self.agreed is None or not is_group_error(error):
+                    raise
+                broken = error
+
+    def _serve(self, ready) -> None:
         while True:
             waited_from = time.perf_counter()
-            message = _next_message(ready, stop, watch, when_idle=self.report_steps)
+            message = _next_message(ready, self._check_alive, when_idle=self.report_steps)
             wait_s = time.perf_counter() - waited_from
             if isinstance(message, Batch) and message.kind == "train":
                 self.train_step(message, wait_s)
@@ -245,6 +270,55 @@ class Replica:
             elif isinstance(message, Finish):
                 self.finish(message)
                 return
+            elif isinstance(message, Regroup):
+                raise GroupLost(f"regrouped as generation {message.generation}")
+
+    # ---- a peer's death -----------------------------------------------------------------------------------------
+
+    def _rejoin(self, ready, error: Exception) -> None:
+        """Leave the broken group, tell the controller which agreed state this replica holds, and go back to the
+        one it names, in the group it names. Nothing of the broken group's is kept: batches it sent are dropped
+        (the controller takes their slots back), a step in flight is void (the state goes back to before it)."""
+        log.warning("consumer %d: the group broke (%s): waiting for the survivors' new group", self.setup.rank,
+                    str(error).splitlines()[0][:200])
+        abort_group()
+        self.clock.pause()
+        self.report_steps()
+        assert self.agreed is not None, "only an elastic replica rejoins"
+        self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest,
+                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
+        while True:
+            message = _next_message(ready, self._check_stopped, when_idle=lambda: None)
+            if isinstance(message, Regroup) and message.generation > self.generation:
+                break
+        self._join(message)
+
+    def _join(self, regroup: Regroup) -> None:
+        assert self.agreed is not None, "only an elastic replica rejoins"
+        self.generation = regroup.generation
+        self._apply_state(self.agreed.at(regroup.agreed_step))
+        self.agreed.kept = [kept for kept in self.agreed.kept if kept[0] <= regroup.agreed_step]
+        self.setup = replace(self.setup, rank=regroup.rank, world_size=regroup.world_size)
+        self.store = _join_group(self.setup, dist.PrefixStore(f"stoker-group-{regroup.generation}/",
+                                                              self.base_store))
+        self.host_group = exchange.host_group()
+        self.averager.regroup(regroup.world_size)
+        self.unreported = []
+        self.val_totals = ValTotals(self.setup.num_classes, self.device)
+        if self.ema_val_totals is not None:
+            self.ema_val_totals = ValTotals(self.setup.num_classes, self.device)
+        if self.setup.rank == 0 and self.best is None:
+            self.best = _BestModel(self.setup.best_model, self.setup.model_card, resumed=True)
+        log.info("consumer %d is rank %d of %d from the state after step %d", self.setup.local_rank,
+                 regroup.rank, regroup.world_size, regroup.agreed_step)
+
+    def _agreed_state(self) -> dict:
+        """What every replica holds alike after an averaging, and this replica's own optimizer and RNG state."""
+        return {**self._rank_state(), "buckets": self.averager.float_buckets, "ints": self.averager.int_tensors}
+
+    def _check_stopped(self) -> None:
+        if self.stop.is_set() or self.watch.parent_gone():
+            raise Stopped
 
     def train_step(self, batch: Batch, wait_s: float) -> None:
         if self.first_wait_s is None:
@@ -254,7 +328,7 @@ class Replica:
         self.averager.begin_step(batch.global_step, len(ids), batch.step_samples, self.optimizer)
         loss = None
         if len(ids):
-            self._set_learning_rate(batch.global_step)
+            self._set_learning_rate(batch)
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
             images, targets = self.recipe.prepare(images, labels, batch.epoch, batch.step, self.setup.rank)
@@ -278,6 +352,8 @@ class Replica:
         if averaged and self.averager.replicas_agree and every and (batch.global_step + 1) % every == 0:
             digest = self.averager.digest()
         marks = self.clock.end(averaged, after_averaging=self._ema_update(batch.global_step) if averaged else None)
+        if averaged and self.agreed is not None and self.averager.replicas_agree:
+            self.agreed.keep(batch.global_step)
         self.unreported.append(_StepInFlight(batch, ids, loss, marks, digest, time.monotonic()))
         if len(self.unreported) >= self.report_every:
             # The first step is reported at once (the controller times the run from it); later ones only once
@@ -307,7 +383,8 @@ class Replica:
             self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step,
                                         len(step.ids), step.loss.item() if step.loss is not None else 0.0,
                                         times.wait_s, times.compute_s, times.averaging_s, step.ids, step.digest,
-                                        memory, host_s=times.host_s, ended_s=step.ended_s))
+                                        memory, host_s=times.host_s, ended_s=step.ended_s,
+                                        epoch_steps=batch.epoch_steps, generation=self.generation))
 
     def _steps_done(self) -> int:
         """How many of the unreported steps, from the oldest, the device has done."""
@@ -317,10 +394,10 @@ class Replica:
         return count
 
     def _release(self, slot: int) -> None:
-        self.outbox.send(SlotFree(slot))
+        self.outbox.send(SlotFree(slot, self.generation))
 
-    def _set_learning_rate(self, global_step: int) -> None:
-        lr = self.learning_rate.at(global_step)
+    def _set_learning_rate(self, batch: Batch) -> None:
+        lr = self.learning_rate.at(batch.schedule_step) * batch.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
 
@@ -391,7 +468,14 @@ class Replica:
         if model_state is not None:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
-        state = exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size, group=self.host_group)
+        self._apply_state(exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size,
+                                            group=self.host_group))
+
+    def _apply_state(self, state: dict) -> None:
+        """A replica's state from a checkpoint (`_rank_state`) or an agreed copy (`_agreed_state`)."""
+        for target, source in zip([*self.averager.float_buckets, *self.averager.int_tensors],
+                                  [*state.get("buckets", ()), *state.get("ints", ())], strict=False):
+            target.copy_(source)
         if "model" in state:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -423,8 +507,9 @@ class Replica:
                                                                             self.model), self._check_alive)
 
     def _check_alive(self) -> None:
-        if self.stop.is_set() or self.watch.parent_gone():
-            raise Stopped
+        self._check_stopped()
+        if self.shared_generation is not None and self.shared_generation.value != self.generation:
+            raise GroupLost(f"the controller is forming group {self.shared_generation.value}")
 
     def finish(self, message: Finish) -> None:
         self.averager.settle()
@@ -476,13 +561,12 @@ class _StepInFlight:
     ended_s: float = 0.0
 
 
-def _next_message(ready, stop, watch: ParentWatch, when_idle):
-    """The next message; `when_idle()` runs once if none is there within a poll (the consumer would wait
-    anyway, so reading the device costs nothing then)."""
+def _next_message(ready, check: Callable[[], None], when_idle):
+    """The next message; `check()` raises when the consumer must stop waiting; `when_idle()` runs once if none is
+    there within a poll (the consumer would wait anyway, so reading the device costs nothing then)."""
     idle = False
     while True:
-        if stop.is_set() or watch.parent_gone():
-            raise Stopped
+        check()
         try:
             return ready.get(timeout=POLL_S)
         except queue.Empty:
@@ -518,11 +602,14 @@ def compile_threads(device: str, num_threads: int, local_consumers: int) -> int:
     return max(1, available_cores() // max(1, local_consumers))
 
 
-def _join_group(setup: ConsumerSetup) -> dist.Store:
-    timeout = timedelta(seconds=setup.averaging.collective_timeout_s)
+def _connect_store(setup: ConsumerSetup) -> dist.Store:
     if setup.store.local:
         bind_to_loopback()
-    store = setup.store.connect(setup.world_size, setup.averaging.collective_timeout_s)
+    return setup.store.connect(setup.world_size, setup.averaging.collective_timeout_s)
+
+
+def _join_group(setup: ConsumerSetup, store: dist.Store) -> dist.Store:
+    timeout = timedelta(seconds=setup.averaging.collective_timeout_s)
     options = group_options(torch.device(setup.device))
     os.environ.update(options.env)  # read when the backend starts, so before init
     dist.init_process_group(options.backend, store=store, rank=setup.rank, world_size=setup.world_size,

@@ -22,8 +22,8 @@ class LearningRate:
     total_steps: int
     warmup_steps: int = 0
 
-    def at(self, step: int) -> float:
-        """The rate of the 0-based global `step`: (step + 1) / warmup_steps of the peak during warmup (the first
+    def at(self, step: float) -> float:
+        """The rate of the 0-based global `step` (a fraction of one after the consumers changed mid-run): (step + 1) / warmup_steps of the peak during warmup (the first
         step already moves), then the schedule over the steps that remain."""
         if step < self.warmup_steps:
             return self.peak * (step + 1) / self.warmup_steps

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from stoker.common.checkpoint import Position
+from stoker.common.checkpoint import Position, write_atomic
 from stoker.observe.metrics import RunStats
-from stoker.observe.summary import Ledger, read_accounting
+from stoker.observe.summary import ACCOUNTING_FILE, Ledger, read_accounting
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.scheduler import Scheduler
@@ -55,7 +55,8 @@ def test_a_checkpoint_holds_the_accounting_at_its_step_and_a_resume_counts_every
             stats.expect(epoch, np.array(ids[step]))
             stats.record_step(message := report(epoch, step, ids[step]), now=0.0)
             ledger.record_step(message)
-    name, digest = ledger.write_snapshot(stats, global_step=6, folder=tmp_path)
+    name = ACCOUNTING_FILE
+    digest = write_atomic(tmp_path / name, ledger.snapshot(stats, Position(epoch=1, step=2, global_step=6)))
 
     resumed_stats, resumed = RunStats(1, 8, 4), Ledger(steps_per_epoch=4)
     resumed.resume(read_accounting(tmp_path, {"files": {name: digest}}), tmp_path, resumed_stats)

@@ -344,6 +344,7 @@ def _replica_on(ops: FakeOps, ring: SlotRing, sync_every: int = 1, steps_ahead: 
     replica.clock = StepClock(ops, steps_ahead)
     replica.steady_report_every, replica.report_every = REPORT_EVERY_ASYNC, 1
     replica.unreported, replica.first_wait_s, replica.device = [], None, torch.device("cpu")
+    replica.generation, replica.agreed = 0, None
     replica.learning_rate, replica.ema = LearningRate(0.01, "constant", 100), None
     replica.recipe = Recipe(RecipeSpec(num_classes=30, seed=0))  # cross-entropy on the labels, nothing else
     return replica

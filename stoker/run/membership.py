@@ -1,0 +1,163 @@
+"""Which consumers train, and what happens when one dies (`--on-consumer-failure continue`).
+
+The controller sees a consumer's death (its process is gone) and moves the shared `generation` on: every survivor
+stops what it does (its collective fails at once, a wait sees the generation), leaves the group and reports
+`Stranded` with the newest state it holds that all replicas agreed on. Once every survivor has, the controller
+takes the oldest of those (each survivor holds it: `training/elastic.py`), takes back what was counted after it,
+plans the rest of the run again for the survivors from there (`EpochPlan.regrouped`) and sends each its `Regroup`.
+So a step in progress when the consumer died is trained again whole, by the survivors, and every sample of every
+epoch is still trained exactly once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from stoker.common.procs import StokerRunError
+from stoker.pipeline.messages import StepReport
+from stoker.training.elastic import Stranded
+
+# Reports kept to be taken back: those after the oldest state a survivor may go back to (two averagings back).
+KEEP_WINDOWS = 2
+
+
+@dataclass
+class Loss:
+    """One consumer's death, as metrics.jsonl, the summary and the verdict tell it."""
+
+    consumer: int
+    rank: int  # in the group that broke
+    device: str
+    cause: str
+    died_s: float  # seconds into the run
+    agreed_step: int = -1  # the survivors went back to the state after this global step
+    recovered_s: float | None = None  # from the death to the survivors' new group and plan
+    steps_taken_back: int = 0  # steps trained after the agreed state, trained again
+    consumers_after: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {key: round(value, 3) if isinstance(value, float) else value for key, value in asdict(self).items()}
+
+
+def check_membership_settings(config: Any, consumers: int, several_machines: bool) -> None:
+    """Before any process starts: `--on-consumer-failure continue` and `--min-consumers` this run can keep."""
+    if config.on_consumer_failure == "continue" and several_machines:
+        raise ValueError("on_consumer_failure='continue' works on one machine; on several, a lost machine is "
+                         "restarted by torchrun and resumes from the last checkpoint: use 'auto' or 'stop'")
+    if config.min_consumers > consumers:
+        raise ValueError(f"min_consumers={config.min_consumers} is more than the {consumers} consumer(s) of "
+                         f"devices={config.devices!r}")
+
+
+class Membership:
+    """The consumers of this machine that train now, in rank order, and the losses so far."""
+
+    def __init__(self, devices: list[str], generation: Any, min_consumers: int, sync_every: int,
+                 timeout_s: float, started: float) -> None:
+        self.devices = devices
+        self.members = list(range(len(devices)))  # rank -> consumer index
+        self.generation = generation  # shared with the consumers (None: the run stops at a death)
+        self.min_consumers = min_consumers
+        self.timeout_s = timeout_s
+        self.started = started
+        self.losses: list[Loss] = []
+        self.stranded: dict[int, Stranded] = {}
+        self.regrouping_since: float | None = None
+        self.floor = -1  # the agreed step of the last regroup: a broken group's later reports are void
+        self.recent: deque[StepReport] = deque()
+        self.keep_steps = KEEP_WINDOWS * sync_every + 1
+        self.last_reported: dict[int, int] = {}  # consumer -> the newest global step it reported
+
+    @property
+    def elastic(self) -> bool:
+        return self.generation is not None
+
+    @property
+    def current(self) -> int:
+        return self.generation.value if self.generation is not None else 0
+
+    @property
+    def regrouping(self) -> bool:
+        return self.regrouping_since is not None
+
+    # ---- reports ------------------------------------------------------------------------------------------------
+
+    def counts(self, report: StepReport) -> bool:
+        """Whether a step report counts: not one a broken group trained after the state the survivors went back
+        to. Those that count are kept a while, to be taken back by a later regroup."""
+        if report.generation < self.current and report.global_step > self.floor:
+            return False
+        if self.elastic:
+            self.recent.append(report)
+            while self.recent and self.recent[0].global_step < report.global_step - self.keep_steps:
+                self.recent.popleft()
+        self.last_reported[report.rank] = max(report.global_step, self.last_reported.get(report.rank, -1))
+        return True
+
+    def slot_counts(self, generation: int) -> bool:
+        """A slot freed by a consumer of a broken group was taken back at the regroup."""
+        return generation >= self.current
+
+    # ---- a death ------------------------------------------------------------------------------------------------
+
+    def lose(self, consumer: int, cause: str) -> Loss:
+        """`consumer` died: the survivors are told to leave the group (or the run fails when they may not go on)."""
+        survivors = [c for c in self.members if c != consumer]
+        if not self.elastic:
+            raise StokerRunError(cause)
+        if len(survivors) < self.min_consumers:
+            raise StokerRunError(f"{cause}; {len(survivors)} consumer(s) left, fewer than min_consumers="
+                                 f"{self.min_consumers}")
+        now = time.monotonic()
+        loss = Loss(consumer, self.members.index(consumer), self.devices[consumer], cause, now - self.started)
+        self.losses.append(loss)
+        self.members = survivors
+        self.stranded.pop(consumer, None)
+        if self.regrouping_since is None:
+            self.regrouping_since = now
+        with self.generation.get_lock():
+            self.generation.value += 1
+        return loss
+
+    def strand(self, message: Stranded) -> None:
+        if message.rank in self.members:
+            self.stranded[message.rank] = message
+
+    def ready(self) -> bool:
+        """Every survivor has left the broken group."""
+        return self.regrouping and all(c in self.stranded for c in self.members)
+
+    def check_deadline(self) -> None:
+        """A survivor that never leaves the broken group (stuck in its device) ends the run."""
+        if self.regrouping_since is None:
+            return
+        waited = time.monotonic() - self.regrouping_since
+        if waited > 2 * self.timeout_s:
+            missing = [c for c in self.members if c not in self.stranded]
+            raise StokerRunError(f"consumer(s) {missing} did not leave the broken group within {waited:.0f} s "
+                                 "(2 x collective_timeout_s) after a consumer died")
+
+    def agreed_step(self) -> int:
+        return min(self.stranded[c].agreed_step for c in self.members)
+
+    def take_back(self, agreed: int) -> list[StepReport]:
+        """The reports of steps after `agreed`, which the survivors train again: no longer counted."""
+        back = [r for r in self.recent if r.global_step > agreed]
+        self.recent = deque(r for r in self.recent if r.global_step <= agreed)
+        for consumer in self.last_reported:
+            self.last_reported[consumer] = min(self.last_reported[consumer], agreed)
+        return back
+
+    def regrouped(self, agreed: int, taken_back: int) -> None:
+        now = time.monotonic()
+        for loss in self.losses:
+            if loss.recovered_s is None:
+                loss.agreed_step, loss.steps_taken_back = agreed, taken_back
+                loss.recovered_s = now - self.started - loss.died_s
+                loss.consumers_after = len(self.members)
+        self.floor = agreed
+        self.stranded = {}
+        self.regrouping_since = None

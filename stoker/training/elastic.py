@@ -1,0 +1,99 @@
+"""A consumer's side of a peer's death: the state every replica agreed on, whether an error is the group's or the
+consumer's own, and the messages of a regroup.
+
+After every completed averaging all replicas hold the same weights: that state (weights, optimizer, EMA, RNG, the
+averager's counters) is copied aside, the last two of them. When a peer dies the collective in flight fails or
+never ends, so a step that was in progress is never half-applied: every survivor goes back to the newest state
+they all reached (the controller takes the oldest of the survivors' newest, which each of them holds) and the
+controller plans the rest of the epoch again for the survivors (`run/membership.py`). Two copies are enough: a
+survivor may have completed one averaging more than another (the dead peer's part arrived at one and not at the
+other), never two, since the next averaging needs every peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Errors a collective raises when a peer is gone or stuck (gloo's socket errors, NCCL's, torch's own timeouts).
+_GROUP_ERROR_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL",
+                     "Timed out", "timed out", "Socket Timeout")
+
+
+class GroupLost(Exception):
+    """The controller formed a new group (`generation` moved on): whatever this consumer was doing is void."""
+
+
+def is_group_error(error: BaseException) -> bool:
+    """Whether `error` came from the group (a peer died or hung), not from this consumer's own work."""
+    if isinstance(error, GroupLost | getattr(dist, "DistError", GroupLost)):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _GROUP_ERROR_TEXT)
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """Consumer -> controller: the group broke; this consumer holds the agreed state after `agreed_step` (and the
+    one before it) and waits for a `Regroup`."""
+
+    rank: int  # the consumer's index on this machine, as in every report
+    generation: int
+    agreed_step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Regroup:
+    """Controller -> consumer: go back to the state after `agreed_step` and join group `generation` as `rank` of
+    `world_size`. Everything before it on the ready queue belongs to the old group and is dropped."""
+
+    generation: int
+    rank: int
+    world_size: int
+    agreed_step: int
+
+
+class AgreedStates:
+    """The last two agreed states, as copies into buffers that are reused (a copy per averaging, no allocation
+    once both exist). `capture()` returns the state as nested dicts and lists of tensors and plain values."""
+
+    def __init__(self, capture: Callable[[], dict[str, Any]]) -> None:
+        self.capture = capture
+        self.kept: list[tuple[int, dict[str, Any]]] = []  # (global step it follows, state), oldest first
+
+    def keep(self, global_step: int) -> None:
+        """The averaging of `global_step` completed: copy the state (into the older copy's buffers)."""
+        reuse = self.kept.pop(0)[1] if len(self.kept) == 2 else None
+        self.kept.append((global_step, mirror(self.capture(), reuse)))
+
+    @property
+    def newest(self) -> int:
+        return self.kept[-1][0]
+
+    def at(self, global_step: int) -> dict[str, Any]:
+        """A fresh copy of the state after `global_step` (the caller may keep references into it)."""
+        for step, state in self.kept:
+            if step == global_step:
+                return mirror(state, None)
+        raise RuntimeError(f"no agreed state after step {global_step} is kept (kept: "
+                           f"{[step for step, _ in self.kept]})")
+
+
+def mirror(value: Any, reuse: Any) -> Any:
+    """A copy of `value` that shares no tensor with it, written into `reuse`'s tensors where their shapes match."""
+    if isinstance(value, torch.Tensor):
+        if isinstance(reuse, torch.Tensor) and reuse.shape == value.shape and reuse.dtype == value.dtype \
+                and reuse.device == value.device:
+            return reuse.copy_(value)
+        return value.detach().clone()
+    if isinstance(value, dict):
+        before = reuse if isinstance(reuse, dict) else {}
+        return {key: mirror(item, before.get(key)) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        items = reuse if isinstance(reuse, list | tuple) and len(reuse) == len(value) else [None] * len(value)
+        return type(value)(mirror(item, previous) for item, previous in zip(value, items, strict=True))
+    return value
