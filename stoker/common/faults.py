@@ -2,7 +2,8 @@
 
 STOKER_FAULT="ROLE:ACTION:MATCH", for example "producer:segfault:broken_7.jpg" (a producer segfaults when it
 reaches a file whose path contains broken_7.jpg) or "consumer:sigkill:rank=1,step=5;" (consumer 1 is killed at
-step 5, just before the averaging collective), "producer:delete:cat_3.jpg" (the file is deleted just before it
+step 5, just before the averaging collective; "...,save=8;" as it begins the step-8 checkpoint, "...,val=0;" as it
+ends epoch 0's validation), "producer:delete:cat_3.jpg" (the file is deleted just before it
 is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
 full disk); "controller:term-self:closing" sends SIGTERM to the controller from its own shutdown, and
 "consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group. Several faults: join them with "|".

@@ -416,6 +416,7 @@ class Replica:
                 self.ema_val_totals.add(self.ema.model(images), labels)
 
     def val_end(self, message: ValEnd) -> None:
+        faults.maybe_inject("consumer", f"rank={self.setup.rank},val={message.epoch};")
         result = self.val_totals.reduce()
         ema = self.ema_val_totals.reduce() if self.ema_val_totals is not None else None
         if self.setup.rank == 0 and result is not None:
@@ -440,6 +441,7 @@ class Replica:
         """Rank 0 writes the whole checkpoint, every replica's state included: on several machines only the first
         has the run folder's checkpoints, so resuming needs nothing from the others' disks."""
         work = self._rank_zero_work(f"checkpoint at step {message.global_step}")
+        faults.maybe_inject("consumer", f"rank={self.setup.rank},save={message.global_step};")
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
         files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
                               self.setup.world_size, group=self.host_group)

@@ -1,0 +1,116 @@
+"""A consumer that dies costs one consumer, not the run: real processes, real gloo, real files.
+
+The witness model (tests/helpers/witness.py) counts by content the images it trains on: each image is one flat
+colour that spells its number, and the count is a buffer averaged with the weights, so a step the survivors went
+back on leaves no trace in it. Every image trained exactly once per epoch: `seen` equals the epochs for every image.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from stoker.training.model_file import read_model
+from tests.conftest import HELPERS, read_summary, run_cli
+
+sys.path.insert(0, str(HELPERS))
+from witness import write_numbered_images  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+CLASSES, PER_CLASS = 4, 30  # 120 images: 5 steps of 3 x 8, or 7.5 of 2 x 8 (the last step split 4 + 4)
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("numbered")
+    count = write_numbered_images(folder / "train", CLASSES, PER_CLASS)
+    write_numbered_images(folder / "val", CLASSES, 3)
+    return folder, count
+
+
+def train(numbered, out, fault: str, *extra: str, epochs: int = 2):
+    folder, _ = numbered
+    env = {"STOKER_FAULT": fault, "STOKER_FAULT_ONCE": str(out.parent / f"{out.name}.fired")} if fault else {}
+    return run_cli("train", "--data", str(folder / "train"), "--val", str(folder / "val"), "--model",
+                   "witness:counting_cnn", "--augment", "none", "--image-size", "32", "--batch-size", "8",
+                   "--devices", "cpu:3", "--epochs", str(epochs), "--out", str(out), "--quiet", "--report", "false",
+                   *extra, env=env, check=False)
+
+
+def weights(run_dir) -> dict[str, torch.Tensor]:
+    return read_model(run_dir / "model.pt")[1]
+
+
+def seen_by_content(run_dir, count: int) -> list[int]:
+    return [int(v) for v in weights(run_dir)["seen"][:count].round().tolist()]
+
+
+def events(run_dir, name):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["event"] == name]
+
+
+def assert_went_on_without(run_dir, summary, consumer: int) -> None:
+    assert summary["status"] == "completed", summary.get("error")
+    lost = summary["consumers_lost"]
+    assert [loss["consumer"] for loss in lost] == [consumer] and "SIGKILL" in lost[0]["cause"]
+    assert summary["consumers_at_end"] == 2 and summary["replicas_identical"]
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert [e["consumer"] for e in events(run_dir, "consumer_lost")] == [consumer]
+    assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2]
+
+
+@pytest.mark.parametrize("where, extra", [
+    ("rank=2,step=3;", ("--average-in-backward", "false")),  # after its step, before the averaging began
+    ("rank=1,step=6;", ()),  # in-backward averaging: its groups are in flight when it dies
+    ("rank=1,val=0;", ()),  # as epoch 0's validation ends: its peers wait in the all_reduce of the totals
+    ("rank=2,save=5;", ()),  # as the end-of-epoch checkpoint begins: rank 0 waits for its state
+], ids=["before-averaging", "during-averaging", "during-validation", "during-checkpoint"])
+def test_a_killed_consumer_costs_one_consumer_and_every_image_is_trained_once_per_epoch(numbered, tmp_path, where,
+                                                                                        extra):
+    run_dir = tmp_path / "run"
+    result = train(numbered, run_dir, f"consumer:sigkill:{where}", *extra)
+    summary = read_summary(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    dead = int(where.split(",")[0].split("=")[1])
+    assert_went_on_without(run_dir, summary, dead)
+    assert seen_by_content(run_dir, numbered[1]) == [2] * numbered[1]  # 2 epochs, each image once in each
+    assert summary["samples_consumed"] == [numbered[1]] * 2
+    if "val=" in where:
+        assert [v["epoch"] for v in events(run_dir, "val")] == [0, 1]  # epoch 0's pass was made again, whole
+    if "save=" in where:
+        assert (run_dir / "checkpoints" / "step_00000005").is_dir()  # the checkpoint was written again
+        assert json.loads((run_dir / "checkpoints" / "step_00000005" / "meta.json").read_text())["num_consumers"] \
+            in (2, 3)
+
+
+def test_the_same_kill_at_the_same_step_gives_the_same_weights(numbered, tmp_path):
+    runs = []
+    for name in ("a", "b"):
+        run_dir = tmp_path / name
+        result = train(numbered, run_dir, "consumer:sigkill:rank=0,step=2;", "--checkpoint-every", "3")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_went_on_without(run_dir, read_summary(run_dir), 0)
+        runs.append(weights(run_dir))
+    first, second = runs
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_with_stop_or_below_min_consumers_the_run_fails_naming_the_dead_consumer(numbered, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(numbered, run_dir, "consumer:sigkill:rank=1,step=2;", "--min-consumers", "3", epochs=1)
+    summary = read_summary(run_dir)
+    assert result.returncode == 1 and summary["status"] == "failed"
+    assert "consumer 1" in summary["error"] and "min_consumers=3" in summary["error"]
+
+
+def test_settings_the_run_cannot_keep_are_refused_before_any_process(numbered, tmp_path):
+    result = train(numbered, tmp_path / "a", "", "--min-consumers", "4")
+    assert result.returncode == 2 and "min_consumers=4" in result.stderr
+    result = train(numbered, tmp_path / "b", "", "--on-consumer-failure", "continue", "--overlap-averaging", "true")
+    assert result.returncode == 2 and "overlap_averaging" in result.stderr
