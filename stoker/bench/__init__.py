@@ -6,12 +6,26 @@ import argparse
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from stoker.bench import autoscale, data, finetune, gpu, loader, pipeline, remote, scaling, soak, start, sync
+    from stoker.bench import (
+        autoscale,
+        data,
+        elastic,
+        finetune,
+        gpu,
+        loader,
+        pipeline,
+        remote,
+        scaling,
+        soak,
+        start,
+        sync,
+    )
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
     autoscale.add_parser(kinds)
     data.add_parser(kinds)
+    elastic.add_parser(kinds)
     finetune.add_parser(kinds)
     gpu.add_parser(kinds)
     loader.add_parser(kinds)

@@ -330,6 +330,7 @@ class Controller:
             for message in self.driver.pump(POLL_S, dispatch=not regrouping):  # the producers' go to the engine
                 self._handle(message, window)
             self._check_consumers()
+            self._kill_stuck_consumers()
             if self.membership.ready():
                 self._regroup()
             self.membership.check_deadline()
@@ -457,6 +458,16 @@ class Controller:
         log.warning("%s; the other %d consumer(s) go on without it", cause, len(self.membership.members))
         self.metrics.write("consumer_lost", consumer=consumer, device=loss.device, cause=cause,
                            t=round(loss.died_s, 3), consumers=len(self.membership.members))
+
+    def _kill_stuck_consumers(self) -> None:
+        for consumer in self.membership.stuck():
+            process = self.consumers[consumer]
+            self.failure_causes[consumer] = (f"stuck: its peers gave up waiting for it after collective_timeout_s="
+                                             f"{self.config.collective_timeout_s:g}")
+            log.warning("consumer %d (pid %s) is stuck outside the collective its peers left: killing it", consumer,
+                        process.pid)
+            process.kill()
+            process.join(timeout=5.0)
 
     def _regroup(self) -> None:
         """Every survivor left the broken group: go back to the state they all hold, plan the rest of the run

@@ -18,6 +18,7 @@ from typing import Any
 
 from stoker.common.procs import StokerRunError
 from stoker.pipeline.messages import StepReport
+from stoker.run.failures import STUCK_GRACE_S
 from stoker.training.elastic import Stranded
 
 # Reports kept to be taken back: those after the oldest state a survivor may go back to (two averagings back).
@@ -65,6 +66,7 @@ class Membership:
         self.started = started
         self.losses: list[Loss] = []
         self.stranded: dict[int, Stranded] = {}
+        self.first_stranded_at: float | None = None
         self.regrouping_since: float | None = None
         self.floor = -1  # the agreed step of the last regroup: a broken group's later reports are void
         self.recent: deque[StepReport] = deque()
@@ -125,6 +127,23 @@ class Membership:
     def strand(self, message: Stranded) -> None:
         if message.rank in self.members:
             self.stranded[message.rank] = message
+            if self.first_stranded_at is None:
+                self.first_stranded_at = time.monotonic()
+
+    def stuck(self) -> list[int]:
+        """Consumers that never reached a collective their peers gave up on (`--collective-timeout-s`): a survivor
+        was stranded with nobody dead, STUCK_GRACE_S ago (its peers' reports come within moments). They are to be
+        killed, and the others go on as after a death. Every consumer stranded and none dead: the group broke by
+        itself (the network), and the run fails."""
+        if self.regrouping or self.first_stranded_at is None:
+            return []
+        if time.monotonic() - self.first_stranded_at < STUCK_GRACE_S:
+            return []
+        stuck = [c for c in self.members if c not in self.stranded]
+        if not stuck:
+            reasons = "; ".join(f"consumer {c}: {self.stranded[c].reason}" for c in self.members)
+            raise StokerRunError(f"the consumers' group broke with every consumer alive ({reasons})")
+        return stuck
 
     def ready(self) -> bool:
         """Every survivor has left the broken group."""
@@ -159,5 +178,5 @@ class Membership:
                 loss.recovered_s = now - self.started - loss.died_s
                 loss.consumers_after = len(self.members)
         self.floor = agreed
-        self.stranded = {}
+        self.stranded, self.first_stranded_at = {}, None
         self.regrouping_since = None

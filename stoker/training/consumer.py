@@ -47,7 +47,7 @@ from stoker.pipeline.messages import (
     ValReport,
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.training import accel, exchange, model_file, warmup
+from stoker.training import accel, elastic, exchange, model_file, warmup
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.elastic import AgreedStates, GroupLost, Regroup, Stranded, is_group_error
@@ -234,6 +234,8 @@ class Replica:
         self.agreed = AgreedStates(self._agreed_state) if setup.elastic else None
         if self.agreed is not None:
             self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
+            if self.device.type != "cuda":  # NCCL raises on a dead peer by itself (TORCH_NCCL_ASYNC_ERROR_HANDLING)
+                elastic.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
 
     def serve(self, ready) -> None:
         """Train on what the controller sends until `Finish`. With `--on-consumer-failure continue`, a group that

@@ -12,8 +12,10 @@ other), never two, since the next averaging needs every peer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -22,6 +24,50 @@ import torch.distributed as dist
 # Errors a collective raises when a peer is gone or stuck (gloo's socket errors, NCCL's, torch's own timeouts).
 _GROUP_ERROR_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL",
                      "Timed out", "timed out", "Socket Timeout")
+
+
+# How often a consumer waiting in a gloo collective looks whether the controller is forming a new group.
+WATCH_S = 0.05
+_WAIT_TIMED_OUT = "Operation timed out"  # what gloo's Work.wait(timeout) raises when the work is not done yet
+
+
+@dataclass
+class _Watch:
+    check: Callable[[], None] | None = None  # raises GroupLost once the controller forms a new group
+    timeout_s: float = 0.0
+
+
+_watch = _Watch()
+
+
+def watch_group(check: Callable[[], None] | None, timeout_s: float) -> None:
+    """From now on, `done` waits in steps of WATCH_S and calls `check` between them (None: plain waits)."""
+    _watch.check, _watch.timeout_s = check, timeout_s
+
+
+def done(work: Any) -> None:
+    """Wait for an asynchronous collective. Watched (gloo, elastic), a consumer does not sit in a collective a
+    peer's death left half-joined: gloo raises only for the peers whose connection closed, and the others would
+    wait for the whole timeout; between short waits it sees the controller's new generation and leaves."""
+    if _watch.check is None:
+        work.wait()
+        return
+    deadline = time.monotonic() + _watch.timeout_s
+    while True:
+        try:
+            work.wait(timeout=timedelta(seconds=WATCH_S))
+            return
+        except RuntimeError as error:
+            if _WAIT_TIMED_OUT not in str(error):
+                raise
+        _watch.check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out after {_watch.timeout_s:g} s waiting for the group's collective")
+
+
+def all_reduce(tensor: torch.Tensor, op: Any = None) -> None:
+    """`dist.all_reduce`, waited for by `done`."""
+    done(dist.all_reduce(tensor, async_op=True) if op is None else dist.all_reduce(tensor, op=op, async_op=True))
 
 
 class GroupLost(Exception):

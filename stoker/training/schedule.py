@@ -23,8 +23,9 @@ class LearningRate:
     warmup_steps: int = 0
 
     def at(self, step: float) -> float:
-        """The rate of the 0-based global `step` (a fraction of one after the consumers changed mid-run): (step + 1) / warmup_steps of the peak during warmup (the first
-        step already moves), then the schedule over the steps that remain."""
+        """The rate of the 0-based global `step` (fractional after the consumers changed mid-run): (step + 1) /
+        warmup_steps of the peak during warmup (the first step already moves), then the schedule over the steps
+        that remain."""
         if step < self.warmup_steps:
             return self.peak * (step + 1) / self.warmup_steps
         progress = (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps)

@@ -10,7 +10,7 @@ import torch
 from stoker.common.config import AveragingSettings
 from stoker.common.faults import CHECKPOINT_READ_ENV, CHECKPOINT_WRITE_ENV
 from stoker.training import rendezvous
-from stoker.training.consumer import _join_group
+from stoker.training.consumer import _connect_store, _join_group
 from tests.conftest import read_summary, run_cli
 from tests.faults.test_faults import fault, train_args
 
@@ -33,7 +33,7 @@ def test_checkpoint_writes_and_resume_reads_longer_than_the_collective_timeout_d
 
 def test_a_stuck_consumer_is_named(textures, tmp_path):
     result = run_cli(*train_args(textures, tmp_path, "--devices", "cpu:2", "--epochs", "1",
-                                 "--collective-timeout-s", "5"),
+                                 "--collective-timeout-s", "5", "--on-consumer-failure", "stop"),
                      env=fault("consumer:hang:rank=1,step=5;"), check=False)
     summary = read_summary(tmp_path)
     assert result.returncode == 1 and summary["status"] == "failed"
@@ -55,7 +55,7 @@ def test_nccl_starts_eagerly_on_its_device_with_errors_raised_not_aborting(tmp_p
     try:
         for device in ("cuda:1", "cpu"):
             setup = _Setup(device, store.address)
-            _join_group(setup)
+            _join_group(setup, _connect_store(setup))
     finally:
         store.close()
     (nccl, nccl_kwargs, handling), (gloo, gloo_kwargs, _) = calls

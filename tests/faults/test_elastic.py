@@ -8,20 +8,29 @@ back on leaves no trace in it. Every image trained exactly once per epoch: `seen
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
+from PIL import Image
 
 from stoker.training.model_file import read_model
-from tests.conftest import HELPERS, read_summary, run_cli
-
-sys.path.insert(0, str(HELPERS))
-from witness import write_numbered_images  # noqa: E402
+from tests.conftest import read_summary, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
 CLASSES, PER_CLASS = 4, 30  # 120 images: 5 steps of 3 x 8, or 7.5 of 2 x 8 (the last step split 4 + 4)
+
+
+def write_numbered_images(folder, classes: int, per_class: int, size: int = 32) -> int:
+    """`classes` x `per_class` PNGs in ImageFolder layout, image k one flat colour spelling k; returns the count."""
+    number = 0
+    for label in range(classes):
+        (folder / f"class_{label}").mkdir(parents=True, exist_ok=True)
+        for _ in range(per_class):
+            Image.new("RGB", (size, size), (number % 256, number // 256, 0)).save(
+                folder / f"class_{label}" / f"{number:05d}.png")
+            number += 1
+    return number
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +123,28 @@ def test_settings_the_run_cannot_keep_are_refused_before_any_process(numbered, t
     assert result.returncode == 2 and "min_consumers=4" in result.stderr
     result = train(numbered, tmp_path / "b", "", "--on-consumer-failure", "continue", "--overlap-averaging", "true")
     assert result.returncode == 2 and "overlap_averaging" in result.stderr
+
+
+def test_digits_with_a_consumer_killed_mid_run_learn_within_a_point_of_the_unfailed_run(digits, tmp_path):
+    train_dir, val_dir = digits
+    accuracy = {}
+    for name, env in (("whole", {}), ("killed", {"STOKER_FAULT": "consumer:sigkill:rank=1,step=40;",
+                                                 "STOKER_FAULT_ONCE": str(tmp_path / "fired")})):
+        run_cli("train", "--data", str(train_dir), "--val", str(val_dir), "--devices", "cpu:3", "--producers", "1",
+                "--augment", "none", "--image-size", "32", "--batch-size", "16", "--epochs", "3", "--seed", "1",
+                "--out", str(tmp_path / name), "--quiet", "--report", "false", env=env)
+        accuracy[name] = read_summary(tmp_path / name)["val_accuracy"]
+    assert read_summary(tmp_path / "killed")["consumers_at_end"] == 2
+    assert accuracy["whole"] >= 0.95, accuracy
+    assert abs(accuracy["killed"] - accuracy["whole"]) <= 0.01, accuracy
+
+
+def test_a_consumer_stuck_outside_the_averaging_is_killed_and_the_others_go_on(numbered, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(numbered, run_dir, "consumer:hang:rank=1,step=3;", "--collective-timeout-s", "5", epochs=1)
+    summary = read_summary(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert summary["status"] == "completed" and summary["consumers_at_end"] == 2
+    assert [loss["consumer"] for loss in summary["consumers_lost"]] == [1]
+    assert "stuck" in summary["consumers_lost"][0]["cause"]
+    assert seen_by_content(run_dir, numbered[1]) == [1] * numbered[1]

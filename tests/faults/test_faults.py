@@ -114,7 +114,8 @@ def test_hung_producer_is_killed_and_the_file_skipped(textures, tmp_path):
 
 def test_consumer_killed_before_averaging_fails_cleanly_and_resume_continues(textures, tmp_path):
     run_dir = tmp_path / "run"
-    args = train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "2", "--collective-timeout-s", "20")
+    args = train_args(textures, run_dir, "--devices", "cpu:2", "--epochs", "2", "--collective-timeout-s", "20",
+                      "--on-consumer-failure", "stop")
     started = time.monotonic()
     result = run_cli(*args, env=fault("consumer:sigkill:rank=1,step=11;"), check=False)
     assert time.monotonic() - started < 60

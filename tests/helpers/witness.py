@@ -1,16 +1,15 @@
 """A model that counts, by content, the samples it trains on (loaded through --model witness:counting_cnn).
 
-Each training image is one flat colour that spells its number (red = number % 256, green = number // 256,
-`write_numbered_images`). In training mode the model reads the number back from the normalized pixels and adds the
-group's size to `seen[number]`, a buffer, so it is averaged with the weights: after an averaging every replica's
-`seen` grows by one for each sample any replica trained, and a step the survivors of a death went back on leaves
-no trace. At the end `seen` holds how many times each image was trained, as the model itself saw it.
+Each training image is one flat colour that spells its number (red = number % 256, green = number // 256; written
+by tests/faults/test_elastic.py). In training mode the model reads the number back from the normalized pixels and
+adds the group's size to `seen[number]`, a buffer, so it is averaged with the weights: after an averaging every
+replica's `seen` grows by one for each sample any replica trained, and a step the survivors of a death went back on
+leaves no trace. At the end `seen` holds how many times each image was trained, as the model itself saw it.
 """
 
 import torch
 import torch.distributed as dist
 from nobn import small_cnn
-from PIL import Image
 from torch import nn
 
 from stoker.training.feed import MEAN, STD
@@ -45,15 +44,3 @@ def numbers(images: torch.Tensor) -> torch.Tensor:
     std = torch.tensor(STD, device=images.device).view(1, 3)
     pixels = ((images.float().mean(dim=(2, 3)) * std + mean) * 255).round().long()
     return pixels[:, 0] + 256 * pixels[:, 1]
-
-
-def write_numbered_images(folder, classes: int, per_class: int, size: int = 32) -> int:
-    """`classes` x `per_class` PNGs in ImageFolder layout, image k one flat colour spelling k; returns the count."""
-    number = 0
-    for label in range(classes):
-        (folder / f"class_{label}").mkdir(parents=True, exist_ok=True)
-        for _ in range(per_class):
-            Image.new("RGB", (size, size), (number % 256, number // 256, 0)).save(
-                folder / f"class_{label}" / f"{number:05d}.png")
-            number += 1
-    return number
