@@ -240,8 +240,10 @@ def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
     if type(meta.get("num_consumers")) is not int or meta["num_consumers"] < 1:
         return "'num_consumers' is not a positive integer"
     reference = meta.get("reference_consumers", meta["num_consumers"])
-    if type(reference) is not int or not meta["num_consumers"] <= reference <= 1 << 20:
-        return "'reference_consumers' is not an integer at least 'num_consumers'"
+    if type(reference) is not int or not 1 <= reference <= 1 << 20:
+        return "'reference_consumers' is not an integer from 1 to 2^20"
+    if type(meta.get("replicas_agree", True)) is not bool:
+        return "'replicas_agree' is not true or false"
     return None
 
 

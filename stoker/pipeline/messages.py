@@ -89,6 +89,7 @@ class Saved:
     rank: int
     global_step: int
     files: dict[str, str]  # file name -> SHA-256
+    replicas_agree: bool = True  # saved right after an averaging: every replica's weights are the averaged model
 
 
 @dataclass(frozen=True)

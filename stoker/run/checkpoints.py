@@ -37,6 +37,7 @@ class Checkpoints:
         self.positions: dict[int, Position] = {}  # global step -> where a resume from its checkpoint continues
         self.reference_consumers = cluster.world  # the count the run's learning-rate schedule was made for
         self.completed: set[int] = set()  # global steps whose every part is written (committed, or committing)
+        self.disagreeing: set[int] = set()  # global steps some replica saved between two averagings
         self.last: Path | None = None
         self.commits = checkpoint.BackgroundCommits()
         self.failure: str | None = None  # a commit that failed while closing
@@ -58,6 +59,8 @@ class Checkpoints:
         """A consumer's part is written; once every consumer's is, the checkpoint is committed."""
         parts = self.pending.setdefault(message.global_step, {})
         parts[message.rank] = message.files
+        if not message.replicas_agree:
+            self.disagreeing.add(message.global_step)
         if len(parts) < self.num_consumers:
             return
         del self.pending[message.global_step]
@@ -70,6 +73,7 @@ class Checkpoints:
         consumers = self.num_consumers if not self.cluster.multi else self.cluster.world  # fewer after a death
         meta = {"position": position.__dict__, "files": files, "num_consumers": consumers,
                 "reference_consumers": self.reference_consumers,
+                "replicas_agree": message.global_step not in self.disagreeing,
                 "config": self.config.as_json(), "classes": self.classes, "samples": self.sample_counts}
         final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
         temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)

@@ -136,32 +136,37 @@ class Controller:
     def _resume_point(self) -> tuple[Position, Path | None]:
         """The first machine finds the newest valid checkpoint; every machine continues from it."""
         self.resume_accounting: bytes | None = None  # read here, on the machine whose disk holds it
+        self.checkpoint_consumers = 0  # consumers whose states the checkpoint holds (0: none is resumed)
         if self.config.resume is None:
             return Position(0, 0, 0), None
-        found: tuple[str | None, Any, Any, Any, str | None] | None = None
+        found: tuple[str | None, Any, Any, Any, Any, str | None] | None = None
         if self.cluster.leader:
             try:
                 fits = model_fit_check(self.config, len(self.data.train.classes))
                 folder, meta = rundir.newest_checkpoint(self.config.resume, fits)
                 resume.check_resumable(folder, meta, self.config, list(self.data.train.classes),
-                                       self._sample_counts(), self.plan.steps_per_epoch)
+                                       self._sample_counts())
                 self.resume_accounting = read_accounting(folder, meta)
                 self._set_aside_discarded_best(meta["position"]["epoch"])
                 found = (str(folder), meta["position"], meta["num_consumers"],
-                         meta.get("reference_consumers", meta["num_consumers"]), None)
+                         meta.get("reference_consumers", meta["num_consumers"]), resume.replicas_agree(meta), None)
             except (ValueError, checkpoint.CheckpointError) as failure:  # RunDirError, ResumeError
-                found = (None, None, None, None, str(failure))
-        folder, position, consumers, reference, error = cluster.from_leader(self.cluster, found)
+                found = (None, None, None, None, None, str(failure))
+        folder, position, consumers, reference, agree, error = cluster.from_leader(self.cluster, found)
         if error is not None:
             raise rundir.RunDirError(error)
-        if consumers != self.cluster.world:
-            raise ValueError(f"resume={str(self.config.resume)!r}: the checkpoint has {consumers} consumers, this "
-                             f"run {self.cluster.world}; resume with the same machines and devices")
         start = Position(**position)
-        if reference != consumers:  # written after a consumer died: the survivors' plan goes on
+        if consumers != self.cluster.world:
+            resume.check_other_count(self.config, consumers, self.cluster.world, agree, self.cluster.multi)
+        # The epoch in progress goes on from its first sample not trained, in steps of this run's count: the plan
+        # is made again where the checkpoint's count (or the first count, after a death) differs.
+        offset = start.offset if start.offset is not None else min(
+            self.plan.num_train, start.step * self.plan.batch_size * consumers)
+        if reference != self.cluster.world or offset != self.plan.offset(start.epoch, start.step):
             self.plan = replace(self.plan, reference_consumers=reference).regrouped(
-                consumers, start.epoch, start.step, start.offset or 0)
-        return start, Path(folder)
+                self.cluster.world, start.epoch, start.step, offset)
+        self.checkpoint_consumers = consumers
+        return replace(start, offset=offset), Path(folder)
 
     def _set_aside_discarded_best(self, epochs_done: int) -> None:
         aside = resume.set_aside_later_best(self.run_dir, epochs_done)
@@ -313,7 +318,8 @@ class Controller:
             ready = CONTEXT.Queue()
             self.ready_queues.append(ready)
             outbox = self.mailbox.open()
-            setup = replace(setup, start_step=self.start_at.global_step, elastic=self.elastic)
+            setup = replace(setup, start_step=self.start_at.global_step, elastic=self.elastic,
+                            checkpoint_consumers=self.checkpoint_consumers)
             self.consumers.append(start(consumer_main, (setup, ready, outbox, self.stop, self.membership.generation),
                                         f"stoker consumer {rank}"))
             outbox.close()

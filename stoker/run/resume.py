@@ -28,7 +28,7 @@ class ResumeError(ValueError):
 
 
 def check_resumable(folder: Path, meta: dict[str, Any], config: TrainConfig, classes: list[str],
-                    samples: dict[str, int], steps_per_epoch: int) -> None:
+                    samples: dict[str, int]) -> None:
     """Raise `ResumeError` when the run is already complete, or when this start differs from the checkpoint in a
     setting that changes the plan, the class list or the number of samples."""
     where = f"resume={str(config.resume)!r} ({folder.name})"
@@ -36,13 +36,12 @@ def check_resumable(folder: Path, meta: dict[str, Any], config: TrainConfig, cla
                    *_sample_differences(meta.get("samples"), samples)]
     if differences:
         raise ResumeError(f"{where}: {'; '.join(differences)}; a resume continues the same run, so these must be "
-                          "as the checkpoint recorded (only epochs, producers, devices with the same count, "
-                          "checkpoints, logging, reports and timeouts may change); start a new run with --out to "
-                          "train with them")
-    done_steps = meta["position"]["global_step"]
-    if done_steps >= steps_per_epoch * config.epochs:
-        done = done_steps // steps_per_epoch
-        if done == config.epochs:
+                          "as the checkpoint recorded (only epochs, producers, devices, checkpoints, logging, "
+                          "reports and timeouts may change); start a new run with --out to train with them")
+    position = meta["position"]
+    done = position["epoch"]  # epochs whose every step is done (a checkpoint at a step of the next: only those)
+    if done >= config.epochs:
+        if done == config.epochs and position["step"] == 0:
             raise ResumeError(f"{where}: run already completed ({done}/{config.epochs} epochs); give --epochs "
                               f"{done + 1} or more to train on")
         raise ResumeError(f"{where}: the checkpoint has {done} epochs done, more than epochs={config.epochs}; "
@@ -90,6 +89,29 @@ def _sample_differences(recorded: Any, samples: dict[str, int]) -> list[str]:
         return []
     return [f"{kind} samples: checkpoint {recorded.get(kind)}, now {count}" for kind, count in samples.items()
             if recorded.get(kind) != count]
+
+
+def replicas_agree(meta: dict[str, Any]) -> bool:
+    """Whether every replica in the checkpoint holds the averaged model (saved right after an averaging). Written
+    before this was recorded: so at every step with `sync_every` 1 and no overlap."""
+    if "replicas_agree" in meta:
+        return bool(meta["replicas_agree"])
+    config = meta.get("config")
+    if not isinstance(config, dict):
+        return False
+    return config.get("sync_every", 1) == 1 and not config.get("overlap_averaging", False)
+
+
+def check_other_count(config: TrainConfig, saved: int, consumers: int, agree: bool, several_machines: bool) -> None:
+    """A resume with another number of consumers: the epoch in progress is planned again for them, and each new
+    consumer takes a saved one's optimizer and RNG state; that needs every replica to hold the averaged model."""
+    where = f"resume={str(config.resume)!r}: the checkpoint has {saved} consumers, this run {consumers}"
+    if several_machines:
+        raise ResumeError(f"{where}; on several machines resume with the same machines and devices")
+    if not agree:
+        raise ResumeError(f"{where}, and it was saved between two averagings (sync_every={config.sync_every}), "
+                          f"where replicas differ; resume with {saved} consumers, or from a checkpoint at an "
+                          "averaging")
 
 
 DISCARDED_BEST_FILE = "model_best.discarded.pt"

@@ -97,6 +97,7 @@ class ConsumerSetup:
     local_consumers: int = 1  # consumers on this machine: they share its cores
     start_step: int = 0  # the global step this part of the run starts at
     elastic: bool = False  # survivors of a peer's death go on (`--on-consumer-failure`): keep the agreed states
+    checkpoint_consumers: int = 0  # on resume: the consumers whose states the checkpoint holds (0: world_size)
 
     @property
     def outer(self) -> OuterSpec | None:
@@ -447,7 +448,8 @@ class Replica:
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
         files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
                               self.setup.world_size, group=self.host_group)
-        self.outbox.send(Saved(self.setup.local_rank, message.global_step, files))
+        agree = self.averager.replicas_agree and not self.averager.pending[1]
+        self.outbox.send(Saved(self.setup.local_rank, message.global_step, files, agree))
 
     def _rank_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -473,7 +475,7 @@ class Replica:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
         self._apply_state(exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size,
-                                            group=self.host_group))
+                                            group=self.host_group, saved=self.setup.checkpoint_consumers))
 
     def _apply_state(self, state: dict) -> None:
         """A replica's state from a checkpoint (`_rank_state`) or an agreed copy (`_agreed_state`)."""

@@ -116,9 +116,11 @@ def load_model(work: RankZeroWork, folder: Path, rank: int) -> dict | None:
 
 
 def hand_out(work: RankZeroWork, folder: Path, rank: int, world: int,
-             group: dist.ProcessGroup | None = None) -> dict:
+             group: dist.ProcessGroup | None = None, saved: int = 0) -> dict:
     """This rank's state from the checkpoint: rank 0 reads each rank's file and sends it to that rank only, on the
-    host over `group` (as `save`)."""
+    host over `group` (as `save`). A checkpoint of `saved` consumers (another count: 0 means `world`) gives rank r
+    the state of its consumer r mod `saved`."""
+    saved = saved or world
     device = torch.device("cpu")
     if rank != 0:
         work.wait(f"call/{rank}")
@@ -127,7 +129,7 @@ def hand_out(work: RankZeroWork, folder: Path, rank: int, world: int,
         return state
     mine = _read(work, folder, 0)
     for target in range(1, world):
-        state = _read(work, folder, target)
+        state = _read(work, folder, target % saved)
         work.post(f"call/{target}")
         wire.send(state, target, device, group)
     work.post("done")

@@ -8,6 +8,7 @@ back on leaves no trace in it. Every image trained exactly once per epoch: `seen
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -148,3 +149,47 @@ def test_a_consumer_stuck_outside_the_averaging_is_killed_and_the_others_go_on(n
     assert [loss["consumer"] for loss in summary["consumers_lost"]] == [1]
     assert "stuck" in summary["consumers_lost"][0]["cause"]
     assert seen_by_content(run_dir, numbered[1]) == [1] * numbered[1]
+
+
+@pytest.fixture(scope="module")
+def numbered_96(tmp_path_factory):
+    """96 images: whole steps of 2 x 8 and of 3 x 8 alike (the witness counts exactly where every share is equal)."""
+    folder = tmp_path_factory.mktemp("numbered96")
+    count = write_numbered_images(folder / "train", CLASSES, 24)
+    write_numbered_images(folder / "val", CLASSES, 3)
+    return folder, count
+
+
+@pytest.mark.parametrize("before, after, every, resumed_at", [("cpu:2", "cpu:3", 3, 9), ("cpu:3", "cpu:2", 2, 6)],
+                         ids=["2-to-3", "3-to-2"])
+def test_a_resume_with_another_device_count_trains_the_rest_of_the_epoch_once(numbered_96, tmp_path, before, after,
+                                                                             every, resumed_at):
+    """Two epochs with a checkpoint every few steps; the later ones removed, so the resume starts mid-epoch 1."""
+    folder, count = numbered_96
+    run_dir = tmp_path / "run"
+    common = ("--model", "witness:counting_cnn", "--augment", "none", "--image-size", "32", "--batch-size", "8",
+              "--quiet", "--report", "false")
+    run_cli("train", "--data", str(folder / "train"), "--val", str(folder / "val"), "--devices", before, "--epochs",
+            "2", "--checkpoint-every", str(every), "--out", str(run_dir), *common)
+    for later in sorted((run_dir / "checkpoints").iterdir()):
+        if int(later.name.split("_")[1]) > resumed_at:
+            shutil.rmtree(later)
+    result = run_cli("train", "--resume", str(run_dir), "--devices", after, "--quiet", "--report", "false",
+                     check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(run_dir)
+    assert summary["status"] == "completed" and summary["start_step"] == resumed_at
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
+    assert summary["samples_consumed"] == [count, count]
+    assert seen_by_content(run_dir, count) == [2] * count
+
+
+def test_a_resume_with_another_count_between_two_averagings_is_refused_before_any_process(numbered_96, tmp_path):
+    folder, _ = numbered_96
+    run_dir = tmp_path / "run"
+    run_cli("train", "--data", str(folder / "train"), "--val", str(folder / "val"), "--devices", "cpu:2", "--epochs",
+            "1", "--sync-every", "4", "--image-size", "32", "--batch-size", "8", "--out", str(run_dir), "--quiet",
+            "--report", "false")
+    result = run_cli("train", "--resume", str(run_dir), "--devices", "cpu:3", "--epochs", "2", "--quiet",
+                     check=False)
+    assert result.returncode == 2 and "between two averagings (sync_every=4)" in result.stderr
