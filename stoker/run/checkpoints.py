@@ -38,22 +38,34 @@ class Checkpoints:
         self.reference_consumers = cluster.world  # the count the run's learning-rate schedule was made for
         self.completed: set[int] = set()  # global steps whose every part is written (committed, or committing)
         self.disagreeing: set[int] = set()  # global steps some replica saved between two averagings
+        self.writers: dict[int, int] = {}  # global step -> the consumers handed its save
         self.last: Path | None = None
         self.commits = checkpoint.BackgroundCommits()
         self.failure: str | None = None  # a commit that failed while closing
 
     def expect(self, position: Position) -> None:
-        """A save at `position` was handed to the consumers."""
+        """A save at `position` was handed to the consumers (as many as train now)."""
         self.pending.setdefault(position.global_step, {})
         self.positions[position.global_step] = position
+        self.writers[position.global_step] = self.num_consumers
 
-    def regroup(self, num_consumers: int, after_step: int) -> None:
-        """The consumers changed: saves after the agreed step were not all written and are made again (their
-        temporary folders are overwritten), and a checkpoint now takes the survivors' parts."""
+    def regroup(self, num_consumers: int, agreed_step: int, stats: RunStats) -> None:
+        """The consumers changed: a checkpoint now takes the survivors' parts. A save after the agreed step is
+        made again by the survivors (its temporary folder removed); one before it that every survivor passed lacks
+        only the dead consumer's message, and is committed when rank 0's part (which holds every state) is in."""
         self.num_consumers = num_consumers
-        for global_step in [step for step in self.pending if step > after_step]:
+        for global_step in sorted(self.pending):
+            whole = any(checkpoint.MODEL_FILE in files for files in self.pending[global_step].values())
+            if global_step <= agreed_step and whole:
+                self._commit(global_step, stats)
+                continue
             del self.pending[global_step]
+            self.positions.pop(global_step, None)
+            self.writers.pop(global_step, None)
             shutil.rmtree(checkpoint.checkpoint_dir(self.run_dir, global_step, temporary=True), ignore_errors=True)
+            if global_step <= agreed_step:
+                log.warning("the checkpoint at step %d is dropped: the consumer that wrote it died before it said "
+                            "so", global_step)
 
     def saved(self, message: Saved, stats: RunStats) -> None:
         """A consumer's part is written; once every consumer's is, the checkpoint is committed."""
@@ -61,22 +73,25 @@ class Checkpoints:
         parts[message.rank] = message.files
         if not message.replicas_agree:
             self.disagreeing.add(message.global_step)
-        if len(parts) < self.num_consumers:
-            return
-        del self.pending[message.global_step]
-        self.completed.add(message.global_step)
-        position = self.positions.pop(message.global_step)
-        self.ledger.checkpointed(message.global_step)
+        if len(parts) >= self.writers.get(message.global_step, self.num_consumers):
+            self._commit(message.global_step, stats)
+
+    def _commit(self, global_step: int, stats: RunStats) -> None:
+        parts = self.pending.pop(global_step)
+        writers = self.writers.pop(global_step, self.num_consumers)
+        self.completed.add(global_step)
+        position = self.positions.pop(global_step)
+        self.ledger.checkpointed(global_step)
         if not self.cluster.leader:
             return  # the first machine's rank 0 wrote every replica's state
         files = {name: digest for rank_files in parts.values() for name, digest in rank_files.items()}
-        consumers = self.num_consumers if not self.cluster.multi else self.cluster.world  # fewer after a death
-        meta = {"position": position.__dict__, "files": files, "num_consumers": consumers,
+        meta = {"position": position.__dict__, "files": files,
+                "num_consumers": writers if not self.cluster.multi else self.cluster.world,
                 "reference_consumers": self.reference_consumers,
-                "replicas_agree": message.global_step not in self.disagreeing,
+                "replicas_agree": global_step not in self.disagreeing,
                 "config": self.config.as_json(), "classes": self.classes, "samples": self.sample_counts}
-        final = checkpoint.checkpoint_dir(self.run_dir, message.global_step)
-        temporary = checkpoint.checkpoint_dir(self.run_dir, message.global_step, temporary=True)
+        final = checkpoint.checkpoint_dir(self.run_dir, global_step)
+        temporary = checkpoint.checkpoint_dir(self.run_dir, global_step, temporary=True)
         extra = {}
         if not self.cluster.multi:  # several machines: the others' accounting reaches this one only at the end
             extra[ACCOUNTING_FILE] = self.ledger.snapshot(stats, position)

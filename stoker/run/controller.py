@@ -489,7 +489,7 @@ class Controller:
         position = old.position_after(agreed)
         consumers = len(membership.members)
         self.plan = self.plan.regrouped(consumers, position.epoch, position.step, position.offset or 0)
-        self.checkpoints.regroup(consumers, agreed)
+        self.checkpoints.regroup(consumers, agreed, self.stats)
         self.scheduler = Scheduler(self.plan, self.config.epochs, position, self.num_slots,
                                    self.data.val is not None, self.config.checkpoint_every, self.run_dir,
                                    self.cluster.first_rank, consumers, self._unfinished(position))
