@@ -47,7 +47,7 @@ from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.checkpoints import Checkpoints
 from stoker.run.failures import FailureWitness
 from stoker.run.lifecycle import Interrupted, Lifecycle
-from stoker.run.membership import Membership, check_membership_settings
+from stoker.run.membership import Membership, check_membership_settings, with_losses
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import consumer_main
@@ -583,11 +583,11 @@ class Controller:
         if not self.stats.steps_done:
             return Verdict("starting", "no training step finished")
         run = self.ledger.so_far(self.stats)  # after --resume, the parts before this one too
-        return diagnose(TimeSplit(
+        return with_losses(diagnose(TimeSplit(
             compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
             averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
             overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]),
-            **self.engine.verdict_fields()))
+            **self.engine.verdict_fields())), self.membership.losses)
 
     def _steps_left(self, position: Position) -> int:
         """Global steps from `position` to the end of the run, as the plan stands now."""

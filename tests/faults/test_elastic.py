@@ -72,6 +72,8 @@ def assert_went_on_without(run_dir, summary, consumer: int) -> None:
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
     assert [e["consumer"] for e in events(run_dir, "consumer_lost")] == [consumer]
     assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2]
+    assert f"consumer {consumer} died at step" in summary["verdict"]["text"]
+    assert 0 < lost[0]["without_training_s"] < 60
 
 
 @pytest.mark.parametrize("where, extra", [
