@@ -343,8 +343,8 @@ class AveragingSettings:
         "seconds a consumer waits for its peers before the run fails", "S", group=EXPERT,
         may_change_on_resume=True)] = Field(default=60.0, gt=0)
     on_consumer_failure: Annotated[Literal["auto", "continue", "stop"], Setting(
-        "continue | stop: when a consumer dies, the others go on without it (auto: continue on one machine with 2 "
-        "or more consumers and no overlapped averaging, else stop)", "WHAT", may_change_on_resume=True)] = "auto"
+        "continue | stop: when a consumer dies, the others go on without it (auto: continue with 2 or more CPU "
+        "consumers on one machine and no overlapped averaging, else stop)", "WHAT", may_change_on_resume=True)] = "auto"
     min_consumers: Annotated[Count, Setting(
         "fewest consumers a run goes on with after failures; below, it ends failed", "K",
         may_change_on_resume=True)] = Field(default=1, ge=1)
@@ -363,11 +363,11 @@ class AveragingSettings:
                              "overlapped replicas never hold one agreed state to go on from; use 'stop' or 'auto'")
         return self
 
-    def continues_after_failure(self, consumers: int, machines: int) -> bool:
+    def continues_after_failure(self, consumers: int, machines: int, on_gpus: bool) -> bool:
         """Whether the survivors of a consumer's death go on without it (`on_consumer_failure`)."""
         if self.on_consumer_failure == "stop" or consumers < 2 or self.overlap_averaging:
             return False
-        return machines == 1
+        return machines == 1 and not on_gpus
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -300,7 +300,7 @@ def drawn(runs: list[RunRecord]) -> Any:
         for start in run.segment_starts:  # where a resumed part begins
             for axes in (speed, pipeline):
                 axes.axvline(start, color=colour, linestyle=":", linewidth=1)
-        for loss in run.events["consumer_lost"]:  # the others went on without it from here
+        for loss in run.events.get("consumer_lost", []):  # the others went on without it from here
             for axes in (speed, pipeline):
                 axes.axvline(loss["t"], color=colour, linestyle="--", linewidth=1)
         _draw_pipeline(pipeline, producers, run, colour, label)
@@ -309,7 +309,7 @@ def drawn(runs: list[RunRecord]) -> Any:
     accuracy.set_ylabel("val accuracy")
     _draw_split(split, runs)
     resumed = any(run.segment_starts for run in runs)
-    lost = any(run.events["consumer_lost"] for run in runs)
+    lost = any(run.events.get("consumer_lost") for run in runs)
     speed.set(title="throughput" + (" (dotted: resumed)" if resumed else "") + (" (dashed: a consumer died)" if lost
                                                                                   else ""),
               xlabel="seconds of training", ylabel="samples/s")

@@ -78,9 +78,10 @@ class Controller:
         if warning := oversubscription(self.devices, available_cores()):
             log.warning("%s", warning)
         self.cluster = cluster.from_environment(self.num_consumers)
+        on_gpus = any(device.startswith("cuda") for device in self.devices)
         self.elastic = config.section(AveragingSettings).continues_after_failure(self.num_consumers,
-                                                                                 self.cluster.nodes)
-        check_membership_settings(config, self.num_consumers, self.cluster.multi)
+                                                                                 self.cluster.nodes, on_gpus)
+        check_membership_settings(config, self.num_consumers, self.cluster.multi, on_gpus)
         self.data = load_data(config)
         self.image_size = config.resolved_image_size
         self.val_image_size = config.resolved_val_image_size
@@ -337,7 +338,7 @@ class Controller:
                 self._handle(message, window)
             self._check_consumers()
             self._kill_stuck_consumers()
-            if self.membership.ready():
+            if self.membership.ready(self.finished):
                 self._regroup()
             self.membership.check_deadline()
             self.checkpoints.record_commits(self.metrics)
@@ -450,7 +451,7 @@ class Controller:
                 if rank in self.finished:
                     continue
                 cause = f"consumer {rank} (pid {process.pid}) {describe_exit(process)}"
-                if not self.membership.elastic:
+                if not self.membership.elastic or not self.stats.steps_done:  # before the first step: starting up
                     self.witness.log_reported_failures()
                     raise StokerRunError(cause)
                 self._lose(rank, cause)
@@ -483,6 +484,8 @@ class Controller:
         taken_back = membership.take_back(agreed)
         for report in taken_back:
             self.stats.retract(report)
+        for global_step in [step for step in self.stats.digests if step > agreed]:
+            del self.stats.digests[global_step]  # trained again: its replicas are compared again
         self.ledger.take_back(agreed)
         self._credit_lost_steps(old, agreed)
         self._drain_engine()
@@ -653,5 +656,5 @@ class Controller:
             samples_expected=self.plan.samples_trained_per_epoch, verdict=self.run_verdict().as_json(),
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
-            started=self.started, consumers_lost=tuple(loss.as_json() for loss in self.membership.losses)),
-            status, error)
+            start_epoch=self.start_at.epoch, started=self.started,
+            consumers_lost=tuple(loss.as_json() for loss in self.membership.losses)), status, error)

@@ -46,19 +46,23 @@ class Loss:
 
 
 def with_losses(verdict: Verdict, losses: list[Loss]) -> Verdict:
-    """The verdict, with what each death cost: "consumer 2 died at step 812: 0.4 s without training; 2 consumers
-    from then"."""
-    told = [f"consumer {loss.consumer} died at step {loss.agreed_step + 1}: {loss.without_training_s:.1f} s without "
-            f"training, {loss.steps_taken_back} step(s) trained again; {loss.consumers_after} consumer(s) from then"
-            for loss in losses if loss.without_training_s is not None]
+    """The verdict, with what each death cost: "consumer 2 died (the others went on from step 812): 0.4 s without
+    training, 0 step(s) trained again; 2 consumer(s) from then"."""
+    told = [f"consumer {loss.consumer} died (the others went on from step {loss.agreed_step + 1}): "
+            f"{loss.without_training_s:.1f} s without training, {loss.steps_taken_back} step(s) trained again; "
+            f"{loss.consumers_after} consumer(s) from then" for loss in losses if loss.without_training_s is not None]
     return replace(verdict, text="; ".join([verdict.text, *told])) if told else verdict
 
 
-def check_membership_settings(config: Any, consumers: int, several_machines: bool) -> None:
+def check_membership_settings(config: Any, consumers: int, several_machines: bool, on_gpus: bool) -> None:
     """Before any process starts: `--on-consumer-failure continue` and `--min-consumers` this run can keep."""
     if config.on_consumer_failure == "continue" and several_machines:
         raise ValueError("on_consumer_failure='continue' works on one machine; on several, a lost machine is "
                          "restarted by torchrun and resumes from the last checkpoint: use 'auto' or 'stop'")
+    if config.on_consumer_failure == "continue" and on_gpus:
+        raise ValueError("on_consumer_failure='continue' works with CPU consumers for now: on a GPU the state "
+                         "kept after an averaging is copied before the device has finished it, and NCCL peers of "
+                         "a dead consumer wait out the collective timeout; use 'auto' or 'stop'")
     if config.min_consumers > consumers:
         raise ValueError(f"min_consumers={config.min_consumers} is more than the {consumers} consumer(s) of "
                          f"devices={config.devices!r}")
@@ -83,6 +87,8 @@ class Membership:
         self.recent: deque[StepReport] = deque()
         self.keep_steps = KEEP_WINDOWS * sync_every + 1
         self.last_reported: dict[int, int] = {}  # consumer -> the newest global step it reported
+        self.gone: set[int] = set()  # consumers lost in a completed regroup: their late reports are void
+        self.scheduled = list(self.members)  # rank -> consumer in the plan the consumers train now
 
     @property
     def elastic(self) -> bool:
@@ -101,8 +107,10 @@ class Membership:
     def counts(self, report: StepReport) -> bool:
         """Whether a step report counts: not one a broken group trained after the state the survivors went back
         to. Those that count are kept a while, to be taken back by a later regroup."""
-        if report.generation < self.current and report.global_step > self.floor:
-            return False
+        if report.rank in self.gone:
+            return False  # lost in an earlier regroup: what it trained up to then is counted or credited
+        if report.generation < self.current and not self.regrouping and report.global_step > self.floor:
+            return False  # a broken group's step after the state the survivors went back to
         if self.elastic:
             self.recent.append(report)
             while self.recent and self.recent[0].global_step < report.global_step - self.keep_steps:
@@ -128,7 +136,7 @@ class Membership:
             raise StokerRunError(f"{cause}; {len(survivors)} consumer(s) left, fewer than min_consumers="
                                  f"{self.min_consumers}")
         now = time.monotonic()
-        loss = Loss(consumer, self.members.index(consumer), self.devices[consumer], cause, now - self.started)
+        loss = Loss(consumer, self.scheduled.index(consumer), self.devices[consumer], cause, now - self.started)
         self.losses.append(loss)
         self.members = survivors
         self.stranded.pop(consumer, None)
@@ -159,9 +167,10 @@ class Membership:
             raise StokerRunError(f"the consumers' group broke with every consumer alive ({reasons})")
         return stuck
 
-    def ready(self) -> bool:
-        """Every survivor has left the broken group."""
-        return self.regrouping and all(c in self.stranded for c in self.members)
+    def ready(self, finished: dict[int, Any]) -> bool:
+        """Every survivor that has not finished has left the broken group (one that finished needs no group)."""
+        waiting = [c for c in self.members if c not in finished]
+        return self.regrouping and bool(waiting) and all(c in self.stranded for c in waiting)
 
     def check_deadline(self) -> None:
         """A survivor that never leaves the broken group (stuck in its device) ends the run."""
@@ -174,7 +183,7 @@ class Membership:
                                  "(2 x collective_timeout_s) after a consumer died")
 
     def agreed_step(self) -> int:
-        return min(self.stranded[c].agreed_step for c in self.members)
+        return min(self.stranded[c].agreed_step for c in self.members if c in self.stranded)
 
     def take_back(self, agreed: int) -> list[StepReport]:
         """The reports of steps after `agreed`, which the survivors train again: no longer counted."""
@@ -191,6 +200,8 @@ class Membership:
                 loss.agreed_step, loss.steps_taken_back = agreed, taken_back
                 loss.recovered_s = now - self.started - loss.died_s
                 loss.consumers_after = len(self.members)
+                self.gone.add(loss.consumer)
+        self.scheduled = list(self.members)
         self.floor = agreed
         self.stranded, self.first_stranded_at = {}, None
         self.regrouping_since = None

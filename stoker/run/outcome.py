@@ -36,6 +36,7 @@ class RunFacts:
     image_size: int
     val_image_size: int
     start_step: int
+    start_epoch: int  # epochs done before this part
     started: float  # time.monotonic() at the start
     consumers_lost: tuple[dict[str, Any], ...] = ()  # `run.membership.Loss.as_json()`, in order
 
@@ -83,7 +84,7 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "start_step": run.start_step,
         "wall_s": round(time.monotonic() - run.started, 3),
     }
-    return run.ledger.whole_run(summary, run.stats, run.start_step)
+    return run.ledger.whole_run(summary, run.stats, run.start_step, run.start_epoch)
 
 
 def best_model_fields(path: Path) -> dict[str, Any]:

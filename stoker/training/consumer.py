@@ -233,10 +233,10 @@ class Replica:
         self.best = _BestModel(setup.best_model, setup.model_card, setup.resume_from is not None) \
             if setup.rank == 0 else None
         self.agreed = AgreedStates(self._agreed_state) if setup.elastic else None
-        if self.agreed is not None:
-            self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
-            if self.device.type != "cuda":  # NCCL raises on a dead peer by itself (TORCH_NCCL_ASYNC_ERROR_HANDLING)
-                elastic.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
+        if self.agreed is not None:  # (elastic runs are CPU runs: `continues_after_failure`)
+            if not self.averager.pending[1]:  # resumed between two averagings: no state all hold, until one
+                self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
+            elastic.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
 
     def serve(self, ready) -> None:
         """Train on what the controller sends until `Finish`. With `--on-consumer-failure continue`, a group that
@@ -257,7 +257,8 @@ class Replica:
     def _serve(self, ready) -> None:
         while True:
             waited_from = time.perf_counter()
-            message = _next_message(ready, self._check_alive, when_idle=self.report_steps)
+            message = _next_message(ready, self._check_stopped, when_idle=self.report_steps,
+                                    while_idle=self._check_group)
             wait_s = time.perf_counter() - waited_from
             if isinstance(message, Batch) and message.kind == "train":
                 self.train_step(message, wait_s)
@@ -288,12 +289,15 @@ class Replica:
         self.clock.pause()
         self.report_steps()
         assert self.agreed is not None, "only an elastic replica rejoins"
+        if not self.agreed.kept:  # resumed between two averagings, and none since: no state all replicas hold
+            raise error
         self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest,
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
         while True:
             message = _next_message(ready, self._check_stopped, when_idle=lambda: None)
-            if isinstance(message, Regroup) and message.generation > self.generation:
-                break
+            if isinstance(message, Regroup) and message.generation > self.generation and (
+                    self.shared_generation is None or message.generation == self.shared_generation.value):
+                break  # (a Regroup that a later death made stale is followed by the next one)
         self._join(message)
 
     def _join(self, regroup: Regroup) -> None:
@@ -514,6 +518,9 @@ class Replica:
 
     def _check_alive(self) -> None:
         self._check_stopped()
+        self._check_group()
+
+    def _check_group(self) -> None:
         if self.shared_generation is not None and self.shared_generation.value != self.generation:
             raise GroupLost(f"the controller is forming group {self.shared_generation.value}")
 
@@ -567,15 +574,18 @@ class _StepInFlight:
     ended_s: float = 0.0
 
 
-def _next_message(ready, check: Callable[[], None], when_idle):
+def _next_message(ready, check: Callable[[], None], when_idle, while_idle: Callable[[], None] | None = None):
     """The next message; `check()` raises when the consumer must stop waiting; `when_idle()` runs once if none is
-    there within a poll (the consumer would wait anyway, so reading the device costs nothing then)."""
+    there within a poll (the consumer would wait anyway, so reading the device costs nothing then), and
+    `while_idle()` after every empty poll (a message already there, a `Finish`, is taken first)."""
     idle = False
     while True:
         check()
         try:
             return ready.get(timeout=POLL_S)
         except queue.Empty:
+            if while_idle is not None:
+                while_idle()
             if not idle:
                 when_idle()
                 idle = True

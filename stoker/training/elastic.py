@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 # Errors a collective raises when a peer is gone or stuck (gloo's socket errors, NCCL's, torch's own timeouts).
-_GROUP_ERROR_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL",
-                     "Timed out", "timed out", "Socket Timeout")
+_GROUP_ERROR_TEXT = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out",
+                     "timed out", "Socket Timeout")
 
 
 # How often a consumer waiting in a gloo collective looks whether the controller is forming a new group.

@@ -72,7 +72,7 @@ def assert_went_on_without(run_dir, summary, consumer: int) -> None:
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
     assert [e["consumer"] for e in events(run_dir, "consumer_lost")] == [consumer]
     assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2]
-    assert f"consumer {consumer} died at step" in summary["verdict"]["text"]
+    assert f"consumer {consumer} died (the others went on from step" in summary["verdict"]["text"]
     assert 0 < lost[0]["without_training_s"] < 60
 
 
@@ -81,7 +81,8 @@ def assert_went_on_without(run_dir, summary, consumer: int) -> None:
     ("rank=1,step=6;", ()),  # in-backward averaging: its groups are in flight when it dies
     ("rank=1,val=0;", ()),  # as epoch 0's validation ends: its peers wait in the all_reduce of the totals
     ("rank=2,save=5;", ()),  # as the end-of-epoch checkpoint begins: rank 0 waits for its state
-], ids=["before-averaging", "during-averaging", "during-validation", "during-checkpoint"])
+    ("rank=1,step=7;", ("--sync-every", "2")),  # averaging every 2 steps: step 6 is trained again
+], ids=["before-averaging", "during-averaging", "during-validation", "during-checkpoint", "sync-every-2"])
 def test_a_killed_consumer_costs_one_consumer_and_every_image_is_trained_once_per_epoch(numbered, tmp_path, where,
                                                                                         extra):
     run_dir = tmp_path / "run"
@@ -94,10 +95,11 @@ def test_a_killed_consumer_costs_one_consumer_and_every_image_is_trained_once_pe
     assert summary["samples_consumed"] == [numbered[1]] * 2
     if "val=" in where:
         assert [v["epoch"] for v in events(run_dir, "val")] == [0, 1]  # epoch 0's pass was made again, whole
+    if "--sync-every" in extra:
+        assert summary["consumers_lost"][0]["steps_taken_back"] == 1
     if "save=" in where:
         assert (run_dir / "checkpoints" / "step_00000005").is_dir()  # the checkpoint was written again
-        assert json.loads((run_dir / "checkpoints" / "step_00000005" / "meta.json").read_text())["num_consumers"] \
-            in (2, 3)
+        assert json.loads((run_dir / "checkpoints" / "step_00000005" / "meta.json").read_text())["num_consumers"] == 2
 
 
 def test_the_same_kill_at_the_same_step_gives_the_same_weights(numbered, tmp_path):
@@ -180,7 +182,7 @@ def test_a_resume_with_another_device_count_trains_the_rest_of_the_epoch_once(nu
                      check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(run_dir)
-    assert summary["status"] == "completed" and summary["start_step"] == resumed_at
+    assert summary["status"] == "completed" and summary["start_step"] == resumed_at and summary["epochs"] == 2
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
     assert summary["samples_consumed"] == [count, count]
     assert seen_by_content(run_dir, count) == [2] * count
