@@ -252,6 +252,9 @@ class Loader:
         self._position = Position(0, 0, 0)  # the next batch to hand out
         self._resume: Position | None = None  # from load_state_dict, used by the next iter() of that epoch
         self._resume_lent: tuple[int, int] | None = None  # (batch, samples of it handed out before the save)
+        # From load_state_dict: (epoch, step, samples of the epoch before that step), which the plan is made again
+        # from when the state was saved at another world size (or by a loader that itself was).
+        self._resumed_at: tuple[int, int, int] | None = None
         self._pool: _Pool | None = None
         self._last_out: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None  # a sample handed out
         self.repeated_samples = 0  # handed out twice to keep a batch from being empty (`summary()`)
@@ -280,9 +283,10 @@ class Loader:
         self.epoch = epoch
 
     def __len__(self) -> int:
-        """Batches per epoch on every rank: the same on each, whatever files turn out unusable."""
+        """Batches per epoch on every rank: the same on each, whatever files turn out unusable (the epoch a state of
+        another world size resumed counts its batches before the resume as this world's plan numbers them)."""
         world = self.info.world_size if self.info is not None else read_rank()[1]
-        return self._plan(world).steps_per_epoch
+        return self._resume_plan(world).steps_in(self.epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.closed:
@@ -300,7 +304,11 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch is (epoch, step), what it is a function of, and the files skipped so far."""
         pool = self._pool if self._pool is not None and self._pool.through >= self._position.step else None
-        return {"version": STATE_VERSION, "epoch": self._position.epoch, "step": self._position.step,
+        world = self.info.world_size if self.info is not None else read_rank()[1]
+        epoch, step = self._position.epoch, self._position.step
+        offset = self._resume_plan(world).offset(epoch, step)  # recorded where it is not `step` whole steps
+        moved = {"offset": offset} if offset != self._plan(world).offset(epoch, step) else {}
+        return {"version": STATE_VERSION, "epoch": epoch, "step": step, **moved,
                 "lent": [pool.through, pool.lent] if pool is not None else None,
                 "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "world_size": self.info.world_size if self.info is not None else read_rank()[1],
@@ -312,6 +320,13 @@ class Loader:
         self._check_state(state)
         self.epoch = int(state["epoch"])
         self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
+        saved_world = int(state.get("world_size", read_rank()[1] if self.info is None else self.info.world_size))
+        offset = state.get("offset")
+        offset = min(len(self.source.paths), self._resume.step * self.batch_size * saved_world) if offset is None \
+            else int(offset)
+        self._resumed_at = (self.epoch, self._resume.step, offset)
+        if self.info is not None:
+            self.plan = self._resume_plan(self.info.world_size)
         lent = state.get("lent")
         self._resume_lent = (int(lent[0]), int(lent[1])) if lent is not None else None
         self._built_ahead = None
@@ -354,6 +369,15 @@ class Loader:
     def _plan(self, world: int) -> EpochPlan:
         return EpochPlan(len(self.source.paths), 0, self.batch_size, world, self.seed, self.drop_last)
 
+    def _resume_plan(self, world: int) -> EpochPlan:
+        """The plan for `world` ranks, made again from where a loaded state stood when that is not where this
+        world's own plan would be (another world size saved it): the rest of its epoch, every sample once."""
+        plan = self._plan(world)
+        if self._resumed_at is None:
+            return plan
+        epoch, step, offset = self._resumed_at
+        return plan if plan.offset(epoch, step) == offset else plan.regrouped(world, epoch, step, offset)
+
     def _start(self) -> None:
         """At the first iter(): rank, world size and device, then the ring and the producers."""
         if self._engine is not None:
@@ -361,7 +385,7 @@ class Loader:
         rank, world = read_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.info = RankInfo(rank, world, local_world, resolve_device(self.device_setting))
-        self.plan = self._plan(world)
+        self.plan = self._resume_plan(world)
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"batch_size={self.batch_size} x {world} ranks is more than the {len(self.source.paths)}"
                              " samples, with drop_last=True: no batch at all")
@@ -411,10 +435,24 @@ class Loader:
                 raise ValueError(f"load_state_dict: the state was saved with {key}={state[key]!r}, this loader has "
                                  f"{key}={value!r}; batches would differ, resume with the same settings")
         world = read_rank()[1] if self.info is None else self.info.world_size
-        if "world_size" in state and state["world_size"] != world:
-            raise ValueError(f"load_state_dict: the state was saved with world_size={state['world_size']}, this job "
-                             f"has {world}; resume with the same number of ranks")
-        steps = self._plan(world).steps_per_epoch
+        saved_world = state.get("world_size", world)
+        if isinstance(saved_world, bool) or not isinstance(saved_world, (int, np.integer)) or not \
+                1 <= saved_world <= 1 << 20:
+            raise ValueError(f"load_state_dict: the state's world_size is {saved_world!r}; expected an integer from "
+                             "1 to 2^20")
+        if saved_world != world and state.get("lent") is not None:
+            raise ValueError(f"load_state_dict: the state was saved with world_size={saved_world} while a batch whose "
+                             f"files were unusable borrowed from the next (lent); this job has {world} ranks: resume "
+                             f"it with {saved_world}")
+        offset, samples = state.get("offset"), len(self.source.paths)
+        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, (int, np.integer))
+                                   or not 0 <= offset <= samples):
+            raise ValueError(f"load_state_dict: the state's offset is {offset!r}; expected an integer from 0 to "
+                             f"{samples} (the samples of its epoch before its step)")
+        steps = self._plan(int(saved_world)).steps_per_epoch
+        if offset is not None and isinstance(state["step"], int) and offset != min(
+                samples, state["step"] * self.batch_size * saved_world):
+            steps = samples + 1  # saved by a loader that resumed at another world size: its steps are its own
         for key, below in (("epoch", None), ("step", steps)):
             value = state[key]
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0 or (
@@ -467,7 +505,7 @@ class Loader:
         generation = self._generation
         self._iterating = True
         try:
-            steps = self.plan.steps_per_epoch
+            steps = self.plan.steps_in(epoch)
             for step in range(first_step, steps):
                 if generation != self._generation:
                     raise RuntimeError("this iterator was left for a newer iter() of the same stoker.Loader, which "
@@ -484,7 +522,7 @@ class Loader:
                     self._position = Position(epoch + 1, 0, 0)
                     self._pool = None  # nothing of this epoch is lent to the next
                     self.epoch = epoch + 1
-                    self._built_ahead = Position(epoch + 1, 0, (epoch + 1) * steps)
+                    self._built_ahead = Position(epoch + 1, 0, (epoch + 1) * self.plan.steps_per_epoch)
                 self._last_return = time.perf_counter()
                 yield images, labels
         finally:
@@ -621,7 +659,8 @@ class Loader:
         now = self._step_end = time.monotonic()
         global_step = epoch * self.plan.steps_per_epoch + step
         self.stats.record_step(StepReport(0, epoch, step, global_step, len(ids), 0.0, self._wait_s,
-                                          self._compute_s or 0.0, 0.0, ids, None), now)
+                                          self._compute_s or 0.0, 0.0, ids, None,
+                                          epoch_steps=self.plan.steps_in(epoch)), now)
         self._wait_s, self._compute_s = 0.0, None  # the next step's, over every batch it pulls
         window = self._window
         assert window is not None, "opened by the step's wait"

@@ -77,7 +77,8 @@ def main() -> None:
     start_epoch, steps = 0, 0
     save_at = {int(step) for step in args.save_at.split(",") if step}
     if args.resume:
-        state = torch.load(f"{args.resume}.{rank}", weights_only=False)
+        mine = Path(f"{args.resume}.{rank}")  # saved by fewer ranks: rank 0's (DDP's replicas and states agree)
+        state = torch.load(mine if mine.exists() else f"{args.resume}.0", weights_only=False)
         model.module.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         loader.load_state_dict(state["loader"])

@@ -94,6 +94,24 @@ def test_resume_from_state_dict_is_exact(images, straight, saved, tmp_path, save
         assert resumed[rank]["weights"] == straight[rank]["weights"], f"rank {rank}: weights differ"
 
 
+def test_a_state_of_another_world_size_trains_the_rest_of_its_epoch_once(images, straight, saved, tmp_path):
+    """Saved by 2 ranks after 5 steps of epoch 0 (80 samples); resumed by 3 ranks: the other 40 once, in 2 steps of
+    24, then epoch 1 whole in 5; and from that job's state after 3 steps of epoch 1 (72 samples), 2 ranks train the
+    other 48 once."""
+    three = launch(tmp_path / "three", "--data", str(images), "--resume", str(saved / "checkpoint-5"), "--save-at",
+                   "10", "--checkpoint", str(tmp_path / "checkpoint"), world=3)
+    before = [i for rank in straight for _, ids in rank["ids"][:5] for i in ids]
+    rest = [i for rank in three for epoch, ids in rank["ids"] if epoch == 0 for i in ids]
+    assert sorted(before + rest) == list(range(120))
+    assert [rank["len"] for rank in three] == [[5 + 2, 5]] * 3
+    assert sorted(i for rank in three for epoch, ids in rank["ids"] if epoch == 1 for i in ids) == list(range(120))
+    two = launch(tmp_path / "two", "--data", str(images), "--resume", str(tmp_path / "checkpoint-10"), world=2)
+    done = [i for rank in three for epoch, ids in rank["ids"][:5] if epoch == 1 for i in ids]
+    rest = [i for rank in two for epoch, ids in rank["ids"] if epoch == 1 for i in ids]
+    assert len(done) == 72 and sorted(done + rest) == list(range(120))
+    assert two[0]["summary"]["duplicate_samples"] == 0
+
+
 def test_a_corrupt_file_keeps_ranks_in_step_and_is_listed(images, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(images, data)
