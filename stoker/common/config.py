@@ -348,6 +348,9 @@ class AveragingSettings:
     min_consumers: Annotated[Count, Setting(
         "fewest consumers a run goes on with after failures; below, it ends failed", "K",
         may_change_on_resume=True)] = Field(default=1, ge=1)
+    consumer_restarts: Annotated[Count, Setting(
+        "times a consumer that died is started again on its device (it rejoins the others at their next regroup); "
+        "past that its device stays out", "R", may_change_on_resume=True)] = Field(default=2, ge=0, le=100)
 
     @model_validator(mode="after")
     def _outer_step_needs_the_average(self) -> AveragingSettings:

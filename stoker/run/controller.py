@@ -17,7 +17,7 @@ import numpy as np
 
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
-from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, TrainConfig, names_where
+from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
 from stoker.common.files import write_json
 from stoker.common.procs import (
@@ -50,8 +50,8 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.membership import Membership, check_membership_settings, with_losses
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
-from stoker.training.consumer import consumer_main
-from stoker.training.elastic import Regroup, Stranded
+from stoker.training.consumer import ConsumerSetup, consumer_main
+from stoker.training.elastic import Joining, Regroup, Stranded
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+RESTART_BACKOFF_S = 1.0  # before a dead consumer's first start again; doubled for each next one
 
 
 
@@ -193,6 +195,11 @@ class Controller:
                                      self.config.min_consumers, self.config.sync_every,
                                      self.config.collective_timeout_s, time.monotonic())
         self.failure_causes: dict[int, str] = {}  # consumer -> the error it reported before it died
+        self.restarts_used: dict[int, int] = {}  # consumer -> times it was started again
+        self.restart_at: dict[int, float] = {}  # consumer -> when it is to be started again
+        self.starting_again: dict[int, Any] = {}  # consumer -> its new process, until it says it is ready
+        self.left_out: list[int] = []  # consumers whose device stays out: they died past --consumer-restarts
+        self.setups: list[ConsumerSetup] = []
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
         for item in self.data.refused:
@@ -315,14 +322,18 @@ class Controller:
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
                                  reference.steps_per_epoch, self.resume_from, self.run_dir)
-        for rank, setup in enumerate(setups):
-            ready = CONTEXT.Queue()
-            self.ready_queues.append(ready)
-            outbox = self.mailbox.open()
-            setup = replace(setup, start_step=self.start_at.global_step, elastic=self.elastic,
-                            checkpoint_consumers=self.checkpoint_consumers)
-            self.consumers.append(start(consumer_main, (setup, ready, outbox, self.stop, self.membership.generation),
-                                        f"stoker consumer {rank}"))
+        self.setups = [replace(setup, start_step=self.start_at.global_step, elastic=self.elastic,
+                               checkpoint_consumers=self.checkpoint_consumers) for setup in setups]
+        for rank, setup in enumerate(self.setups):
+            self.ready_queues.append(CONTEXT.Queue())
+            self.consumers.append(self._start_consumer(rank, setup))
+
+    def _start_consumer(self, rank: int, setup: ConsumerSetup) -> Any:
+        outbox = self.mailbox.open()
+        try:
+            return start(consumer_main, (setup, self.ready_queues[rank], outbox, self.stop,
+                                         self.membership.generation), f"stoker consumer {rank}")
+        finally:
             outbox.close()
 
     def _loop(self) -> None:
@@ -338,6 +349,7 @@ class Controller:
                 self._handle(message, window)
             self._check_consumers()
             self._kill_stuck_consumers()
+            self._start_consumers_again()
             if self.membership.ready(self.finished):
                 self._regroup()
             self.membership.check_deadline()
@@ -415,6 +427,8 @@ class Controller:
             self.final_digests[self.cluster.first_rank + message.rank] = message.digest
         elif isinstance(message, Stranded):
             self.membership.strand(message)
+        elif isinstance(message, Joining):
+            self._joining(message.rank)
         elif isinstance(message, ConsumerFailed):
             if self.membership.elastic:  # it ends now; its death is what the survivors regroup after
                 self.failure_causes[message.rank] = str(message.error)
@@ -444,6 +458,12 @@ class Controller:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
 
     def _check_consumers(self) -> None:
+        for consumer, process in list(self.starting_again.items()):
+            if not process.is_alive():  # died while it started: a restart used, and maybe another planned
+                del self.starting_again[consumer]
+                log.warning("consumer %d (pid %s) %s while it started again", consumer, process.pid,
+                            describe_exit(process))
+                self._plan_restart(consumer)
         for rank in list(self.membership.members):
             process = self.consumers[rank]
             if not process.is_alive() and rank not in self.finished:
@@ -459,12 +479,56 @@ class Controller:
     # ---- a consumer's death, when the others go on --------------------------------------------------------------
 
     def _lose(self, consumer: int, cause: str) -> None:
-        if reported := self.failure_causes.get(consumer):
+        if reported := self.failure_causes.pop(consumer, None):
             cause = f"{cause}: {reported.splitlines()[0]}"
         loss = self.membership.lose(consumer, cause)  # below --min-consumers: the run fails
-        log.warning("%s; the other %d consumer(s) go on without it", cause, len(self.membership.members))
-        self.metrics.write("consumer_lost", consumer=consumer, device=loss.device, cause=cause,
-                           t=round(loss.died_s, 3), consumers=len(self.membership.members))
+        if loss is None:  # started again, died before it joined
+            log.warning("%s before it joined the others", cause)
+        else:
+            log.warning("%s; the other %d consumer(s) go on without it", cause, len(self.membership.members))
+            self.metrics.write("consumer_lost", consumer=consumer, device=loss.device, cause=cause,
+                               t=round(loss.died_s, 3), consumers=len(self.membership.members))
+        self._plan_restart(consumer)
+
+    # ---- a consumer started again -------------------------------------------------------------------------------
+
+    def _plan_restart(self, consumer: int) -> None:
+        """Start the consumer again on its device after a back-off (1 s, 2 s, 4 s, ...), at most
+        `--consumer-restarts` times; past that its device stays out."""
+        used = self.restarts_used.get(consumer, 0)
+        if used >= self.config.consumer_restarts:
+            self.left_out.append(consumer)
+            log.warning("consumer %d (%s) was started again %d time(s) and died each time: its device stays out",
+                        consumer, self.devices[consumer], used)
+            return
+        self.restarts_used[consumer] = used + 1
+        self.restart_at[consumer] = time.monotonic() + RESTART_BACKOFF_S * 2 ** used
+
+    def _start_consumers_again(self) -> None:
+        if self.membership.regrouping or self.stopping or self.finishing:
+            return
+        for consumer, due in list(self.restart_at.items()):
+            if time.monotonic() < due:
+                continue
+            del self.restart_at[consumer]
+            old = self.ready_queues[consumer]  # the dead consumer's: what it was sent is dropped with it
+            old.cancel_join_thread()
+            old.close()
+            self.ready_queues[consumer] = CONTEXT.Queue()
+            setup = replace(self.setups[consumer], joining=True, resume_from=None, elastic=True,
+                            model_settings=ModelSettings(model=self.config.model, init=None))
+            self.consumers[consumer] = self._start_consumer(consumer, setup)
+            self.starting_again[consumer] = self.consumers[consumer]
+            log.info("consumer %d started again on %s", consumer, self.devices[consumer])
+
+    def _joining(self, consumer: int) -> None:
+        """A consumer started again is ready: it joins at a regroup now (none while the run ends)."""
+        self.starting_again.pop(consumer, None)
+        if self.stopping or self.finishing:
+            self.consumers[consumer].kill()
+            return
+        self.membership.join(consumer)
+        self.metrics.write("consumer_joining", consumer=consumer, device=self.devices[consumer])
 
     def _kill_stuck_consumers(self) -> None:
         for consumer in self.membership.stuck():
@@ -501,16 +565,20 @@ class Controller:
         self.engine.abandon()
         self.engine.follow(self.scheduler)
         self.stats.members = consumers
+        fresh = tuple(rank for rank, consumer in enumerate(membership.members) if consumer in membership.fresh)
+        source = next(rank for rank in range(consumers) if rank not in fresh)
         for rank, consumer in enumerate(membership.members):
-            self.ready_queues[consumer].put(Regroup(membership.current, rank, consumers, agreed))
-        membership.regrouped(agreed, len({report.global_step for report in taken_back}))
+            self.ready_queues[consumer].put(Regroup(membership.current, rank, consumers, agreed, fresh, source))
+        steps_back = len({report.global_step for report in taken_back})
+        started = membership.regrouping_since or time.monotonic()
+        membership.regrouped(agreed, steps_back)
         self.finishing = False
-        loss = membership.losses[-1]
-        log.warning("%d consumer(s) go on from the state after step %d (%.1f s after the death; %d step(s) "
-                    "trained again)", consumers, agreed, loss.recovered_s or 0.0, loss.steps_taken_back)
+        log.warning("%d consumer(s)%s go on from the state after step %d (%d step(s) trained again)", consumers,
+                    f", {len(fresh)} of them started again," if fresh else "", agreed, steps_back)
         self.metrics.write("regrouped", consumers=consumers, members=list(membership.members), agreed_step=agreed,
-                           recovered_s=loss.recovered_s, steps_taken_back=loss.steps_taken_back,
-                           epoch=position.epoch, offset=position.offset)
+                           recovered_s=round(time.monotonic() - started, 4), steps_taken_back=steps_back,
+                           joined=[membership.members[rank] for rank in fresh], epoch=position.epoch,
+                           offset=position.offset)
 
     def _credit_lost_steps(self, old: Scheduler, agreed: int) -> None:
         """A dead consumer's steps up to the agreed state are in the survivors' weights (its part of every
@@ -657,4 +725,6 @@ class Controller:
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
             start_epoch=self.start_at.epoch, started=self.started,
-            consumers_lost=tuple(loss.as_json() for loss in self.membership.losses)), status, error)
+            consumers_lost=tuple(loss.as_json() for loss in self.membership.losses),
+            consumers_rejoined=tuple(self.membership.rejoined), consumers_left_out=tuple(self.left_out),
+            consumers_at_end=None if self.cluster.multi else len(self.membership.members)), status, error)

@@ -87,7 +87,9 @@ class Membership:
         self.recent: deque[StepReport] = deque()
         self.keep_steps = KEEP_WINDOWS * sync_every + 1
         self.last_reported: dict[int, int] = {}  # consumer -> the newest global step it reported
-        self.gone: set[int] = set()  # consumers lost in a completed regroup: their late reports are void
+        self.gone: dict[int, int] = {}  # consumer -> the generation its loss was regrouped in: older reports void
+        self.fresh: set[int] = set()  # consumers started again, members from the next regroup on, with no state
+        self.rejoined: list[dict[str, Any]] = []  # each consumer that rejoined: when, from which step
         self.scheduled = list(self.members)  # rank -> consumer in the plan the consumers train now
 
     @property
@@ -107,7 +109,7 @@ class Membership:
     def counts(self, report: StepReport) -> bool:
         """Whether a step report counts: not one a broken group trained after the state the survivors went back
         to. Those that count are kept a while, to be taken back by a later regroup."""
-        if report.rank in self.gone:
+        if report.generation < self.gone.get(report.rank, -1):
             return False  # lost in an earlier regroup: what it trained up to then is counted or credited
         if report.generation < self.current and not self.regrouping and report.global_step > self.floor:
             return False  # a broken group's step after the state the survivors went back to
@@ -127,9 +129,24 @@ class Membership:
 
     # ---- a death ------------------------------------------------------------------------------------------------
 
-    def lose(self, consumer: int, cause: str) -> Loss:
+    def join(self, consumer: int) -> None:
+        """A consumer started again is ready: the others are told to leave their group, and all form a new one with
+        it, which gets a survivor's state."""
+        self.members = sorted([*self.members, consumer])
+        self.fresh.add(consumer)
+        self.stranded[consumer] = Stranded(consumer, self.current, 1 << 62, "started again")
+        if self.regrouping_since is None:
+            self.regrouping_since = time.monotonic()
+        with self.generation.get_lock():
+            self.generation.value += 1
+
+    def lose(self, consumer: int, cause: str) -> Loss | None:
         """`consumer` died: the survivors are told to leave the group (or the run fails when they may not go on)."""
         survivors = [c for c in self.members if c != consumer]
+        if consumer in self.fresh:  # started again, died before it joined: no loss of training
+            self.members, self.fresh = survivors, self.fresh - {consumer}
+            self.stranded.pop(consumer, None)
+            return None
         if not self.elastic:
             raise StokerRunError(cause)
         if len(survivors) < self.min_consumers:
@@ -170,7 +187,8 @@ class Membership:
     def ready(self, finished: dict[int, Any]) -> bool:
         """Every survivor that has not finished has left the broken group (one that finished needs no group)."""
         waiting = [c for c in self.members if c not in finished]
-        return self.regrouping and bool(waiting) and all(c in self.stranded for c in waiting)
+        return self.regrouping and any(c not in self.fresh for c in waiting) and all(
+            c in self.stranded for c in waiting)
 
     def check_deadline(self) -> None:
         """A survivor that never leaves the broken group (stuck in its device) ends the run."""
@@ -183,7 +201,7 @@ class Membership:
                                  "(2 x collective_timeout_s) after a consumer died")
 
     def agreed_step(self) -> int:
-        return min(self.stranded[c].agreed_step for c in self.members if c in self.stranded)
+        return min(self.stranded[c].agreed_step for c in self.members if c in self.stranded and c not in self.fresh)
 
     def take_back(self, agreed: int) -> list[StepReport]:
         """The reports of steps after `agreed`, which the survivors train again: no longer counted."""
@@ -200,7 +218,10 @@ class Membership:
                 loss.agreed_step, loss.steps_taken_back = agreed, taken_back
                 loss.recovered_s = now - self.started - loss.died_s
                 loss.consumers_after = len(self.members)
-                self.gone.add(loss.consumer)
+                self.gone[loss.consumer] = self.current
+        self.rejoined += [{"consumer": c, "from_step": agreed + 1, "t": round(now - self.started, 3)}
+                          for c in sorted(self.fresh)]
+        self.fresh = set()
         self.scheduled = list(self.members)
         self.floor = agreed
         self.stranded, self.first_stranded_at = {}, None

@@ -39,11 +39,15 @@ class RunFacts:
     start_epoch: int  # epochs done before this part
     started: float  # time.monotonic() at the start
     consumers_lost: tuple[dict[str, Any], ...] = ()  # `run.membership.Loss.as_json()`, in order
+    consumers_rejoined: tuple[dict[str, Any], ...] = ()  # consumers started again after a death, as they joined
+    consumers_left_out: tuple[int, ...] = ()  # consumers that died past --consumer-restarts: their devices stay out
+    consumers_at_end: int | None = None  # consumers training at the end (None: `world`)
 
 
 def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]:
     last_val = run.val_reports[-1] if run.val_reports else None
     digests = run.final_digests
+    at_end = run.world if run.consumers_at_end is None else run.consumers_at_end
     summary = {
         "status": status,
         **({"error": error} if error else {}),
@@ -51,7 +55,9 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "steps": run.stats.steps_done,
         "num_consumers": run.world,
         "consumers_lost": list(run.consumers_lost),
-        "consumers_at_end": run.world - len(run.consumers_lost),
+        "consumers_rejoined": list(run.consumers_rejoined),
+        "consumers_left_out": list(run.consumers_left_out),
+        "consumers_at_end": at_end,
         "machines": run.machines,
         "devices": run.devices,
         "gpu_memory": run.gpu_memory,
@@ -70,7 +76,7 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "val_accuracy": last_val.accuracy if last_val else None,
         "val_loss": last_val.loss if last_val else None,
         "train_loss": run.stats.latest_train_loss(),
-        "replicas_identical": bool(digests) and len(digests) == run.world - len(run.consumers_lost)
+        "replicas_identical": bool(digests) and len(digests) == at_end
                               and run.stats.replicas_identical(digests),
         "replica_mismatch_steps": run.stats.mismatched_steps(),
         "checkpoint": str(run.checkpoint) if run.checkpoint else None,

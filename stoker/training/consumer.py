@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stoker.common import checkpoint, faults
+from stoker.common import checkpoint, faults, wire
 from stoker.common.config import (
     AveragingSettings,
     DeviceSettings,
@@ -50,7 +50,7 @@ from stoker.pipeline.ring import RingSpec, SlotRing
 from stoker.training import accel, elastic, exchange, model_file, warmup
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
-from stoker.training.elastic import AgreedStates, GroupLost, Regroup, Stranded, is_group_error
+from stoker.training.elastic import AgreedStates, GroupLost, Joining, Regroup, Stranded, is_group_error
 from stoker.training.ema import ModelEma
 from stoker.training.evaluation import ValTotals
 from stoker.training.feed import DeviceLoader
@@ -98,6 +98,7 @@ class ConsumerSetup:
     start_step: int = 0  # the global step this part of the run starts at
     elastic: bool = False  # survivors of a peer's death go on (`--on-consumer-failure`): keep the agreed states
     checkpoint_consumers: int = 0  # on resume: the consumers whose states the checkpoint holds (0: world_size)
+    joining: bool = False  # started again after a death: joins the group at the next regroup, with a peer's state
 
     @property
     def outer(self) -> OuterSpec | None:
@@ -184,8 +185,12 @@ class Replica:
         self.watch = ParentWatch()
         accel.configure_backends(setup.hardware.deterministic)
         self.base_store = _connect_store(setup)
-        self.store = _join_group(setup, self.base_store)
-        self.host_group = exchange.host_group()
+        if setup.joining:  # the group forms at the next regroup (`serve`)
+            self.store, self.host_group = self.base_store, None
+            self.generation = generation.value if generation is not None else 0
+        else:
+            self.store = _join_group(setup, self.base_store)
+            self.host_group = exchange.host_group()
         self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
         self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
         self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
@@ -213,11 +218,14 @@ class Replica:
         ema = setup.recipe.ema
         self.ema = ModelEma(build_model(setup.model_settings.model, setup.num_classes).to(self.device), self.model,
                             ema) if ema else None
-        if setup.hardware.compile:  # before the first collective: a peer's compile must not time it out
+        # Before the first collective: a peer's compile must not time it out (one started again joins later).
+        if setup.hardware.compile and not setup.joining:
             warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
                            setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
             warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
-        if setup.resume_from is not None:
+        if setup.joining:
+            pass  # a peer's state comes at the regroup
+        elif setup.resume_from is not None:
             self._restore(setup.resume_from)
         else:
             if setup.model_settings.init is not None:
@@ -231,10 +239,10 @@ class Replica:
         self.val_totals = ValTotals(setup.num_classes, self.device)
         self.ema_val_totals = ValTotals(setup.num_classes, self.device) if self.ema is not None else None
         self.best = _BestModel(setup.best_model, setup.model_card, setup.resume_from is not None) \
-            if setup.rank == 0 else None
+            if setup.rank == 0 and not setup.joining else None  # one started again: at its regroup, as rank 0
         self.agreed = AgreedStates(self._agreed_state) if setup.elastic else None
         if self.agreed is not None:  # (elastic runs are CPU runs: `continues_after_failure`)
-            if not self.averager.pending[1]:  # resumed between two averagings: no state all hold, until one
+            if not self.averager.pending[1] and not setup.joining:  # resumed between two averagings: none yet
                 self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
             elastic.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
 
@@ -242,6 +250,9 @@ class Replica:
         """Train on what the controller sends until `Finish`. With `--on-consumer-failure continue`, a group that
         breaks (a peer died) is left and joined again as the controller says (`_rejoin`)."""
         broken: Exception | None = None
+        if self.setup.joining:
+            self.outbox.send(Joining(self.setup.local_rank))
+            self._join(self._next_regroup(ready))
         while True:
             try:
                 if broken is not None:
@@ -293,23 +304,30 @@ class Replica:
             raise error
         self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest,
                                   f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
+        self._join(self._next_regroup(ready))
+
+    def _next_regroup(self, ready) -> Regroup:
+        """Drop what the old group was sent, up to this consumer's place in the new one."""
         while True:
             message = _next_message(ready, self._check_stopped, when_idle=lambda: None)
             if isinstance(message, Regroup) and message.generation > self.generation and (
                     self.shared_generation is None or message.generation == self.shared_generation.value):
-                break  # (a Regroup that a later death made stale is followed by the next one)
-        self._join(message)
+                return message  # (a Regroup that a later death made stale is followed by the next one)
 
     def _join(self, regroup: Regroup) -> None:
         assert self.agreed is not None, "only an elastic replica rejoins"
         self.generation = regroup.generation
-        self._apply_state(self.agreed.at(regroup.agreed_step))
-        self.agreed.kept = [kept for kept in self.agreed.kept if kept[0] <= regroup.agreed_step]
-        self.setup = replace(self.setup, rank=regroup.rank, world_size=regroup.world_size)
+        fresh = regroup.rank in regroup.fresh
+        if not fresh:
+            self._apply_state(self.agreed.at(regroup.agreed_step))
+            self.agreed.kept = [kept for kept in self.agreed.kept if kept[0] <= regroup.agreed_step]
+        self.setup = replace(self.setup, rank=regroup.rank, world_size=regroup.world_size, joining=False)
         self.store = _join_group(self.setup, dist.PrefixStore(f"stoker-group-{regroup.generation}/",
                                                               self.base_store))
         self.host_group = exchange.host_group()
         self.averager.regroup(regroup.world_size)
+        if regroup.fresh:
+            self._hand_over_state(regroup, fresh)
         self.unreported = []
         self.val_totals = ValTotals(self.setup.num_classes, self.device)
         if self.ema_val_totals is not None:
@@ -318,6 +336,19 @@ class Replica:
             self.best = _BestModel(self.setup.best_model, self.setup.model_card, resumed=True)
         log.info("consumer %d is rank %d of %d from the state after step %d", self.setup.local_rank,
                  regroup.rank, regroup.world_size, regroup.agreed_step)
+
+    def _hand_over_state(self, regroup: Regroup, fresh: bool) -> None:
+        """A consumer started again gets the agreed state from `regroup.source`: the weights (the same on every
+        survivor) and that peer's optimizer, RNG and EMA state, as a resume hands out a checkpoint's."""
+        for tensor in [*self.averager.float_buckets, *self.averager.int_tensors]:
+            elastic.done(dist.broadcast(tensor, src=regroup.source, async_op=True))
+        mine = checkpoint.to_cpu(self._rank_state()) if regroup.rank == regroup.source else None
+        state = wire.broadcast(mine, regroup.source, torch.device("cpu"))
+        if fresh:
+            self._apply_state(state)
+            assert self.agreed is not None, "only an elastic replica rejoins"
+            self.agreed.kept = []
+            self.agreed.keep(regroup.agreed_step)
 
     def _agreed_state(self) -> dict:
         """What every replica holds alike after an averaging, and this replica's own optimizer and RNG state."""

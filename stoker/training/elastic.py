@@ -93,14 +93,24 @@ class Stranded:
 
 
 @dataclass(frozen=True)
+class Joining:
+    """Consumer -> controller: a consumer started again after its death is ready to join at the next regroup."""
+
+    rank: int  # the consumer's index on this machine
+
+
+@dataclass(frozen=True)
 class Regroup:
     """Controller -> consumer: go back to the state after `agreed_step` and join group `generation` as `rank` of
-    `world_size`. Everything before it on the ready queue belongs to the old group and is dropped."""
+    `world_size`. Everything before it on the ready queue belongs to the old group and is dropped. `fresh`: ranks
+    started again, which hold no state and get `source`'s after the group forms."""
 
     generation: int
     rank: int
     world_size: int
     agreed_step: int
+    fresh: tuple[int, ...] = ()
+    source: int = 0
 
 
 class AgreedStates:

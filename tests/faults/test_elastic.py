@@ -42,13 +42,16 @@ def numbered(tmp_path_factory):
     return folder, count
 
 
-def train(numbered, out, fault: str, *extra: str, epochs: int = 2):
+def train(numbered, out, fault: str, *extra: str, epochs: int = 2, restarts: int = 0, env: dict | None = None):
+    """`restarts` 0 unless a test is about them: a dead consumer started again rejoins when its start-up ends, and
+    these runs are shorter than that."""
     folder, _ = numbered
-    env = {"STOKER_FAULT": fault, "STOKER_FAULT_ONCE": str(out.parent / f"{out.name}.fired")} if fault else {}
+    env = {**(env or {}), **({"STOKER_FAULT": fault, "STOKER_FAULT_ONCE": str(out.parent / f"{out.name}.fired")}
+                             if fault else {})}
     return run_cli("train", "--data", str(folder / "train"), "--val", str(folder / "val"), "--model",
                    "witness:counting_cnn", "--augment", "none", "--image-size", "32", "--batch-size", "8",
                    "--devices", "cpu:3", "--epochs", str(epochs), "--out", str(out), "--quiet", "--report", "false",
-                   *extra, env=env, check=False)
+                   "--consumer-restarts", str(restarts), *extra, env=env, check=False)
 
 
 def weights(run_dir) -> dict[str, torch.Tensor]:
@@ -69,6 +72,7 @@ def assert_went_on_without(run_dir, summary, consumer: int) -> None:
     lost = summary["consumers_lost"]
     assert [loss["consumer"] for loss in lost] == [consumer] and "SIGKILL" in lost[0]["cause"]
     assert summary["consumers_at_end"] == 2 and summary["replicas_identical"]
+    assert summary["consumers_left_out"] == [consumer] and summary["consumers_rejoined"] == []
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
     assert [e["consumer"] for e in events(run_dir, "consumer_lost")] == [consumer]
     assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2]
@@ -137,7 +141,7 @@ def test_digits_with_a_consumer_killed_mid_run_learn_within_a_point_of_the_unfai
                                                  "STOKER_FAULT_ONCE": str(tmp_path / "fired")})):
         run_cli("train", "--data", str(train_dir), "--val", str(val_dir), "--devices", "cpu:3", "--producers", "1",
                 "--augment", "none", "--image-size", "32", "--batch-size", "16", "--epochs", "3", "--seed", "1",
-                "--out", str(tmp_path / name), "--quiet", "--report", "false", env=env)
+                "--out", str(tmp_path / name), "--quiet", "--report", "false", "--consumer-restarts", "0", env=env)
         accuracy[name] = read_summary(tmp_path / name)["val_accuracy"]
     assert read_summary(tmp_path / "killed")["consumers_at_end"] == 2
     assert accuracy["whole"] >= 0.95, accuracy
@@ -197,3 +201,19 @@ def test_a_resume_with_another_count_between_two_averagings_is_refused_before_an
     result = run_cli("train", "--resume", str(run_dir), "--devices", "cpu:3", "--epochs", "2", "--quiet",
                      check=False)
     assert result.returncode == 2 and "between two averagings (sync_every=4)" in result.stderr
+
+
+def test_a_killed_consumer_is_started_again_and_the_group_grows_back(numbered, tmp_path):
+    """Steps hold each consumer 400 ms (a sleep, not work: the time the restart has does not shrink under load), so
+    the 8 epochs after the kill at step 3 leave some 25 s for the new consumer's start-up: 2-8 s here, under load."""
+    run_dir = tmp_path / "run"
+    result = train(numbered, run_dir, "consumer:sigkill:rank=1,step=3;", epochs=8, restarts=1,
+                   env={"STOKER_STEP_TIME_MS": "400"})
+    summary = read_summary(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [loss["consumer"] for loss in summary["consumers_lost"]] == [1]
+    assert [joined["consumer"] for joined in summary["consumers_rejoined"]] == [1]
+    assert summary["consumers_at_end"] == 3 and summary["consumers_left_out"] == []
+    assert summary["replicas_identical"] and summary["duplicate_samples"] == summary["missing_samples"] == 0
+    assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2, 3]
+    assert seen_by_content(run_dir, numbered[1]) == [8] * numbered[1]
