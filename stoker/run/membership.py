@@ -49,8 +49,9 @@ def with_losses(verdict: Verdict, losses: list[Loss]) -> Verdict:
     """The verdict, with what each death cost: "consumer 2 died (the others went on from step 812): 0.4 s without
     training, 0 step(s) trained again; 2 consumer(s) from then"."""
     told = [f"consumer {loss.consumer} died (the others went on from step {loss.agreed_step + 1}): "
-            f"{loss.without_training_s:.1f} s without training, {loss.steps_taken_back} step(s) trained again; "
-            f"{loss.consumers_after} consumer(s) from then" for loss in losses if loss.without_training_s is not None]
+            + (f"{loss.without_training_s:.1f} s without training, " if loss.without_training_s is not None else "")
+            + f"{loss.steps_taken_back} step(s) trained again; {loss.consumers_after} consumer(s) from then"
+            for loss in losses if loss.recovered_s is not None]
     return replace(verdict, text="; ".join([verdict.text, *told])) if told else verdict
 
 

@@ -77,28 +77,28 @@ def assert_went_on_without(run_dir, summary, consumer: int) -> None:
     assert [e["consumer"] for e in events(run_dir, "consumer_lost")] == [consumer]
     assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2]
     assert f"consumer {consumer} died (the others went on from step" in summary["verdict"]["text"]
-    assert 0 < lost[0]["without_training_s"] < 60
+    assert lost[0]["without_training_s"] is None or 0 < lost[0]["without_training_s"] < 60  # None: no step after
 
 
 @pytest.mark.parametrize("where, extra", [
     ("rank=2,step=3;", ("--average-in-backward", "false")),  # after its step, before the averaging began
-    ("rank=1,step=6;", ()),  # in-backward averaging: its groups are in flight when it dies
+    ("rank=1,step=3;", ()),  # in-backward averaging: its groups are in flight when it dies
     ("rank=1,val=0;", ()),  # as epoch 0's validation ends: its peers wait in the all_reduce of the totals
     ("rank=2,save=5;", ()),  # as the end-of-epoch checkpoint begins: rank 0 waits for its state
-    ("rank=1,step=7;", ("--sync-every", "2")),  # averaging every 2 steps: step 6 is trained again
+    ("rank=1,step=3;", ("--sync-every", "2")),  # averaging every 2 steps: step 2 is trained again
 ], ids=["before-averaging", "during-averaging", "during-validation", "during-checkpoint", "sync-every-2"])
 def test_a_killed_consumer_costs_one_consumer_and_every_image_is_trained_once_per_epoch(numbered, tmp_path, where,
                                                                                         extra):
     run_dir = tmp_path / "run"
-    result = train(numbered, run_dir, f"consumer:sigkill:{where}", *extra)
+    result = train(numbered, run_dir, f"consumer:sigkill:{where}", *extra, epochs=1)
     summary = read_summary(run_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     dead = int(where.split(",")[0].split("=")[1])
     assert_went_on_without(run_dir, summary, dead)
-    assert seen_by_content(run_dir, numbered[1]) == [2] * numbered[1]  # 2 epochs, each image once in each
-    assert summary["samples_consumed"] == [numbered[1]] * 2
+    assert seen_by_content(run_dir, numbered[1]) == [1] * numbered[1]  # each image once
+    assert summary["samples_consumed"] == [numbered[1]]
     if "val=" in where:
-        assert [v["epoch"] for v in events(run_dir, "val")] == [0, 1]  # epoch 0's pass was made again, whole
+        assert [v["epoch"] for v in events(run_dir, "val")] == [0]  # the pass was made again, whole, once
     if "--sync-every" in extra:
         assert summary["consumers_lost"][0]["steps_taken_back"] == 1
     if "save=" in where:
