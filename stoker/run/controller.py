@@ -198,6 +198,7 @@ class Controller:
         self.restarts_used: dict[int, int] = {}  # consumer -> times it was started again
         self.restart_at: dict[int, float] = {}  # consumer -> when it is to be started again
         self.starting_again: dict[int, Any] = {}  # consumer -> its new process, until it says it is ready
+        self.joiners: set[int] = set()  # consumers started again and ready, waiting for a moment to join
         self.left_out: list[int] = []  # consumers whose device stays out: they died past --consumer-restarts
         self.setups: list[ConsumerSetup] = []
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
@@ -350,6 +351,7 @@ class Controller:
             self._check_consumers()
             self._kill_stuck_consumers()
             self._start_consumers_again()
+            self._admit_joiners()
             if self.membership.ready(self.finished):
                 self._regroup()
             self.membership.check_deadline()
@@ -517,18 +519,32 @@ class Controller:
             self.ready_queues[consumer] = CONTEXT.Queue()
             setup = replace(self.setups[consumer], joining=True, resume_from=None, elastic=True,
                             model_settings=ModelSettings(model=self.config.model, init=None))
+            self.failure_causes.pop(consumer, None)
             self.consumers[consumer] = self._start_consumer(consumer, setup)
             self.starting_again[consumer] = self.consumers[consumer]
             log.info("consumer %d started again on %s", consumer, self.devices[consumer])
 
     def _joining(self, consumer: int) -> None:
-        """A consumer started again is ready: it joins at a regroup now (none while the run ends)."""
-        self.starting_again.pop(consumer, None)
-        if self.stopping or self.finishing:
-            self.consumers[consumer].kill()
+        """A consumer started again is ready: it joins at the next regroup, once no checkpoint is being written
+        (none while the run ends). A `Joining` said again (its regroup was overtaken) keeps its place."""
+        if consumer in self.membership.members:
+            self.membership.join(consumer)
             return
-        self.membership.join(consumer)
-        self.metrics.write("consumer_joining", consumer=consumer, device=self.devices[consumer])
+        process = self.starting_again.pop(consumer, None)
+        if process is None or not process.is_alive():
+            return  # from a start that died meanwhile (its death was counted)
+        if self.stopping or self.finishing:
+            process.kill()
+            return
+        self.joiners.add(consumer)
+
+    def _admit_joiners(self) -> None:
+        if not self.joiners or self.membership.regrouping or self.checkpoints.pending:
+            return
+        for consumer in sorted(self.joiners):
+            self.membership.join(consumer)
+            self.metrics.write("consumer_joining", consumer=consumer, device=self.devices[consumer])
+        self.joiners = set()
 
     def _kill_stuck_consumers(self) -> None:
         for consumer in self.membership.stuck():
@@ -544,6 +560,7 @@ class Controller:
         """Every survivor left the broken group: go back to the state they all hold, plan the rest of the run
         for them from there, and send each its place in the new group."""
         membership, old = self.membership, self.scheduler
+        membership.drop_finished(self.finished)
         agreed = membership.agreed_step()
         taken_back = membership.take_back(agreed)
         for report in taken_back:

@@ -133,9 +133,11 @@ class Membership:
     def join(self, consumer: int) -> None:
         """A consumer started again is ready: the others are told to leave their group, and all form a new one with
         it, which gets a survivor's state."""
+        self.stranded[consumer] = Stranded(consumer, self.current, 1 << 62, "started again")
+        if consumer in self.members:  # said again: the regroup it was to join was overtaken by a later one
+            return
         self.members = sorted([*self.members, consumer])
         self.fresh.add(consumer)
-        self.stranded[consumer] = Stranded(consumer, self.current, 1 << 62, "started again")
         if self.regrouping_since is None:
             self.regrouping_since = time.monotonic()
         with self.generation.get_lock():
@@ -150,8 +152,9 @@ class Membership:
             return None
         if not self.elastic:
             raise StokerRunError(cause)
-        if len(survivors) < self.min_consumers:
-            raise StokerRunError(f"{cause}; {len(survivors)} consumer(s) left, fewer than min_consumers="
+        holding = [c for c in survivors if c not in self.fresh]  # those started again hold no state yet
+        if len(holding) < self.min_consumers:
+            raise StokerRunError(f"{cause}; {len(holding)} consumer(s) left, fewer than min_consumers="
                                  f"{self.min_consumers}")
         now = time.monotonic()
         loss = Loss(consumer, self.scheduled.index(consumer), self.devices[consumer], cause, now - self.started)
@@ -211,6 +214,10 @@ class Membership:
         for consumer in self.last_reported:
             self.last_reported[consumer] = min(self.last_reported[consumer], agreed)
         return back
+
+    def drop_finished(self, finished: dict[int, Any]) -> None:
+        """Consumers that took their `Finish` before the group broke have ended: the new group is the others."""
+        self.members = [c for c in self.members if c not in finished]
 
     def regrouped(self, agreed: int, taken_back: int) -> None:
         now = time.monotonic()

@@ -219,10 +219,11 @@ class Replica:
         self.ema = ModelEma(build_model(setup.model_settings.model, setup.num_classes).to(self.device), self.model,
                             ema) if ema else None
         # Before the first collective: a peer's compile must not time it out (one started again joins later).
-        if setup.hardware.compile and not setup.joining:
+        if setup.hardware.compile:
             warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
                            setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
-            warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
+            if not setup.joining:
+                warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
         if setup.joining:
             pass  # a peer's state comes at the regroup
         elif setup.resume_from is not None:
@@ -307,12 +308,21 @@ class Replica:
         self._join(self._next_regroup(ready))
 
     def _next_regroup(self, ready) -> Regroup:
-        """Drop what the old group was sent, up to this consumer's place in the new one."""
+        """Drop what the old group was sent, up to this consumer's place in the new one. A Regroup that a later
+        death or joining overtook is followed by the next one, which waits for this consumer to say again where it
+        stands."""
         while True:
             message = _next_message(ready, self._check_stopped, when_idle=lambda: None)
-            if isinstance(message, Regroup) and message.generation > self.generation and (
-                    self.shared_generation is None or message.generation == self.shared_generation.value):
-                return message  # (a Regroup that a later death made stale is followed by the next one)
+            if not isinstance(message, Regroup) or message.generation <= self.generation:
+                continue
+            if self.shared_generation is None or message.generation == self.shared_generation.value:
+                return message
+            if self.setup.joining:
+                self.outbox.send(Joining(self.setup.local_rank))
+            else:
+                assert self.agreed is not None, "only an elastic replica rejoins"
+                self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest,
+                                          "its regroup was overtaken"))
 
     def _join(self, regroup: Regroup) -> None:
         assert self.agreed is not None, "only an elastic replica rejoins"
@@ -332,7 +342,9 @@ class Replica:
         self.val_totals = ValTotals(self.setup.num_classes, self.device)
         if self.ema_val_totals is not None:
             self.ema_val_totals = ValTotals(self.setup.num_classes, self.device)
-        if self.setup.rank == 0 and self.best is None:
+        if self.setup.rank != 0:
+            self.best = None  # rank 0 keeps model_best.pt; one that was rank 0 before may hold an older best
+        elif self.best is None:
             self.best = _BestModel(self.setup.best_model, self.setup.model_card, resumed=True)
         log.info("consumer %d is rank %d of %d from the state after step %d", self.setup.local_rank,
                  regroup.rank, regroup.world_size, regroup.agreed_step)

@@ -506,6 +506,9 @@ class Loader:
         self._iterating = True
         try:
             steps = self.plan.steps_in(epoch)
+            if first_step >= steps:  # a state of another world size that leaves this epoch no whole step (drop_last)
+                self._position, self.epoch = Position(epoch + 1, 0, 0), epoch + 1
+                return
             for step in range(first_step, steps):
                 if generation != self._generation:
                     raise RuntimeError("this iterator was left for a newer iter() of the same stoker.Loader, which "
