@@ -340,7 +340,7 @@ class Controller:
     def _loop(self) -> None:
         window_started = time.monotonic()
         window = WindowTotals()
-        while len(self.finished) < len(self.membership.members):
+        while not all(consumer in self.finished for consumer in self.membership.members):
             self._follow_interrupts()
             regrouping = self.membership.regrouping  # nothing new is built or handed over meanwhile
             if not regrouping:
