@@ -500,8 +500,8 @@ class Controller:
         used = self.restarts_used.get(consumer, 0)
         if used >= self.config.consumer_restarts:
             self.left_out.append(consumer)
-            log.warning("consumer %d (%s) was started again %d time(s) and died each time: its device stays out",
-                        consumer, self.devices[consumer], used)
+            log.warning("consumer %d (%s) stays out: it died after %d start(s) again (consumer_restarts=%d)",
+                        consumer, self.devices[consumer], used, self.config.consumer_restarts)
             return
         self.restarts_used[consumer] = used + 1
         self.restart_at[consumer] = time.monotonic() + RESTART_BACKOFF_S * 2 ** used
