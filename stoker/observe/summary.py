@@ -35,7 +35,6 @@ class Ledger:
     """What the parts before this one did (`rows`: accounting of the epochs they finished, `segments`), and the
     steps this part trained since its last checkpoint, to take the accounting at the next checkpoint's step."""
 
-    steps_per_epoch: int
     rows: list[dict[str, int]] = field(default_factory=list)
     train_loss: dict[int, float] = field(default_factory=dict)  # epoch -> mean loss, for the epochs in `rows`
     skipped: dict[str, str] = field(default_factory=dict)
@@ -101,11 +100,9 @@ class Ledger:
         shares that the live view's last line and the verdict give (the producer counts are the summary's)."""
         return whole_figures([*self.segments, {**part_times(stats), "producers_initial": 0}])
 
-    def whole_run(self, part: dict[str, Any], stats: RunStats, start_step: int,
-                  start_epoch: int | None = None) -> dict[str, Any]:
-        """The summary of this part, with the fields that describe the run made to cover every part.
-        `start_epoch`: the epochs done before this part (by default `start_step` over whole epochs of steps, which
-        a part of another device count does not have)."""
+    def whole_run(self, part: dict[str, Any], stats: RunStats, start_step: int, start_epoch: int) -> dict[str, Any]:
+        """The summary of this part, with the fields that describe the run made to cover every part; this part
+        starts after `start_step` steps and `start_epoch` whole epochs."""
         mine = [row for row in stats.epoch_accounting() if row["epoch"] not in {r["epoch"] for r in self.rows}]
         rows = sorted(self.rows + mine, key=lambda row: row["epoch"])
         segment = {"start_step": start_step, "end_step": start_step + part["steps"], "status": part["status"],
@@ -115,8 +112,7 @@ class Ledger:
         skipped = {**self.skipped, **stats.skipped}
         return {**part,
                 **whole_figures([*self.segments, segment]),
-                "epochs": (start_step // self.steps_per_epoch if start_epoch is None else start_epoch)
-                + part["epochs"],  # the parts before finished those
+                "epochs": start_epoch + part["epochs"],  # the parts before finished those
                 "steps": start_step + part["steps"],
                 "samples_consumed": [row["consumed"] for row in rows],
                 "duplicate_samples": sum(row["duplicates"] for row in rows),

@@ -8,10 +8,18 @@ the engine and hands the rest back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from stoker.common.procs import CONTEXT, Mailbox, check_memory_for_producers, start_resource_tracker
+from stoker.common.procs import (
+    CONTEXT,
+    POLL_S,
+    Mailbox,
+    StokerRunError,
+    check_memory_for_producers,
+    start_resource_tracker,
+)
 from stoker.pipeline.autoscale import StepStamp, Window
 from stoker.pipeline.engine import Accounting, Build, Engine, ProducerCounts, check_ring_space
 from stoker.pipeline.gauges import EventLog
@@ -68,6 +76,21 @@ class EngineDriver:
         if dispatch:
             engine.dispatch()
         return own
+
+    def drain(self, timeout_s: float, handle: Callable[[Any], None] | None = None) -> None:
+        """Before a new scheduler is followed: parts no producer holds yet are dropped, and those a producer holds
+        finish (into slots nobody takes). Messages that are not the producers' go to `handle`."""
+        engine = self.engine
+        deadline = time.monotonic() + timeout_s
+        engine.abandon()
+        while engine.building:
+            if time.monotonic() > deadline:
+                raise StokerRunError(f"{engine.building} part(s) of batches were still being built after "
+                                     f"{timeout_s:.0f} s")
+            for message in self.pump(POLL_S, dispatch=False):
+                if handle is not None:
+                    handle(message)
+        engine.abandon()  # the compactions of parts that finished meanwhile: their batches are dropped too
 
     def deliverable(self) -> Iterator[tuple[int, Any]]:
         return self.engine.deliverable()

@@ -152,18 +152,13 @@ class Engine:
 
     def abandon(self) -> None:
         """The consumers changed: parts not yet given to a producer are dropped. Those a producer holds still finish
-        (into slots nobody takes); `follow` comes once none is left (`building_now`)."""
+        (into slots nobody takes); `follow` comes once none is left (`building`)."""
         self.pending_parts.clear()
 
     @property
-    def building_now(self) -> int:
+    def building(self) -> int:
         """Parts a producer holds and has not reported built."""
         return len(self.parts)
-
-    @property
-    def building(self) -> int:
-        """Parts of batches given to producers, or waiting for one, and not yet reported built."""
-        return len(self.parts) + len(self.pending_parts)
 
     # ---- routing ------------------------------------------------------------------------------------------------
 

@@ -89,24 +89,34 @@ class EpochPlan:
         """The samples an epoch's steps hold: all of them, less a dropped short last step's."""
         return min(self.num_train, self.steps_per_epoch * self.batch_size * self.num_consumers)
 
+    @functools.cached_property
+    def reference(self) -> EpochPlan:
+        """The whole run's plan at the count the learning-rate schedule was made for."""
+        return replace(self, num_consumers=self.reference_consumers or self.num_consumers, start_epoch=0,
+                       start_step=0, start_offset=0, reference_consumers=None)
+
     def schedule_step(self, epoch: int, step: int) -> float:
         """Where `step` stands on the learning-rate schedule, in steps of the reference count: its own global step
         while the consumers have not changed, else the samples before it over the reference step's size."""
-        reference = self.reference_consumers or self.num_consumers
-        whole = replace(self, num_consumers=reference, start_epoch=0, start_step=0, start_offset=0)
-        if reference == self.num_consumers and not self.start_offset:
+        whole = self.reference
+        if whole.num_consumers == self.num_consumers and not self.start_offset:
             return float(epoch * whole.steps_per_epoch + step)
         return epoch * whole.steps_per_epoch + self.offset(epoch, step) / whole.per_step
 
     @property
     def lr_scale(self) -> float:
         """The learning rate follows the global batch (Goyal et al. 2017): fewer consumers, a smaller step."""
-        return self.num_consumers / (self.reference_consumers or self.num_consumers)
+        return self.num_consumers / self.reference.num_consumers
 
     def regrouped(self, consumers: int, epoch: int, step: int, offset: int) -> EpochPlan:
         """The plan from step `step` of `epoch` (after `offset` of its samples) for `consumers`."""
         return replace(self, num_consumers=consumers, start_epoch=epoch, start_step=step, start_offset=offset,
-                       reference_consumers=self.reference_consumers or self.num_consumers)
+                       reference_consumers=self.reference.num_consumers)
+
+    def continuing(self, epoch: int, step: int, offset: int) -> EpochPlan:
+        """This plan where its step `step` of `epoch` starts after `offset` samples, else the plan made again from
+        there (a state saved at another count, or after one changed)."""
+        return self if self.offset(epoch, step) == offset else self.regrouped(self.num_consumers, epoch, step, offset)
 
     def train_work(self, epoch: int, step: int, rank: int) -> BatchPlan:
         order = self.permutation(epoch)

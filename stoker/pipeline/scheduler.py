@@ -72,7 +72,7 @@ class Scheduler:
         self._skip_validation_row: int | None = None  # an interrupt's: the validation not yet handed out is dropped
         self._validation_ends_taken: set[int] = set()  # rows whose ValEnd some rank has (its all_reduce is due)
         self.position = start
-        self.saves_issued: dict[int, Position] = {}  # global steps a Save was handed out for, and where they stand
+        self.saves_issued: set[int] = set()  # global steps a Save was handed out for
 
     def _stream(self, rank: int, epochs: int, start: Position, has_val: bool, checkpoint_every: int,
                 run_dir: Path) -> Iterator[Entry]:
@@ -204,7 +204,7 @@ class Scheduler:
                 if item.resume_at is not None and rank == 0:
                     self.position = item.resume_at
                 if isinstance(item.message, Save):
-                    self.saves_issued[item.message.global_step] = item.message.position
+                    self.saves_issued.add(item.message.global_step)
                 self._next_delivery[rank] += 1
                 yield rank, ready.pop(seq)
 

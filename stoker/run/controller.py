@@ -163,11 +163,9 @@ class Controller:
             resume.check_other_count(self.config, consumers, self.cluster.world, agree, self.cluster.multi)
         # The epoch in progress goes on from its first sample not trained, in steps of this run's count: the plan
         # is made again where the checkpoint's count (or the first count, after a death) differs.
-        offset = start.offset if start.offset is not None else min(
-            self.plan.num_train, start.step * self.plan.batch_size * consumers)
-        if reference != self.cluster.world or offset != self.plan.offset(start.epoch, start.step):
-            self.plan = replace(self.plan, reference_consumers=reference).regrouped(
-                self.cluster.world, start.epoch, start.step, offset)
+        offset = start.offset if start.offset is not None else replace(
+            self.plan, num_consumers=consumers).offset(start.epoch, start.step)
+        self.plan = replace(self.plan, reference_consumers=reference).continuing(start.epoch, start.step, offset)
         self.checkpoint_consumers = consumers
         return replace(start, offset=offset), Path(folder)
 
@@ -205,13 +203,13 @@ class Controller:
                               self.cluster.first_rank)
         for item in self.data.refused:
             self.stats.skipped.setdefault(item.path, item.reason)
-        self.ledger = Ledger(self.plan.steps_per_epoch)  # the parts of the run before this one
+        self.ledger = Ledger()  # the parts of the run before this one
         if self.resume_from is not None:  # the folder other machines receive is never opened there
             self.ledger.resume(self.resume_accounting, self.run_dir, self.stats)
         self.checkpoints = Checkpoints(self.run_dir, self.config, self.cluster, self.num_consumers,
                                        list(self.data.train.classes),
                                        self._sample_counts(), self.ledger)
-        self.checkpoints.reference_consumers = self.plan.reference_consumers or self.cluster.world
+        self.checkpoints.reference_consumers = self.plan.reference.num_consumers
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
@@ -319,7 +317,7 @@ class Controller:
         if self.cluster.multi:
             self.agreement = cluster.StopAgreement.join(self.cluster, self.store, store,
                                                         self.config.collective_timeout_s)
-        reference = replace(self.plan, num_consumers=self.plan.reference_consumers or self.plan.num_consumers)
+        reference = self.plan.reference
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
                                  reference.steps_per_epoch, self.resume_from, self.run_dir)
@@ -569,7 +567,7 @@ class Controller:
             del self.stats.digests[global_step]  # trained again: its replicas are compared again
         self.ledger.take_back(agreed)
         self._credit_lost_steps(old, agreed)
-        self._drain_engine()
+        self.driver.drain(3 * self.config.producer_timeout_s, lambda message: self._handle(message, WindowTotals()))
         position = old.position_after(agreed)
         consumers = len(membership.members)
         self.plan = self.plan.regrouped(consumers, position.epoch, position.step, position.offset or 0)
@@ -579,7 +577,6 @@ class Controller:
                                    self.cluster.first_rank, consumers, self._unfinished(position))
         if self.stopping:
             self.scheduler.cut(-1)  # interrupted meanwhile: only the checkpoint where the survivors stand
-        self.engine.abandon()
         self.engine.follow(self.scheduler)
         self.stats.members = consumers
         fresh = tuple(rank for rank, consumer in enumerate(membership.members) if consumer in membership.fresh)
@@ -613,17 +610,6 @@ class Controller:
                                     0.0, ids, None, epoch_steps=old.plan.steps_in(work.epoch))
                 self.stats.record_step(report, time.monotonic())
                 self.ledger.record_step(report)
-
-    def _drain_engine(self) -> None:
-        """Let the parts producers hold finish (into slots nobody takes) before the ring is planned again."""
-        self.engine.abandon()
-        deadline = time.monotonic() + 3 * self.config.producer_timeout_s
-        while self.engine.building_now:
-            if time.monotonic() > deadline:
-                raise StokerRunError(f"{self.engine.building_now} part(s) of batches were still being built "
-                                     f"{3 * self.config.producer_timeout_s:.0f} s after a consumer died")
-            for message in self.driver.pump(POLL_S, dispatch=False):
-                self._handle(message, WindowTotals())
 
     def _unfinished(self, position: Position) -> Unfinished:
         """What of the row before `position` the broken group may not have done: the validation of the epoch it

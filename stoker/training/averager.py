@@ -77,6 +77,11 @@ class Averager:
             self.backward.optimizer, self.backward.works = None, []
 
     @property
+    def holds_average(self) -> bool:
+        """Whether every replica holds the averaged model now: right after an averaging, none in flight."""
+        return self.replicas_agree and not self.pending[1]
+
+    @property
     def replicas_agree(self) -> bool:
         """Whether replicas are identical right after an averaging (not while one is in flight)."""
         return self.delayed is None

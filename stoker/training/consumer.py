@@ -243,7 +243,7 @@ class Replica:
             if setup.rank == 0 and not setup.joining else None  # one started again: at its regroup, as rank 0
         self.agreed = AgreedStates(self._agreed_state) if setup.elastic else None
         if self.agreed is not None:  # (elastic runs are CPU runs: `continues_after_failure`)
-            if not self.averager.pending[1] and not setup.joining:  # resumed between two averagings: none yet
+            if self.averager.holds_average and not setup.joining:  # resumed between two averagings: none yet
                 self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
             elastic.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
 
@@ -303,9 +303,13 @@ class Replica:
         assert self.agreed is not None, "only an elastic replica rejoins"
         if not self.agreed.kept:  # resumed between two averagings, and none since: no state all replicas hold
             raise error
-        self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest,
-                                  f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"))
+        self._strand(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
         self._join(self._next_regroup(ready))
+
+    def _strand(self, reason: str) -> None:
+        """Tell the controller this consumer left its group, holding the agreed states it keeps."""
+        assert self.agreed is not None, "only an elastic replica rejoins"
+        self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest, reason))
 
     def _next_regroup(self, ready) -> Regroup:
         """Drop what the old group was sent, up to this consumer's place in the new one. A Regroup that a later
@@ -320,9 +324,7 @@ class Replica:
             if self.setup.joining:
                 self.outbox.send(Joining(self.setup.local_rank))
             else:
-                assert self.agreed is not None, "only an elastic replica rejoins"
-                self.outbox.send(Stranded(self.setup.local_rank, self.generation, self.agreed.newest,
-                                          "its regroup was overtaken"))
+                self._strand("its regroup was overtaken")
 
     def _join(self, regroup: Regroup) -> None:
         assert self.agreed is not None, "only an elastic replica rejoins"
@@ -495,8 +497,7 @@ class Replica:
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
         files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
                               self.setup.world_size, group=self.host_group)
-        agree = self.averager.replicas_agree and not self.averager.pending[1]
-        self.outbox.send(Saved(self.setup.local_rank, message.global_step, files, agree))
+        self.outbox.send(Saved(self.setup.local_rank, message.global_step, files, self.averager.holds_average))
 
     def _rank_state(self) -> dict:
         state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
@@ -504,7 +505,7 @@ class Replica:
                  "grad_scaler": self.precision.state_dict()}
         if self.device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        if self.averager.pending[1] or not self.averager.replicas_agree:  # replicas differ: keep this one's own
+        if not self.averager.holds_average:  # replicas differ: keep this one's own
             state["model"] = self.model.state_dict()
         if self.averager.outer is not None:
             state["outer"] = self.averager.outer.state_dict()

@@ -322,8 +322,7 @@ class Loader:
         self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
         saved_world = int(state.get("world_size", read_rank()[1] if self.info is None else self.info.world_size))
         offset = state.get("offset")
-        offset = min(len(self.source.paths), self._resume.step * self.batch_size * saved_world) if offset is None \
-            else int(offset)
+        offset = self._plan(saved_world).offset(self.epoch, self._resume.step) if offset is None else int(offset)
         self._resumed_at = (self.epoch, self._resume.step, offset)
         if self.info is not None:
             self.plan = self._resume_plan(self.info.world_size)
@@ -373,10 +372,7 @@ class Loader:
         """The plan for `world` ranks, made again from where a loaded state stood when that is not where this
         world's own plan would be (another world size saved it): the rest of its epoch, every sample once."""
         plan = self._plan(world)
-        if self._resumed_at is None:
-            return plan
-        epoch, step, offset = self._resumed_at
-        return plan if plan.offset(epoch, step) == offset else plan.regrouped(world, epoch, step, offset)
+        return plan if self._resumed_at is None else plan.continuing(*self._resumed_at)
 
     def _start(self) -> None:
         """At the first iter(): rank, world size and device, then the ring and the producers."""
@@ -450,8 +446,8 @@ class Loader:
             raise ValueError(f"load_state_dict: the state's offset is {offset!r}; expected an integer from 0 to "
                              f"{samples} (the samples of its epoch before its step)")
         steps = self._plan(int(saved_world)).steps_per_epoch
-        if offset is not None and isinstance(state["step"], int) and offset != min(
-                samples, state["step"] * self.batch_size * saved_world):
+        if offset is not None and isinstance(state["step"], int) and offset != self._plan(int(saved_world)).offset(
+                0, state["step"]):
             steps = samples + 1  # saved by a loader that resumed at another world size: its steps are its own
         for key, below in (("epoch", None), ("step", steps)):
             value = state[key]
@@ -623,13 +619,8 @@ class Loader:
 
     def _drain(self) -> None:
         """Let the batches still being built (an iteration left before its end) finish: their slots are reused."""
-        engine = self._require_engine()
-        deadline = time.monotonic() + 3 * self.producer_timeout_s
-        while engine.building:
-            if time.monotonic() > deadline:
-                raise StokerRunError(f"{engine.building} batch(es) were still being built after "
-                                     f"{3 * self.producer_timeout_s:.0f} s")
-            self.driver.pump(POLL_S, dispatch=False)  # no new work for the scheduler being left
+        self._require_engine()
+        self.driver.drain(3 * self.producer_timeout_s)
 
     def _require_engine(self) -> Engine:
         if self._engine is None or self.closed:

@@ -49,7 +49,7 @@ def test_a_checkpoint_holds_the_accounting_at_its_step_and_a_resume_counts_every
     """Steps 0-1 of epoch 1 are before the checkpoint at global step 6; step 2 reported before it was committed.
     The resumed part trains steps 2-3 again: each sample counts once."""
     ids = [[0, 1], [2, 3], [4, 5], [6, 7]]
-    stats, ledger = RunStats(1, 8, 4), Ledger(steps_per_epoch=4)
+    stats, ledger = RunStats(1, 8, 4), Ledger()
     for epoch, steps in ((0, range(4)), (1, range(3))):
         for step in steps:
             stats.expect(epoch, np.array(ids[step]))
@@ -58,14 +58,14 @@ def test_a_checkpoint_holds_the_accounting_at_its_step_and_a_resume_counts_every
     name = ACCOUNTING_FILE
     digest = write_atomic(tmp_path / name, ledger.snapshot(stats, Position(epoch=1, step=2, global_step=6)))
 
-    resumed_stats, resumed = RunStats(1, 8, 4), Ledger(steps_per_epoch=4)
+    resumed_stats, resumed = RunStats(1, 8, 4), Ledger()
     resumed.resume(read_accounting(tmp_path, {"files": {name: digest}}), tmp_path, resumed_stats)
     for step in (2, 3):
         resumed_stats.expect(1, np.array(ids[step]))
         resumed_stats.record_step(message := report(1, step, ids[step]), now=0.0)
     part = {"status": "completed", "epochs": 1, "steps": 2, "train_loss": 1.0, "wall_s": 1.0,
             "throughput_samples_per_s": 4.0, "producers_initial": 1, "producers_max": 1}
-    whole = resumed.whole_run(part, resumed_stats, start_step=6)
+    whole = resumed.whole_run(part, resumed_stats, start_step=6, start_epoch=1)
     exact = {"consumed": 8, "duplicates": 0, "missing": 0, "missing_unusable": 0}
     assert whole["epoch_accounting"] == [{"epoch": 0, **exact}, {"epoch": 1, **exact}]
     assert (whole["epochs"], whole["steps"], whole["samples_consumed"]) == (2, 8, [8, 8])
@@ -84,7 +84,7 @@ def test_after_a_resume_the_rate_and_the_shares_are_the_whole_run_s_and_the_tabl
              "throughput_samples_per_s": 25.6, "samples_trained": 512, "train_s": 20.0,
              "consumer_s": [[10.0, 10.0, 0.0, 0.0, 20.0]], "producers_initial": 1, "producers_max": 3}
     (tmp_path / "summary.json").write_text(json.dumps({"segments": [first]}))
-    stats, ledger = RunStats(1, 1152, 18), Ledger(steps_per_epoch=18)
+    stats, ledger = RunStats(1, 1152, 18), Ledger()
     ledger.resume(None, tmp_path, stats)
     for step in range(10):  # 64 samples each, the first starting at 0.9 s and the last ending at 17.8 s
         stats.record_step(StepReport(0, 0, 8 + step, 8 + step, 64, 1.0, 0.0, 0.1, 0.0, np.arange(64), None),
@@ -93,7 +93,7 @@ def test_after_a_resume_the_rate_and_the_shares_are_the_whole_run_s_and_the_tabl
             "throughput_samples_per_s": round(stats.throughput(), 2), "producers_initial": 2, "producers_max": 2,
             "producers_final": 2, "num_consumers": 1}
     assert part["throughput_samples_per_s"] == 37.87  # the resumed part alone: 640 / 16.9
-    whole = ledger.whole_run(part, stats, start_step=8)
+    whole = ledger.whole_run(part, stats, start_step=8, start_epoch=0)
     assert whole["throughput_samples_per_s"] == 31.22 and whole["samples_trained"] == 1152
     assert whole["train_s"] == 36.9 and whole["wall_s"] == 43.0
     assert whole["input_stall_fraction"] == [round(10.0 / 36.9, 4)]
