@@ -39,6 +39,9 @@ def check_resumable(folder: Path, meta: dict[str, Any], config: TrainConfig, cla
                           "as the checkpoint recorded (only epochs, producers, devices, checkpoints, logging, "
                           "reports and timeouts may change); start a new run with --out to train with them")
     position = meta["position"]
+    if position.get("offset", 0) > samples["train"]:  # before it sizes the epoch's rest (a forged checksum)
+        raise ResumeError(f"{where}: the checkpoint's position says {position['offset']} samples of its epoch were "
+                          f"trained, more than the {samples['train']} training samples")
     done = position["epoch"]  # epochs whose every step is done (a checkpoint at a step of the next: only those)
     if done >= config.epochs:
         if done == config.epochs and position["step"] == 0:

@@ -81,3 +81,13 @@ def test_a_run_folder_written_before_the_sections_resumes_with_its_own_settings(
     assert {name: value for name, value in now.items() if name in recorded} == recorded
     assert all(now[name] == default_of(name) for name in set(now) - set(recorded))  # settings added since
     assert setting_differences(recorded, resumed) == []  # the checkpoint's copy: nothing that changes the plan
+
+
+def test_a_checkpoint_whose_epoch_offset_is_past_the_training_set_is_refused(tmp_path):
+    """A position is bounded before it sizes the rest of its epoch: 121 samples trained of a set of 120."""
+    from stoker.run.resume import ResumeError, check_resumable
+
+    config = TrainConfig(resume=tmp_path, epochs=2)
+    meta = {"config": config.as_json(), "position": {"epoch": 0, "step": 3, "global_step": 3, "offset": 121}}
+    with pytest.raises(ResumeError, match="says 121 samples of its epoch were trained, more than the 120"):
+        check_resumable(tmp_path, meta, config, [], {"train": 120, "val": 0})
