@@ -6,7 +6,10 @@ a linear layer under DDP), 500x375 JPEGs, RandomResizedCrop 224 and flip. Three 
   dataloader_pillow  DataLoader with the torchvision recipe (Pillow decode, crop, resize, flip, ToTensor, Normalize)
   dataloader_stoker  DataLoader whose workers decode with stoker's own `load_into` (uint8), normalized in the loop
 DataLoader runs with persistent workers, pinned memory where there is a GPU to pin for, and the worker count per
-rank that was fastest in a sweep measured in the same run. Each repeat runs every feed once, one feed later each
+rank that was fastest in a sweep measured in the same run. Two shapes: `--steps` timed steps after `--warmup` in one
+epoch (the steady rate), or with `--epochs E` whole runs of E epochs, timed from before the feed is made to the last
+step, so start-up and every epoch boundary count as a user's script meets them (several short epochs: where users
+meet a feed first). Each repeat runs every feed once, one feed later each
 time (interleaved); medians of the repeats are reported, with the ratios to each DataLoader. Beside the rate, the
 CPU time every process of the run (ranks, producers or workers) spent per sample over the timed steps: on a machine
 that others load, a feed's share of the cores moves from run to run, its CPU cost per sample much less.
@@ -42,6 +45,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per rank and run")
     parser.add_argument("--warmup", type=int, default=8, help="steps per rank before timing starts")
+    parser.add_argument("--epochs", type=int, help="time whole runs of this many epochs, start-up included, instead "
+                        "of --steps after --warmup")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", default="1,2,3", help="DataLoader workers per rank to sweep")
     parser.add_argument("--json", type=Path, metavar="FILE")
@@ -53,6 +58,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.rank_feed:
         return rank_main(args)
+    if args.epochs is not None and args.epochs < 1:
+        raise SystemExit(f"--epochs={args.epochs}: expected 1 or more")
     with tempfile.TemporaryDirectory(prefix="stoker-bench-loader-") as scratch:
         folder = args.data or _generate(Path(scratch), args.images)
         result = measure(folder, args)
@@ -87,16 +94,29 @@ def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     medians = {feed: statistics.median(rates) for feed, rates in runs.items()}
     cpu_medians = {feed: statistics.median(values) for feed, values in cpu.items()}
     return {"command": " ".join(sys.argv), "cores": os.cpu_count(), "ranks": args.ranks,
-            "batch_size": args.batch_size, "image_size": args.image_size, "steps": args.steps,
+            "batch_size": args.batch_size, "image_size": args.image_size, "images": _count_images(folder),
+            "shape": _shape(args), "steps": args.steps, "epochs": args.epochs,
             "best_workers": best, "samples_per_s": runs, "median_samples_per_s": medians,
             "cpu_ms_per_sample": cpu, "median_cpu_ms_per_sample": cpu_medians, "load_average": os.getloadavg(),
             "loader_vs_dataloader_pillow": medians["loader"] / medians["dataloader_pillow"],
             "loader_vs_dataloader_stoker": medians["loader"] / medians["dataloader_stoker"]}
 
 
+def _shape(args: argparse.Namespace) -> str:
+    if args.epochs is not None:
+        return f"whole runs of {args.epochs} epoch(s), start-up and epoch boundaries included"
+    return f"{args.steps} steps per rank after {args.warmup} of warm-up, within one epoch"
+
+
+def _count_images(folder: Path) -> int:
+    from stoker.data.dataset import scan_image_folder
+
+    return len(scan_image_folder(folder).paths)
+
+
 def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> tuple[float, float]:
     """One run: `ranks` processes as torchrun starts them; (samples per second over all ranks on rank 0's clock,
-    CPU milliseconds per sample of every process of the run over the timed steps)."""
+    CPU milliseconds per sample of every process of the run over the timed steps or the whole run)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -108,13 +128,13 @@ def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> t
             command = [sys.executable, "-m", "stoker", "bench", "loader", "--data", str(folder), "--rank-feed",
                        feed, "--rank-workers", str(workers), "--batch-size", str(args.batch_size), "--image-size",
                        str(args.image_size), "--steps", str(args.steps), "--warmup", str(args.warmup), "--json",
-                       f"{out}/{rank}.json"]
+                       f"{out}/{rank}.json", *(["--epochs", str(args.epochs)] if args.epochs else [])]
             processes.append(subprocess.Popen(command, env=env))
         for process in processes:
             if process.wait(timeout=600) != 0:
                 raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
         records = [json.loads(Path(f"{out}/{rank}.json").read_text()) for rank in range(args.ranks)]
-        samples = args.steps * args.batch_size * args.ranks
+        samples = sum(r["samples"] for r in records)
         return records[0]["samples_per_s"], 1000 * sum(r["cpu_s"] for r in records) / samples
 
 
@@ -151,24 +171,29 @@ def rank_main(args: argparse.Namespace) -> int:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 8, stride=8), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    whole = args.epochs is not None
+    if whole:  # the feed's making, its start and every epoch boundary are timed
+        dist.barrier()
+        timed_from, cpu_from = time.perf_counter(), tree_cpu_s()
     batches, close = _feed(args)
+    samples = 0
     try:
-        timed_from = cpu_from = 0.0
         for step, (images, labels) in enumerate(batches):
-            if step == args.warmup:
+            if not whole and step == args.warmup:
                 dist.barrier()
                 timed_from, cpu_from = time.perf_counter(), tree_cpu_s()
-            if step == args.warmup + args.steps:
+            if images is None or (not whole and step == args.warmup + args.steps):
                 cpu_s = tree_cpu_s() - cpu_from
                 break
             optimizer.zero_grad()
             F.cross_entropy(model(images), labels).backward()
             optimizer.step()
+            samples += len(labels) if whole or step >= args.warmup else 0
         seconds = time.perf_counter() - timed_from
     finally:
         close()
-    rate = args.steps * args.batch_size * dist.get_world_size() / seconds
-    Path(args.json).write_text(json.dumps({"samples_per_s": rate, "cpu_s": cpu_s}))
+    rate = samples * dist.get_world_size() / seconds
+    Path(args.json).write_text(json.dumps({"samples_per_s": rate, "cpu_s": cpu_s, "samples": samples}))
     dist.destroy_process_group()
     return 0
 
@@ -214,8 +239,9 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.rank_feed == "loader":
         import stoker
 
-        loader = stoker.Loader(args.data, batch_size=args.batch_size, image_size=args.image_size, device="cpu")
-        return _epochs(loader), loader.close
+        loader = stoker.Loader(args.data, batch_size=args.batch_size, image_size=args.image_size, device="cpu",
+                               drop_last=True)  # as the DataLoaders: the same samples every epoch
+        return _epochs(loader, epochs=args.epochs), loader.close
     from torch.utils.data import DataLoader, DistributedSampler
 
     from stoker.data.dataset import scan_image_folder
@@ -237,25 +263,29 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     inv_std = 1 / (torch.tensor(STD).view(1, 3, 1, 1) * 255)
 
     def normalized() -> Any:
-        for images, labels in _epochs(feed, sampler):
-            if images.dtype == torch.uint8:  # stoker's decoder: uint8 NHWC, normalized here by the Loader's own
-                # code into the Loader's default memory format (channels_last), so only the feeds differ
+        for images, labels in _epochs(feed, sampler, args.epochs):
+            if images is not None and images.dtype == torch.uint8:  # stoker's decoder: uint8 NHWC, normalized
+                # here by the Loader's own code into the Loader's default memory format (channels_last), so only the
+                # feeds differ
                 images = normalize_pixels(images, mean, inv_std, torch.channels_last)
             yield images, labels
     return normalized(), lambda: None
 
 
-def _epochs(loader: Any, sampler: Any = None) -> Any:
+def _epochs(loader: Any, sampler: Any = None, epochs: int | None = None) -> Any:
+    """Batches of one epoch after another: endless, or `epochs` of them and then (None, None)."""
     epoch = 0
-    while True:
+    while epochs is None or epoch < epochs:
         (sampler or loader).set_epoch(epoch)
         yield from loader
         epoch += 1
+    yield None, None
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"input-bound {result['ranks']}-rank DDP loop, batch {result['batch_size']} per rank, "
-          f"RandomResizedCrop {result['image_size']}, medians of {len(result['samples_per_s']['loader'])} repeats")
+    print(f"input-bound {result['ranks']}-rank DDP loop, {result['images']} images, batch {result['batch_size']} "
+          f"per rank, RandomResizedCrop {result['image_size']}, {result['shape']}, medians of "
+          f"{len(result['samples_per_s']['loader'])} repeats")
     for feed in FEEDS:
         runs = ", ".join(f"{r:.0f}" for r in result["samples_per_s"][feed])
         workers = result["best_workers"].get(feed)
