@@ -31,6 +31,8 @@ class TimeSplit:
     producer_read_share: float | None = None  # of the producers' busy time, reading files; None: not measured
     producer_slot_bound: float | None = None  # share of their time producers idled while a batch waited for a slot
     auto: bool = True  # the count is auto's (it moves between the minimum and the ceiling); False: a fixed count
+    producer_room: int | None = None  # the parts the ring holds in flight: producers past it have nothing to build
+    compiled: bool = False  # the model is torch.compile'd (--compile): not advised again
 
 
 @dataclass(frozen=True)
@@ -61,9 +63,10 @@ class Verdict:
 
 def diagnose(split: TimeSplit, spelling: Spelling = FLAGS) -> Verdict:
     if split.host >= HOST_BOUND and split.host > split.input_wait and split.host >= split.averaging:
+        tries = "a larger batch or CUDA graphs (--compile is on)" if split.compiled else \
+            "--compile, a larger batch, or CUDA graphs"
         return Verdict("host-bound", f"host-bound: the device waits for Python {split.host:.0%} of the time "
-                                     f"(input waits {split.input_wait:.0%}); try --compile, a larger batch, "
-                                     "or CUDA graphs")
+                                     f"(input waits {split.input_wait:.0%}); try {tries}")
     if split.input_wait >= INPUT_BOUND and split.input_wait >= split.averaging:
         return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
                                       f"{_producer_advice(split, spelling)}")
@@ -119,7 +122,12 @@ def _count_now(split: TimeSplit, busy: str) -> str:
 
 
 def _more_producers(split: TimeSplit, names: Spelling) -> str:
-    """The setting that gives this run more producers, given how it counts them."""
+    """The setting that gives this run more producers, given how it counts them; where every part the ring holds in
+    flight already has its producer, the one that gives them more parts (measured: 64 producers on a ring of 32
+    parts no faster than 32, whose verdict had asked for more producers)."""
+    if split.producer_room is not None and split.producers >= split.producer_room:
+        return (f"each of the {split.producer_room} parts the ring holds in flight has its producer already, so "
+                f"{_more_slots(split, names)} for more")
     if not split.auto:
         return f"raise {names.producers} above {split.producers}"
     ceiling = split.producer_ceiling or split.producer_budget

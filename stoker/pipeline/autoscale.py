@@ -53,10 +53,12 @@ MAX_STARTING_WINDOWS = 5  # forked producers not working after this many windows
 KEEP_S = 10.0  # the rate at a count is measured over the steps that ended in its latest seconds, at most these
 RETRY_WINDOWS = 10  # how long an unpaid count stays the limit; doubles after every fork that fails again
 GPU_FEED_CORES = 0.5  # a GPU consumer's feeding thread and NCCL's progress thread: part of a core, never zero
-OVERSUBSCRIBE = 8  # auto's default ceiling, in producers per core: reached only fork by measured fork (producers
-# that wait on storage use little of a core: 16 on 2 cores paid 3.5x over 4 with reads waiting 25 ms) ...
-CEILING_MAX = 128  # ... and never more than this many: every producer is a process (about 30 MB of its own memory),
-# a status row in the ring and more parts per batch; 8 per core would be 512 on a 64-core host
+OVERSUBSCRIBE = 8  # auto's default ceiling, in producers per core, where the ring is sized from the ceiling (a
+# Loader's slots): producers that wait on storage use little of a core (16 on 2 cores paid 3.5x over 4 with reads
+# waiting 25 ms) ...
+CEILING_MAX = 128  # ... and never more than this many: every producer is a process (about 30 MB of its own memory)
+# and a status row in the ring; 8 per core would be 512 on a 64-core host
+MEMORY_SHARE = 0.5  # producers may take at most this share of the memory available at the start
 
 
 def static_budget(devices: list[str], cores: int) -> int:
@@ -67,9 +69,17 @@ def static_budget(devices: list[str], cores: int) -> int:
     return max(1, cores - cpu_consumers - math.ceil(GPU_FEED_CORES * gpu_consumers))
 
 
-def default_ceiling(budget: int, cores: int) -> int:
-    """The most producers auto may run unless --max-producers says otherwise."""
-    return max(budget, min(OVERSUBSCRIBE * cores, CEILING_MAX))
+def default_ceiling(budget: int, cores: int, ring_parts: int | None = None, memory: int | None = None,
+                    producer_memory: int = 1) -> int:
+    """The most producers auto may run unless --max-producers says otherwise: as many as the ring holds parts in
+    flight for (`ring_parts`; one more would have nothing to build: with reads waiting 25 ms, 32 producers trained
+    1.63x 16 and 64 no faster than 32 on a ring of 32 parts), within MEMORY_SHARE of the `memory` available at
+    `producer_memory` each, and CEILING_MAX. Where the ring is sized from the ceiling instead (a Loader's slots,
+    `ring_parts` None), OVERSUBSCRIBE per core bounds it. Never below `budget`: what the free cores run."""
+    most = min(CEILING_MAX, OVERSUBSCRIBE * cores if ring_parts is None else ring_parts)
+    if memory is not None:
+        most = min(most, int(MEMORY_SHARE * memory) // max(1, producer_memory))
+    return max(budget, most)
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,7 @@ class Window:
     working_since: float | None = None  # when the last producer started working (the count's real start)
     read_share: float = 0.0  # of the producers' busy time, the share spent reading files (off the CPU)
     lockstep: bool = True  # the consumers average every step, so one's wait for input holds the others
+    taken: bool = True  # a consumer has taken a batch (False: every consumer is still starting)
 
     @property
     def rate(self) -> float:
@@ -191,9 +202,11 @@ def plain_need(window: Window) -> bool:
 
 
 class Autoscaler:
-    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0) -> None:
+    def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0,
+                 cores: int | None = None) -> None:
         self.minimum = minimum
         self.budget = budget  # the cores the consumers leave free: not a limit on the count, but on a jump's CPU work
+        self.cores = max(budget, cores or budget)  # the machine's: before the first step no consumer computes
         self.ceiling = max(budget, ceiling or budget)
         self.limit = self.ceiling  # lowered to a count whose fork did not pay, until `_hold` runs out
         self._hold = 0
@@ -231,6 +244,8 @@ class Autoscaler:
         if window.working_since is not None and window.working_since + SETTLE_S > self._count_from > -math.inf:
             # Starting processes (imports) takes the cores' time: the count began when the last one worked.
             self._restart_count(window.working_since + SETTLE_S)
+        if not window.taken and not trained:
+            return self._before_training(window, summary, measurement)
         if self._startup > 0:
             self._startup -= 1
             rate = self._window_rate(window)
@@ -263,6 +278,29 @@ class Autoscaler:
         if self._calm_windows >= 2 and window.producers > self.minimum:
             return self._change(-1, f"queues full, producers idle: {summary}", measurement)
         return Decision(0, summary, measurement=measurement)
+
+    def _before_training(self, window: Window, summary: str, measurement: dict[str, Any]) -> Decision:
+        """No batch taken yet: consumers are starting (importing torch, building the model) while producers fill
+        the ring.
+        Busy producers with the ring not full fork at once to what the machine's cores hold (`_cores_hold`; no
+        consumer computes yet): with reads waiting 25 ms, one producer had made 60 samples/s of a ring that 32
+        fill at 980 by the first step, and every fork decided from steps came a second or more into training. No
+        trial (there is no rate yet): once training runs, producers the run does not need are retired by the calm
+        rule, and a count that slows the consumers shows in the verdict."""
+        p = window.producers
+        target = min(self.limit, self._cores_hold(window, p, self.cores))
+        if window.utilization < IDLE_UTILIZATION or window.queue_fill >= QUEUE_FULL or target <= p:
+            return Decision(0, f"before training: {summary}", measurement=measurement)
+        measurement["target"] = target
+        return self._change(target - p, f"before training, producers busy reading and the ring not full: {summary}; "
+                                        f"forking to {target}, what the free cores hold", measurement)
+
+    def _cores_hold(self, window: Window, otherwise: int, cores: float | None = None) -> int:
+        """The producers `cores` (by default those the consumers leave free) can run, each using the window's busy
+        share less its reads of a core; `otherwise` where the producers used no core."""
+        cores_each = window.utilization * (1 - window.read_share)
+        free = self.budget if cores is None else cores
+        return math.floor(free / cores_each) if cores_each > 0 else otherwise
 
     def _add_steps(self, window: Window, window_started: float) -> None:
         """The window's steps that ran at the current count; a window without stamps counts as one step-group
@@ -363,9 +401,7 @@ class Autoscaler:
         if not plain_need(window):
             return p + 1
         ends_wait = math.ceil(p / max(0.05, 1 - self._counted_stall(window)))
-        cores_each = window.utilization * (1 - window.read_share)
-        fits = math.floor(self.budget / cores_each) if cores_each > 0 else ends_wait
-        return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, fits))
+        return max(p + 1, min(self.limit, JUMP_MAX * p, ends_wait, self._cores_hold(window, ends_wait)))
 
     def _fork(self, window: Window, rate: float, stall: float, why: str, measurement: dict[str, Any],
               base: list[StepStamp]) -> Decision:

@@ -99,15 +99,17 @@ class EngineDriver:
                      train_s: float, shares: dict[str, float] | None = None, decide: bool = True,
                      stamps: tuple[StepStamp, ...] = (), lockstep: bool = True) -> float:
         """The window that ends now: a `pipeline` event (the samples' rate, the ready queue, the producers and
-        `shares` of the consumers' time, by default just the input wait), then the autoscaler's turn when
-        consumers trained in it and `decide`. Returns the producers' utilization over the window."""
+        `shares` of the consumers' time, by default just the input wait), then the autoscaler's turn when `decide`
+        and consumers trained in it or none has taken a batch yet (producers filling the ring while consumers
+        start; a window without steps later is a GPU consumer's steps reported in groups, or a validation pass).
+        Returns the producers' utilization over the window."""
         engine = self.engine
         utilization = engine.take_utilization(elapsed_s)
         shares = {"input_wait": input_wait} if shares is None else shares
         engine.events.write("pipeline", samples_per_s=round(samples / elapsed_s, 2), queue_fill=round(queue_fill, 4),
                             producers=engine.num_active, producer_utilization=round(utilization, 4),
                             **{name: round(share, 4) for name, share in shares.items()})
-        if steps and decide:
+        if decide and (steps or not engine.taken):
             engine.autoscale(Window(stall=input_wait, queue_fill=queue_fill, utilization=utilization,
                                     producers=engine.num_active, samples=samples, steps=steps, train_s=train_s,
                                     stamps=stamps, lockstep=lockstep))

@@ -19,13 +19,14 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from stoker.common.procs import Mailbox, StokerRunError
+from stoker.common.memory import available_memory
+from stoker.common.procs import PRODUCER_MEMORY, Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
 from stoker.data.remote import CopyFiller
-from stoker.pipeline.autoscale import STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.autoscale import JUMP_MAX, STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
 from stoker.pipeline.gauges import EventLog, ProducerGauges
-from stoker.pipeline.parts import Assembler, parts_per_batch
+from stoker.pipeline.parts import Assembler, most_parts_in_flight, parts_per_batch
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
 from stoker.pipeline.producer import Part, PartDone, ProducerFailed, ProducerSetup, SampleSource
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
@@ -58,17 +59,21 @@ class ProducerCounts:
 
     @classmethod
     def from_settings(cls, producers: int | Literal["auto"], min_producers: int, initial_producers: int | None,
-                      max_producers: int | None, fits: int, cores: int) -> ProducerCounts:
+                      max_producers: int | None, fits: int, cores: int,
+                      ring_parts: int | None = None) -> ProducerCounts:
+        """`ring_parts`: the parts the ring holds in flight, which bound auto's default ceiling; None where the ring
+        is sized from the ceiling (`default_ceiling`)."""
         if producers != "auto":
             return cls(producers, producers, fits, min_producers, auto=False, cores=cores)
-        budget = max_producers or default_ceiling(max(fits, min_producers), cores)
+        budget = max_producers or default_ceiling(max(fits, min_producers), cores, ring_parts, available_memory(),
+                                                  PRODUCER_MEMORY)
         return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True,
                    cores=cores)
 
     def autoscaler(self) -> Autoscaler | None:
         if not self.auto:
             return None
-        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS)
+        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores)
 
 
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,
@@ -101,7 +106,7 @@ class Build:
 
 class Engine:
     """Creates the ring and starts `counts.initial` producers, each holding at most `build.max_in_flight` parts.
-    Batches are split into parts for `MAX_IN_FLIGHT` places per producer of the budget (`parts.py`); a deeper queue
+    Batches are split into parts for `MAX_IN_FLIGHT` places per producer running (`parts.py`); a deeper queue
     lets a producer hold more of them, as far as the ring's free slots allow. The producers' figures are kept in
     `gauges` (`gauges.py`); the engine routes work."""
 
@@ -110,6 +115,7 @@ class Engine:
         self.build = build
         self.num_slots = build.num_slots
         self.budget = budget = counts.budget
+        self.room = most_parts_in_flight(build.batch_size, build.num_slots)  # producers past it have no part to build
         self.autoscaler = counts.autoscaler()
         self.accounting = accounting
         self.events = events
@@ -121,12 +127,12 @@ class Engine:
         self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
         self.pool: ProducerPool | None = None
+        self.taken = False  # a consumer has taken a batch: consumers are no longer all starting
         self.copying: CopyFiller | None = None
         self.closed = False
         sweep_dead_segments()
         self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size)
-        self.assembler = Assembler(self.ring, parts_per_batch(build.batch_size, build.num_slots, budget,
-                                                              MAX_IN_FLIGHT))
+        self.assembler = Assembler(self.ring, self._parts_for(counts.initial))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
             setup = ProducerSetup(self.ring.spec, build.train, build.val, build.augment, build.seed)
@@ -207,6 +213,7 @@ class Engine:
         """The batch in `slot` has been taken: it may be rebuilt."""
         assert self.scheduler is not None
         rank = self.slot_owner.pop(slot)
+        self.taken = True
         self.delivered[rank] -= 1
         self.scheduler.release(slot, rank)
 
@@ -274,15 +281,16 @@ class Engine:
     def autoscale(self, window: Window) -> None:
         """Let the autoscaler decide on the window's measurement (completed here with what only the engine knows:
         its clock, the producers still starting, the share of their time spent reading), and carry it out. Called
-        for windows in which consumers trained."""
+        for windows in which consumers trained, and for those before any consumer took a batch."""
         assert self.pool is not None
         gauges = self.gauges
-        gauges.training_began()
+        if window.steps:
+            gauges.training_began()
         if self.autoscaler is None:
             return
         ended_s = time.monotonic() if window.ended_s is None else window.ended_s
         window = replace(window, ended_s=ended_s, starting=self.pool.starting(), read_share=gauges.window_read_share,
-                         working_since=self.pool.all_working_since())
+                         working_since=self.pool.all_working_since(), taken=self.taken)
         decision = self.autoscaler.decide(window)
         gauges.note_decision(window, decision.change, ended_s)
         self.events.write("autoscale", change=decision.change, reason=decision.reason,
@@ -299,7 +307,15 @@ class Engine:
         for _ in range(-decision.change):
             self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
+            self.assembler.parts = self._parts_for(self.num_active)
             gauges.record_producers(decision.reason, self.num_active, decision.measurement)
+
+    def _parts_for(self, producers: int) -> int:
+        """Parts per batch for `producers` running or, under auto and while the ring has parts to give them all
+        `MAX_IN_FLIGHT`, for the count its next jump may reach (`parts.py` says why)."""
+        spare = MAX_IN_FLIGHT * producers < self.room
+        reach = min(self.budget, JUMP_MAX * producers) if self.autoscaler is not None and spare else producers
+        return parts_per_batch(self.build.batch_size, self.num_slots, reach, MAX_IN_FLIGHT)
 
     @property
     def num_active(self) -> int:
@@ -315,7 +331,8 @@ class Engine:
 
     def verdict_fields(self) -> dict[str, Any]:
         """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers."""
-        return {**self.gauges.verdict_fields(self.producer_limit()), "auto": self.autoscaler is not None}
+        return {**self.gauges.verdict_fields(self.producer_limit()), "auto": self.autoscaler is not None,
+                "producer_room": self.room}
 
     # ---- the end ------------------------------------------------------------------------------------------------
 

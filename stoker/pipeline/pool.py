@@ -294,13 +294,17 @@ class ProducerPool:
         return f"{who} on this file, {kills} producers in a row (out of memory? the OOM killer sends SIGKILL)"
 
     def starting(self) -> int:
-        """Active producers that have not finished a part yet (still importing, or on their first)."""
-        return sum(1 for h in self.active if h.working_since is None)
+        """Active producers given a part that have not finished one yet (still importing, or on their first). One
+        given none is idle, not starting: the ring has fewer parts in flight than producers (`parts_per_batch`)."""
+        return sum(1 for h in self._given_work() if h.working_since is None)
 
     def all_working_since(self) -> float | None:
-        """When the last of the active producers finished its first part (None: one has not yet)."""
-        times = [h.working_since for h in self.active]
+        """When the last of the active producers given work finished its first part (None: one has not yet)."""
+        times = [h.working_since for h in self._given_work()]
         return None if not times or None in times else max(t for t in times if t is not None)
+
+    def _given_work(self) -> list[Handle]:
+        return [h for h in self.active if h.working_since is not None or h.in_flight]
 
     def take_utilization(self, elapsed_s: float) -> tuple[float, float, float]:
         """Since the last call (which starts a new window): the producers' busy share, their busy seconds and the

@@ -39,6 +39,7 @@ from stoker.pipeline.autoscale import StepStamp, static_budget
 from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
+from stoker.pipeline.parts import most_parts_in_flight
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import check_hang_timeout
 from stoker.pipeline.scheduler import Scheduler, Unfinished
@@ -100,7 +101,8 @@ class Controller:
         self.num_slots = config.slots_per_consumer * self.num_consumers
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
-                                                   available_cores())
+                                                   available_cores(),
+                                                   most_parts_in_flight(config.batch_size, self.num_slots))
         self.build = Build(self.data.train, self.data.val, config.augment, config.seed, config.batch_size,
                            self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
                            self.val_image_size)
@@ -649,7 +651,8 @@ class Controller:
             lockstep=self.config.sync_every == 1 and not self.config.overlap_averaging)
         self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=producers,
                                producer_budget=limit, producer_utilization=utilization,
-                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host)
+                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host,
+                               compiled=self.config.compile)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
@@ -660,7 +663,7 @@ class Controller:
         return with_losses(diagnose(TimeSplit(
             compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
             averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
-            overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]),
+            overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]), compiled=self.config.compile,
             **self.engine.verdict_fields())), self.membership.losses)
 
     def _steps_left(self, position: Position) -> int:

@@ -11,6 +11,7 @@ from stoker.pipeline.autoscale import (
     Autoscaler,
     StepStamp,
     Window,
+    default_ceiling,
     relative_error,
     required_gain,
     static_budget,
@@ -393,3 +394,34 @@ def test_the_input_wait_is_judged_in_lockstep_by_the_consumer_that_waited():
     # One consumer with steps shorter than the lockstep tolerance: each step is its own group, 20% waited.
     alone = [StepStamp(0.005 * k, 8, 0.005, 0.001, 0) for k in range(20)]
     assert abs(lockstep_stall(alone) - 0.2) < 1e-9
+
+
+def before_training(producers: int, read_share: float, queue_fill: float = 0.05) -> Window:
+    """A window before any consumer took a batch: no steps, the ring filling (the issue's reads waiting 25 ms)."""
+    return Window(stall=0.0, queue_fill=queue_fill, utilization=0.99, producers=producers, read_share=read_share,
+                  taken=False)
+
+
+def test_before_training_producers_waiting_on_reads_fork_to_what_the_machine_holds_in_one_step():
+    # Recorded: one producer 99% busy, 96.4% of it reading; a ring of 32 parts (the ceiling). 2 cores hold
+    # 2 / (0.99 x 0.036) = 56, so the ring's 32, at once: the first step came a second later.
+    scaler = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert scaler.decide(before_training(1, 0.964)).change == 31
+    # Decoding on the CPU: 2 cores hold 2 producers busy 99% of the time.
+    decoding = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert decoding.decide(before_training(1, 0.05)).change == 1
+    # A full ring wants nothing more, and once a batch is taken a window without steps decides nothing.
+    full = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert full.decide(before_training(1, 0.964, queue_fill=0.9)).change == 0
+    taken = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert taken.decide(replace(before_training(1, 0.964), taken=True)).change == 0
+
+
+def test_the_default_ceiling_is_the_parts_the_ring_holds_within_memory():
+    # 4 slots of batch 32 hold 32 parts in flight: the 33rd producer would have nothing to build (measured: 64
+    # producers no faster than 32). Memory bounds it too: half of 1 GiB holds 8 producers of 64 MiB.
+    assert default_ceiling(budget=1, cores=2, ring_parts=32) == 32
+    assert default_ceiling(budget=1, cores=2, ring_parts=512) == 128
+    assert default_ceiling(budget=1, cores=2, ring_parts=32, memory=2**30, producer_memory=64 * 2**20) == 8
+    assert default_ceiling(budget=12, cores=2, ring_parts=4) == 12  # never below what the free cores run
+    assert default_ceiling(budget=1, cores=2) == 16  # a Loader's ring is sized from it: 8 per core

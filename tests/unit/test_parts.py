@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from stoker.data.imaging import make_decode_warnings_errors
-from stoker.pipeline.parts import Assembler, part_bounds, parts_per_batch
+from stoker.pipeline.parts import Assembler, most_parts_in_flight, part_bounds, parts_per_batch
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch, compact_slot
 from stoker.pipeline.ring import SlotRing
@@ -127,7 +127,7 @@ def test_full_parts_need_no_compaction_and_set_the_count(ring):
     assert issued is not None and compaction is None and ring.counts[1] == 9
 
 
-def test_parts_are_sized_from_the_producer_ceiling():
+def test_parts_are_sized_from_the_producers():
     assert parts_per_batch(batch_size=32, num_slots=4, max_producers=1, max_in_flight=2) == 1  # slots suffice
     assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4, max_in_flight=2) == 2
     assert parts_per_batch(batch_size=32, num_slots=4, max_producers=16, max_in_flight=2) == 8
@@ -136,6 +136,17 @@ def test_parts_are_sized_from_the_producer_ceiling():
     # A queue of 4 places per producer needs twice the parts to fill from the same slots.
     assert parts_per_batch(batch_size=32, num_slots=4, max_producers=4, max_in_flight=4) == 4
     assert part_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]  # never an empty part
+
+
+def test_producers_the_smallest_parts_cannot_give_two_each_get_one_each():
+    # 4 slots of 32 hold 32 parts of 4 at most. 28 producers on 32 parts: 4 would hold two, and a batch waits for
+    # its last part. One part each instead: 7 a batch, 28 in flight.
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=28, max_in_flight=2) == 7
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=20, max_in_flight=2) == 5
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=32, max_in_flight=2) == 8
+    assert parts_per_batch(batch_size=32, num_slots=4, max_producers=3, max_in_flight=2) == 2  # two each fit
+    assert most_parts_in_flight(batch_size=32, num_slots=4) == 32
+    assert most_parts_in_flight(batch_size=3, num_slots=4) == 4
 
 
 def test_a_stop_set_while_a_part_is_built_ends_it_between_samples(ring, source):

@@ -38,7 +38,7 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
                                          "max_producers": 6, "out": tmp_path / "run"}))  # starts nothing
     # The engine's state after such a run, without its processes: the controller reads it from there.
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool = 6, None
+    engine.budget, engine.pool, engine.room = 6, None, 32
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
     engine.gauges = gauges = ProducerGauges(6, events=None)
@@ -103,7 +103,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     from stoker.use.loader import Loader
 
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool = 6, None
+    engine.budget, engine.pool, engine.room = 6, None, 32
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.gauges = gauges = ProducerGauges(6, events=None)
     gauges.producers_initial = 1
@@ -201,7 +201,7 @@ def test_after_a_resume_the_verdict_tells_the_whole_run_s_shares(textures, tmp_p
     controller = Controller(make_config({"data": train, "val": val, "devices": "cpu:1", "image_size": 16,
                                          "producers": 2, "out": tmp_path / "run"}))  # starts nothing
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool, engine.autoscaler = 2, None, None
+    engine.budget, engine.pool, engine.autoscaler, engine.room = 2, None, None, 32
     engine.gauges = gauges = ProducerGauges(2, events=None)
     gauges.timeline, gauges.producer_busy = [{"producers": 2}], (9.5, 10.0)
     controller.driver._engine = engine
@@ -213,3 +213,24 @@ def test_after_a_resume_the_verdict_tells_the_whole_run_s_shares(textures, tmp_p
         controller.stats.record_step(StepReport(0, 0, step, step, 2, 1.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
     text = controller.run_verdict().text
     assert "consumers wait 12% of the time" in text, text
+
+
+def test_with_every_part_of_the_ring_taken_more_slots_not_more_producers():
+    # Measured (reads waiting 25 ms, 4 slots of batch 32: 32 parts in flight): 64 producers trained no faster than
+    # 32, whose verdict had asked for more producers.
+    reading = dict(compute=0.2, input_wait=0.76, averaging=0.0, producer_budget=32, producer_utilization=0.83,
+                   sync_every=1, producer_read_share=0.96, producer_room=32)
+    fixed = diagnose(TimeSplit(producers=32, auto=False, **reading)).text
+    assert "--producers" not in fixed and "raise --slots-per-consumer" in fixed and "32 parts" in fixed
+    auto = diagnose(TimeSplit(producers=32, producer_ceiling=32, **reading)).text
+    assert "--max-producers" not in auto and "raise --slots-per-consumer" in auto
+    below = diagnose(TimeSplit(producers=16, auto=False, **reading)).text
+    assert "raise --producers above 16" in below
+
+
+def test_a_host_bound_run_already_compiled_is_not_told_to_compile():
+    host_bound = dict(compute=0.5, input_wait=0.05, averaging=0.0, producers=2, producer_budget=2,
+                      producer_utilization=0.5, sync_every=1, host=0.4)
+    assert "try --compile" in diagnose(TimeSplit(**host_bound)).text
+    compiled = diagnose(TimeSplit(compiled=True, **host_bound)).text
+    assert compiled.startswith("host-bound") and "try --compile" not in compiled and "--compile is on" in compiled
