@@ -17,6 +17,10 @@ judged against the rate before it (for a start-up fork, the rate of the window t
 that did not pay is retired whole. A count is judged on the steps that ended after its producers were all working,
 by each step's own end time, not by when its report arrived.
 
+Before any consumer has taken a batch (consumers import torch and build their model for seconds), busy producers
+with the ring not full fork at once to what the machine's cores hold at their measured share of a core, so a run
+whose reads wait is at its count by the first step; these forks have no trial (there is no rate yet).
+
 The policy holds no clock and touches no process: windows in, decisions out, so recorded measurements replay.
 """
 
@@ -292,8 +296,8 @@ class Autoscaler:
         if window.utilization < IDLE_UTILIZATION or window.queue_fill >= QUEUE_FULL or target <= p:
             return Decision(0, f"before training: {summary}", measurement=measurement)
         measurement["target"] = target
-        return self._change(target - p, f"before training, producers busy reading and the ring not full: {summary}; "
-                                        f"forking to {target}, what the free cores hold", measurement)
+        return self._change(target - p, f"before the first step, producers busy and the ring not full: {summary}; "
+                                        f"forking to {target}, what the cores hold", measurement)
 
     def _cores_hold(self, window: Window, otherwise: int, cores: float | None = None) -> int:
         """The producers `cores` (by default those the consumers leave free) can run, each using the window's busy
