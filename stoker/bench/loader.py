@@ -95,7 +95,7 @@ def measure(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
     cpu_medians = {feed: statistics.median(values) for feed, values in cpu.items()}
     return {"command": " ".join(sys.argv), "cores": os.cpu_count(), "ranks": args.ranks,
             "batch_size": args.batch_size, "image_size": args.image_size, "images": _count_images(folder),
-            "shape": _shape(args), "steps": args.steps, "epochs": args.epochs,
+            "shape": _shape(args), "steps": None if args.epochs else args.steps, "epochs": args.epochs,
             "best_workers": best, "samples_per_s": runs, "median_samples_per_s": medians,
             "cpu_ms_per_sample": cpu, "median_cpu_ms_per_sample": cpu_medians, "load_average": os.getloadavg(),
             "loader_vs_dataloader_pillow": medians["loader"] / medians["dataloader_pillow"],
@@ -130,9 +130,15 @@ def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> t
                        str(args.image_size), "--steps", str(args.steps), "--warmup", str(args.warmup), "--json",
                        f"{out}/{rank}.json", *(["--epochs", str(args.epochs)] if args.epochs else [])]
             processes.append(subprocess.Popen(command, env=env))
-        for process in processes:
-            if process.wait(timeout=600) != 0:
-                raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
+        try:
+            for process in processes:
+                if process.wait(timeout=600) != 0:
+                    raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
+        finally:  # a rank that failed or timed out: its peers wait in a collective; none is left behind
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         records = [json.loads(Path(f"{out}/{rank}.json").read_text()) for rank in range(args.ranks)]
         samples = sum(r["samples"] for r in records)
         return records[0]["samples_per_s"], 1000 * sum(r["cpu_s"] for r in records) / samples
@@ -199,8 +205,9 @@ def rank_main(args: argparse.Namespace) -> int:
 
 
 def tree_cpu_s() -> float:
-    """CPU seconds so far of this process and its descendants: the live ones from /proc, the ones already
-    reaped (a retired producer) from the kernel's count for waited-for children."""
+    """CPU seconds so far of this process and its descendants: the live ones from /proc with what their own
+    reaped children used (a producer the zygote forked and reaped after its retirement counts in the zygote's),
+    and this process's reaped children from the kernel's count for waited-for children."""
     total = 0.0
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
@@ -211,7 +218,8 @@ def tree_cpu_s() -> float:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # exited since
             continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of proc(5))
+        # utime, stime, cutime, cstime (fields 14-17 of proc(5))
+        total += sum(int(value) for value in fields[11:15]) / tick
     return total
 
 

@@ -186,7 +186,8 @@ class FeedSettings:
         "where --producers auto starts (default: --min-producers)", "M", may_change_on_resume=True,
         machine_local=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
     max_producers: Annotated[MaybeCount, Setting(
-        "upper bound for --producers auto (default: 8 per core, at most 128, reached only while forks pay)", "B",
+        "upper bound for --producers auto (default: the parts the ring holds in flight, slots x batch / 4, at most "
+        "128 and half the memory)", "B",
         may_change_on_resume=True, machine_local=True, loader=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
     # A third of the collective timeout: a hung file is detected, its batch rebuilt and the waiting rank trained
     # while its peers still wait in the averaging collective (at equal timeouts they gave up first).

@@ -5,7 +5,8 @@ of the time they spent in training steps, so a validation pass or a checkpoint d
 full the ready queues were and how busy producers were. The policy forks while consumers wait and the last fork
 raised the rate; a fork that did not pay is retired (the newest producer) and the count it reached becomes the
 limit for a while, after which it tries again (a workload can change). Producers may outnumber the cores the
-consumers leave free: a consumer that waits for input does not use its core. Nothing a fork does goes untested:
+consumers leave free: a consumer that waits for input does not use its core. Nothing a fork in training does goes
+untested (before the first step there is no rate to test against: see below):
 if it slowed busy consumers (CPU consumers competing for cores, a GPU consumer's feeding thread), the rate falls
 and it is retired; a consumer that does not wait never gets another producer. Queues that stay full while
 producers idle retire one too.
@@ -18,8 +19,9 @@ that did not pay is retired whole. A count is judged on the steps that ended aft
 by each step's own end time, not by when its report arrived.
 
 Before any consumer has taken a batch (consumers import torch and build their model for seconds), busy producers
-with the ring not full fork at once to what the machine's cores hold at their measured share of a core, so a run
-whose reads wait is at its count by the first step; these forks have no trial (there is no rate yet).
+with the ring not full fork at once to what the free cores hold at their measured share of a core (the machine's
+cores where reading is most of their busy time), so a run whose reads wait is at its count by the first step;
+these forks have no trial (there is no rate yet), and the engine forks only what memory holds.
 
 The policy holds no clock and touches no process: windows in, decisions out, so recorded measurements replay.
 """
@@ -37,6 +39,8 @@ QUEUE_FULL = 0.75
 IDLE_UTILIZATION = 0.5
 PLAIN_STALL = 0.4  # consumers waiting much of a window (the first one starts on the ring's batches) ...
 PLAIN_BUSY = 0.9  # ... while every producer is busy: the need is plain, fork at once, by more than one
+READ_BOUND = 0.5  # producers reading files more than this share of their busy time wait on storage (the verdict's
+# SLOW_READS): before the first step they may go past the free cores
 JUMP_MAX = 16  # a plain need multiplies the count by at most this (a jump that does not pay is retired whole):
 # the need's estimate decides (a 99% wait with one producer reading at 25 ms wanted 16 at once), not steps of x4
 MIN_GAIN = 0.02  # a fork pays when the rate rises by this much at least (the noise of a few windows) ...
@@ -285,23 +289,24 @@ class Autoscaler:
 
     def _before_training(self, window: Window, summary: str, measurement: dict[str, Any]) -> Decision:
         """No batch taken yet: consumers are starting (importing torch, building the model) while producers fill
-        the ring.
-        Busy producers with the ring not full fork at once to what the machine's cores hold (`_cores_hold`; no
-        consumer computes yet): with reads waiting 25 ms, one producer had made 60 samples/s of a ring that 32
-        fill at 980 by the first step, and every fork decided from steps came a second or more into training. No
-        trial (there is no rate yet): once training runs, producers the run does not need are retired by the calm
-        rule, and a count that slows the consumers shows in the verdict."""
+        the ring. Busy producers with the ring not full fork at once to what the free cores hold (`_cores_hold`),
+        or, where reading is most of their busy time (READ_BOUND), the machine's (no consumer computes yet, and
+        such producers hold little of a core): with reads waiting 25 ms, one producer had made 60 samples/s of a
+        ring that 32 fill at 980 by the first step, and every fork decided from steps came a second or more into
+        training. No trial (there is no rate yet): once training runs, producers the run does not need are retired
+        by the calm rule, and a count that slows the consumers shows in the verdict."""
         p = window.producers
-        target = min(self.limit, self._cores_hold(window, p, self.cores))
+        cores = self.cores if window.read_share >= READ_BOUND else self.budget
+        target = min(self.limit, self._cores_hold(window, p, cores))
         if window.utilization < IDLE_UTILIZATION or window.queue_fill >= QUEUE_FULL or target <= p:
             return Decision(0, f"before training: {summary}", measurement=measurement)
         measurement["target"] = target
         return self._change(target - p, f"before the first step, producers busy and the ring not full: {summary}; "
                                         f"forking to {target}, what the cores hold", measurement)
 
-    def _cores_hold(self, window: Window, otherwise: int, cores: float | None = None) -> int:
-        """The producers `cores` (by default those the consumers leave free) can run, each using the window's busy
-        share less its reads of a core; `otherwise` where the producers used no core."""
+    def _cores_hold(self, window: Window, otherwise: int, cores: int | None = None) -> int:
+        """The producers `cores` (by default the budget: those the consumers leave free) can run, each using the
+        window's busy share less its reads of a core; `otherwise` where the producers used no core."""
         cores_each = window.utilization * (1 - window.read_share)
         free = self.budget if cores is None else cores
         return math.floor(free / cores_each) if cores_each > 0 else otherwise

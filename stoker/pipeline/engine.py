@@ -24,7 +24,15 @@ from stoker.common.procs import PRODUCER_MEMORY, Mailbox, StokerRunError
 from stoker.data.dataset import Skipped
 from stoker.data.index import PackedIndex
 from stoker.data.remote import CopyFiller
-from stoker.pipeline.autoscale import JUMP_MAX, STARTUP_WINDOWS, Autoscaler, Window, default_ceiling
+from stoker.pipeline.autoscale import (
+    JUMP_MAX,
+    MEMORY_SHARE,
+    OVERSUBSCRIBE,
+    STARTUP_WINDOWS,
+    Autoscaler,
+    Window,
+    default_ceiling,
+)
 from stoker.pipeline.gauges import EventLog, ProducerGauges
 from stoker.pipeline.parts import Assembler, most_parts_in_flight, parts_per_batch
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
@@ -59,13 +67,14 @@ class ProducerCounts:
 
     @classmethod
     def from_settings(cls, producers: int | Literal["auto"], min_producers: int, initial_producers: int | None,
-                      max_producers: int | None, fits: int, cores: int,
-                      ring_parts: int | None = None) -> ProducerCounts:
-        """`ring_parts`: the parts the ring holds in flight, which bound auto's default ceiling; None where the ring
-        is sized from the ceiling (`default_ceiling`)."""
+                      max_producers: int | None, fits: int, cores: int, ring_parts: int | None = None,
+                      memory: int | None = None) -> ProducerCounts:
+        """`ring_parts`: the parts the ring holds in flight, which bound auto's default ceiling (None where the ring
+        is sized from the ceiling); `memory`: the bytes this engine's producers may share (None: unbounded), as
+        `default_ceiling` takes them."""
         if producers != "auto":
             return cls(producers, producers, fits, min_producers, auto=False, cores=cores)
-        budget = max_producers or default_ceiling(max(fits, min_producers), cores, ring_parts, available_memory(),
+        budget = max_producers or default_ceiling(max(fits, min_producers), cores, ring_parts, memory,
                                                   PRODUCER_MEMORY)
         return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True,
                    cores=cores)
@@ -106,7 +115,7 @@ class Build:
 
 class Engine:
     """Creates the ring and starts `counts.initial` producers, each holding at most `build.max_in_flight` parts.
-    Batches are split into parts for `MAX_IN_FLIGHT` places per producer running (`parts.py`); a deeper queue
+    Batches are split into parts for `MAX_IN_FLIGHT` places per producer (`_parts_for`, `parts.py`); a deeper queue
     lets a producer hold more of them, as far as the ring's free slots allow. The producers' figures are kept in
     `gauges` (`gauges.py`); the engine routes work."""
 
@@ -115,6 +124,7 @@ class Engine:
         self.build = build
         self.num_slots = build.num_slots
         self.budget = budget = counts.budget
+        self.cores = counts.cores
         self.room = most_parts_in_flight(build.batch_size, build.num_slots)  # producers past it have no part to build
         self.autoscaler = counts.autoscaler()
         self.accounting = accounting
@@ -297,7 +307,7 @@ class Engine:
                           t_decided=gauges.since_start(ended_s), **decision.measurement)
         if decision.change > 0:
             spawning = time.monotonic()
-            started = sum(self.pool.grow() is not None for _ in range(decision.change))
+            started = sum(self.pool.grow() is not None for _ in range(self._memory_allows(decision.change)))
             decision.measurement["spawn_s"] = round(time.monotonic() - spawning, 3)
             self.autoscaler.forked(started, time.monotonic())
             if not started:
@@ -310,12 +320,20 @@ class Engine:
             self.assembler.parts = self._parts_for(self.num_active)
             gauges.record_producers(decision.reason, self.num_active, decision.measurement)
 
+    @staticmethod
+    def _memory_allows(forks: int) -> int:
+        """As many of `forks` as MEMORY_SHARE of the memory available now holds (a start-up fork may be many)."""
+        available = available_memory()
+        return forks if available is None else min(forks, int(MEMORY_SHARE * available) // PRODUCER_MEMORY)
+
     def _parts_for(self, producers: int) -> int:
         """Parts per batch for `producers` running or, under auto and while the ring has parts to give them all
-        `MAX_IN_FLIGHT`, for the count its next jump may reach (`parts.py` says why)."""
+        `MAX_IN_FLIGHT`, for the count its next jump may reach within what the cores run at OVERSUBSCRIBE a core
+        (`parts.py` says why: the finer split costs messages)."""
         spare = MAX_IN_FLIGHT * producers < self.room
-        reach = min(self.budget, JUMP_MAX * producers) if self.autoscaler is not None and spare else producers
-        return parts_per_batch(self.build.batch_size, self.num_slots, reach, MAX_IN_FLIGHT)
+        reach = min(self.budget, JUMP_MAX * producers, max(producers, OVERSUBSCRIBE * max(1, self.cores)))
+        return parts_per_batch(self.build.batch_size, self.num_slots,
+                               reach if self.autoscaler is not None and spare else producers, MAX_IN_FLIGHT)
 
     @property
     def num_active(self) -> int:
@@ -332,7 +350,7 @@ class Engine:
     def verdict_fields(self) -> dict[str, Any]:
         """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers."""
         return {**self.gauges.verdict_fields(self.producer_limit()), "auto": self.autoscaler is not None,
-                "producer_room": self.room}
+                "producer_room": self.assembler.parts * self.num_slots}
 
     # ---- the end ------------------------------------------------------------------------------------------------
 

@@ -13,9 +13,10 @@ The number of parts follows the producers: enough parts in flight that every pro
 parts (the engine sizes them for the pool's default `MAX_IN_FLIGHT`), never parts smaller than `MIN_PART_SAMPLES`
 (each part is a message each way), and one part (the batch built whole, as before) where the slots already give
 every producer work. The engine sizes them for the producers running or, under auto, the count its next jump may
-reach: sized for the ceiling (128 parts in flight for the built-in demo), batches came in parts of 4 and the demo
-lost 2-9% of its rate to the messages; sized for the producers running, a x16 jump's new producers waited a second
-for the whole batches the first one held. A change of count splits the batches issued after it.
+reach within 8 a core (`Engine._parts_for`): sized for the ceiling (128 parts in flight for the built-in demo),
+batches came in parts of 4 and the demo lost 2-9% of its rate to the messages; sized for the producers running, a
+x16 jump's new producers waited a second for the whole batches the first one held. A change of count splits the
+batches issued after it.
 """
 
 from __future__ import annotations

@@ -294,9 +294,9 @@ class ProducerPool:
         return f"{who} on this file, {kills} producers in a row (out of memory? the OOM killer sends SIGKILL)"
 
     def starting(self) -> int:
-        """Active producers given a part that have not finished one yet (still importing, or on their first). One
-        given none is idle, not starting: the ring has fewer parts in flight than producers (`parts_per_batch`)."""
-        return sum(1 for h in self._given_work() if h.working_since is None)
+        """Active producers still importing, or on their first part. One that is ready and was given no part is
+        idle, not starting: the ring may have fewer parts in flight than producers (`parts_per_batch`)."""
+        return sum(1 for h in self.active if h.ready_since is None or (h.in_flight and h.working_since is None))
 
     def all_working_since(self) -> float | None:
         """When the last of the active producers given work finished its first part (None: one has not yet)."""

@@ -20,6 +20,7 @@ from stoker.common.checkpoint import Position
 from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
 from stoker.common.files import write_json
+from stoker.common.memory import available_memory
 from stoker.common.procs import (
     CONTEXT,
     POLL_S,
@@ -102,7 +103,8 @@ class Controller:
         self.counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
                                                    config.max_producers, static_budget(self.devices, available_cores()),
                                                    available_cores(),
-                                                   most_parts_in_flight(config.batch_size, self.num_slots))
+                                                   most_parts_in_flight(config.batch_size, self.num_slots),
+                                                   available_memory())
         self.build = Build(self.data.train, self.data.val, config.augment, config.seed, config.batch_size,
                            self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
                            self.val_image_size)

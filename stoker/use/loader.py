@@ -41,6 +41,7 @@ from stoker.common.config import (
 )
 from stoker.common.devices import available_cores
 from stoker.common.main_guard import check_main_guard
+from stoker.common.memory import available_memory
 from stoker.common.procs import POLL_S, StokerRunError
 from stoker.common.urls import data_location
 from stoker.data.builtin_data import builtin_dataset
@@ -387,10 +388,13 @@ class Loader:
                              " samples, with drop_last=True: no batch at all")
         cores = max(1, available_cores() // max(1, local_world))  # this rank's share of the machine
         trains_on = ["cuda" if self._on_gpu() else "cpu"]
+        memory = available_memory()
         counts = ProducerCounts.from_settings(self.producers, self.min_producers, None, self.max_producers,
-                                              static_budget(trains_on, cores), cores)
+                                              static_budget(trains_on, cores), cores, None,
+                                              memory // max(1, local_world) if memory is not None else None)
         self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
-        parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)  # as the engine splits
+        # The engine's finest split (its ceiling's): a producer holds QUEUED_BATCHES batches' worth at most.
+        parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)
         augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
         build = Build(self.source, None, augment, self.seed, self.batch_size, self.image_size, self.num_slots,
                       self.producer_timeout_s, self.max_bad_fraction, max_in_flight=QUEUED_BATCHES * parts)

@@ -5,6 +5,8 @@ compaction is lost half-way."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -171,3 +173,28 @@ def test_a_stop_set_while_a_part_is_built_ends_it_between_samples(ring, source):
     with pytest.raises(StopRequested):
         build_batch(Part(0, work(), 1), setup, ring, ring.status[0], stop=stop)
     assert len(reads) == 4  # not one sample more after the stop
+
+
+def _engine(batch_size: int, num_slots: int, ceiling: int, cores: int, auto: bool = True) -> Any:
+    """An engine's sizing state without its processes."""
+    from stoker.pipeline.engine import Engine
+
+    engine = Engine.__new__(Engine)
+    engine.build = SimpleNamespace(batch_size=batch_size)
+    engine.num_slots, engine.budget, engine.cores = num_slots, ceiling, cores
+    engine.room = most_parts_in_flight(batch_size, num_slots)
+    engine.autoscaler = object() if auto else None
+    return engine
+
+
+def test_auto_splits_for_its_next_jump_within_8_a_core_and_for_the_producers_past_it():
+    # The built-in demo: batch 64, 8 slots (2 consumers), a ceiling of 128 on 2 cores. One producer, or four, get
+    # the split of 16 producers (4 parts of 16 samples), as before the ceiling grew, not parts of 4 (2-9% slower).
+    demo = _engine(64, 8, ceiling=128, cores=2)
+    assert demo._parts_for(1) == demo._parts_for(4) == 4
+    assert demo._parts_for(40) == 10  # past 8 a core: split for the producers running
+    # Reads waiting 25 ms: batch 32, 4 slots, a ceiling of 32. One producer is split for the x16 jump (8 parts);
+    # 28 producers get one part each (7 a batch), not 32 parts with 4 producers holding two.
+    slow_reads = _engine(32, 4, ceiling=32, cores=2)
+    assert slow_reads._parts_for(1) == 8 and slow_reads._parts_for(28) == 7
+    assert _engine(64, 8, ceiling=16, cores=2, auto=False)._parts_for(16) == 4  # a fixed count: its own split

@@ -5,6 +5,7 @@ was 6 and the live line said 3/3)."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
                                          "max_producers": 6, "out": tmp_path / "run"}))  # starts nothing
     # The engine's state after such a run, without its processes: the controller reads it from there.
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool, engine.room = 6, None, 32
+    engine.budget, engine.pool, engine.num_slots, engine.assembler = 6, None, 4, SimpleNamespace(parts=8)
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
     engine.gauges = gauges = ProducerGauges(6, events=None)
@@ -103,7 +104,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     from stoker.use.loader import Loader
 
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool, engine.room = 6, None, 32
+    engine.budget, engine.pool, engine.num_slots, engine.assembler = 6, None, 4, SimpleNamespace(parts=8)
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.gauges = gauges = ProducerGauges(6, events=None)
     gauges.producers_initial = 1
@@ -201,7 +202,8 @@ def test_after_a_resume_the_verdict_tells_the_whole_run_s_shares(textures, tmp_p
     controller = Controller(make_config({"data": train, "val": val, "devices": "cpu:1", "image_size": 16,
                                          "producers": 2, "out": tmp_path / "run"}))  # starts nothing
     engine = Engine.__new__(Engine)
-    engine.budget, engine.pool, engine.autoscaler, engine.room = 2, None, None, 32
+    engine.budget, engine.pool, engine.autoscaler = 2, None, None
+    engine.num_slots, engine.assembler = 4, SimpleNamespace(parts=8)
     engine.gauges = gauges = ProducerGauges(2, events=None)
     gauges.timeline, gauges.producer_busy = [{"producers": 2}], (9.5, 10.0)
     controller.driver._engine = engine
