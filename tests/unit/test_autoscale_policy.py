@@ -407,12 +407,9 @@ def test_before_training_producers_waiting_on_reads_fork_to_what_the_machine_hol
     # 2 / (0.99 x 0.036) = 56, so the ring's 32, at once: the first step came a second later.
     scaler = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
     assert scaler.decide(before_training(1, 0.964)).change == 31
-    # Decoding on the CPU holds the free cores, not the machine's: the consumer's core is its own. With 1 free core
-    # a producer busy 99% is all it holds; 60 free cores (8 GPUs on 64) hold 63 busy 94%.
+    # Decoding on the CPU: the machine's 2 cores hold 2 producers busy 94%, 1 past the free core.
     decoding = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
-    assert decoding.decide(before_training(1, 0.05)).change == 0
-    gpus = Autoscaler(minimum=1, budget=60, ceiling=128, startup_windows=2, cores=64)
-    assert gpus.decide(before_training(1, 0.05)).change == 62
+    assert decoding.decide(before_training(1, 0.05)).change == 1
     # A full ring wants nothing more.
     full = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
     assert full.decide(before_training(1, 0.964, queue_fill=0.9)).change == 0
@@ -426,3 +423,20 @@ def test_the_default_ceiling_is_the_parts_the_ring_holds_within_memory():
     assert default_ceiling(budget=1, cores=2, ring_parts=32, memory=2**30, producer_memory=64 * 2**20) == 8
     assert default_ceiling(budget=12, cores=2, ring_parts=4) == 12  # never below what the free cores run
     assert default_ceiling(budget=1, cores=2) == 16  # a Loader's ring is sized from it: 8 per core
+
+
+def test_decoding_producers_forked_past_the_free_cores_before_training_go_back_unless_a_step_waits():
+    # 2 cores, a CPU consumer: the fork to 2 before the first step took the consumer's core. Consumers that then
+    # never wait for a batch (the ring keeps up, queue full) are computing on it: back to 1 once the ring's
+    # start-up windows pass. Consumers that wait leave it idle: the fork stays.
+    computing = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert computing.decide(before_training(1, 0.05)).change == 1
+    busy = replace(window(2, 0.0, 100.0, queue_fill=0.9), read_share=0.05)
+    assert feed(computing, [busy, busy, busy]) == [0, 0, -1]
+    waiting = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert waiting.decide(before_training(1, 0.05)).change == 1
+    assert all(change >= 0 for change in feed(waiting, [replace(window(2, 0.7, 100.0), read_share=0.05)] * 4))
+    # Producers waiting on reads hold little of a core: no judgement, whatever the consumers do.
+    reading = Autoscaler(minimum=1, budget=1, ceiling=32, startup_windows=2, cores=2)
+    assert reading.decide(before_training(1, 0.964)).change == 31
+    assert feed(reading, [replace(window(32, 0.0, 100.0, queue_fill=0.5), read_share=0.96)] * 3) == [0, 0, 0]
