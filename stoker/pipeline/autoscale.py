@@ -67,7 +67,7 @@ OVERSUBSCRIBE = 8  # auto's default ceiling, in producers per core, where the ri
 # waiting 25 ms) ...
 CEILING_MAX = 128  # ... and never more than this many: every producer is a process (about 30 MB of its own memory)
 # and a status row in the ring; 8 per core would be 512 on a 64-core host
-MEMORY_SHARE = 0.5  # producers may take at most this share of the memory available at the start
+MEMORY_SHARE = 0.5  # producers may take at most this share of the memory available (at the start, and at each fork)
 
 
 def static_budget(devices: list[str], cores: int) -> int:
