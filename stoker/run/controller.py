@@ -217,7 +217,6 @@ class Controller:
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
-        self.split: TimeSplit | None = None  # the latest window's, for the autoscaler and `pipeline` events
         self.last_queue_fill = 0.0
         self.lifecycle = Lifecycle()  # what a signal means now; `lifecycle.interrupted`: one arrived here
         self.stopping = False  # stopping early: this machine or another one was interrupted
@@ -641,9 +640,8 @@ class Controller:
         parts = (window.compute_s, window.wait_s, window.averaging_s, consumer_time)
         compute, wait, averaging = time_shares(*parts, host_s=window.host_s)
         host = host_share(*parts, window.host_s)
-        producers, limit = self.engine.num_active, self.engine.producer_limit()  # as the autoscaler found them
         n = self.num_consumers  # a rate of all consumers: their mean time in steps, as train_s
-        utilization = self.driver.close_window(
+        self.driver.close_window(
             elapsed_s, window.samples, window.steps, queue_fill, wait,
             train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / n,
             shares={"compute": compute, "input_wait": wait, "averaging": averaging, "host": host},
@@ -651,10 +649,6 @@ class Controller:
             stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n, s.consumer)
                          for s in window.stamps),
             lockstep=self.config.sync_every == 1 and not self.config.overlap_averaging)
-        self.split = TimeSplit(compute=compute, input_wait=wait, averaging=averaging, producers=producers,
-                               producer_budget=limit, producer_utilization=utilization,
-                               sync_every=self.config.sync_every, overlapped=self.config.overlap_averaging, host=host,
-                               compiled=self.config.compile)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
