@@ -41,6 +41,7 @@ GROUPS = (DATA, RECIPE, DEVICES, AVERAGING, RUN, OUTPUT, EXPERT)
 
 _UNSET: Any = object()
 S = TypeVar("S")
+MAX_SLOTS_PER_CONSUMER = 64  # each slot holds a whole batch in shared memory
 
 
 class ConfigError(ValueError):
@@ -195,7 +196,8 @@ class FeedSettings:
         "seconds without progress on one file before a producer counts as hung", "S", group=EXPERT,
         may_change_on_resume=True, loader=True)] = Field(default=20.0, gt=0)
     slots_per_consumer: Annotated[Count, Setting("batch slots in shared memory per consumer", "K", group=EXPERT,
-                                                 may_change_on_resume=True)] = Field(default=4, ge=2, le=64)
+                                                 may_change_on_resume=True)] = Field(default=4, ge=2,
+                                                                                     le=MAX_SLOTS_PER_CONSUMER)
 
     @field_validator("producers")
     @classmethod
@@ -492,6 +494,15 @@ PATH_SETTINGS = frozenset(f.name for f in dataclasses.fields(TrainConfig)
 MAY_CHANGE_ON_RESUME = names_where("may_change_on_resume")
 
 RUN_CONFIG_FILE = "config.json"
+
+
+def takes(config: TrainConfig, **changes: Any) -> bool:
+    """Whether the run could be given these settings (the verdict advises only what a run can take)."""
+    try:
+        config.replace(**changes)
+    except ConfigError:
+        return False
+    return True
 
 
 def check_section(section: type[S], values: dict[str, Any], origins: dict[str, str] | None = None) -> S:

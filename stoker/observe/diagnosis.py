@@ -6,6 +6,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from stoker.common.config import MAX_SLOTS_PER_CONSUMER
+from stoker.common.procs import MAX_PRODUCERS
+
 INPUT_BOUND = 0.10  # consumers waiting for batches more than this share of their time
 HOST_BOUND = 0.10  # GPUs idle for the host (Python, copies), not for input, more than this share of the time
 SYNC_BOUND = 0.15  # averaging more than this share of the step
@@ -33,6 +36,11 @@ class TimeSplit:
     auto: bool = True  # the count is auto's (it moves between the minimum and the ceiling); False: a fixed count
     producer_room: int | None = None  # the parts the ring holds in flight: producers past it have nothing to build
     compiled: bool = False  # the model is torch.compile'd (--compile): not advised again
+    # What the run already uses and could take, so that no advice repeats it or names a setting it cannot have:
+    slots: int | None = None  # --slots-per-consumer (None: a Loader, whose ring follows its producer count)
+    initial: int | None = None  # the count auto started at (--initial-producers)
+    cores: int | None = None  # the machine's: a fixed count at one a core gains no CPU by being more
+    overlap_allowed: bool = True  # whether the run's other settings allow --overlap-averaging true
 
 
 @dataclass(frozen=True)
@@ -71,7 +79,7 @@ def diagnose(split: TimeSplit, spelling: Spelling = FLAGS) -> Verdict:
         return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
                                       f"{_producer_advice(split, spelling)}")
     if split.averaging >= SYNC_BOUND:
-        overlap = "" if split.overlapped else " or --overlap-averaging true"
+        overlap = "" if split.overlapped or not split.overlap_allowed else " or --overlap-averaging true"
         return Verdict("sync-bound", f"sync-bound: averaging takes {split.averaging:.0%} of the time; try "
                                      f"--sync-every {suggest_sync_every(split.averaging, split.sync_every)}{overlap}")
     return Verdict("compute-bound", f"compute-bound: devices busy {split.compute:.0%} of the time, input waits "
@@ -108,6 +116,10 @@ def _producer_advice(split: TimeSplit, names: Spelling) -> str:
         return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "
                 "because one more did not raise the rate: the cores are the limit, not the producer count; lower "
                 f"{names.image_size}, or give the run more cores")
+    if not split.auto and split.cores and split.producers >= split.cores:
+        # Busy decoding, one a core or more: more producers would share the same cores.
+        return (f"{_count_now(split, busy)}, {split.cores} cores: the cores are the limit, not the producer "
+                f"count; lower {names.image_size}, or give the run more cores")
     return (f"{_count_now(split, busy)}: give them more cores ({_more_producers(split, names)}) or lower "
             f"{names.image_size}")
 
@@ -129,16 +141,26 @@ def _more_producers(split: TimeSplit, names: Spelling) -> str:
         return (f"each of the {split.producer_room} parts the ring holds in flight has its producer already, so "
                 f"{_more_slots(split, names)} for more")
     if not split.auto:
-        return f"raise {names.producers} above {split.producers}"
+        return _raise(names.producers, split.producers, "the count")
     ceiling = split.producer_ceiling or split.producer_budget
     if split.producers >= ceiling:
-        return f"raise {names.max_producers} above {ceiling}: auto forks while that pays"
+        return _raise(names.max_producers, ceiling, "auto's ceiling", then=": auto forks while that pays")
     if split.producer_budget < ceiling and split.producers >= split.producer_budget:
         return (f"auto held them at {split.producer_budget}, where one more did not raise the rate; a fixed "
                 f"{_given(names.producers, split.producer_budget + 1)} overrules it")
-    start = (f"start it higher with {_given(names.initial_producers, split.producer_budget)}"
-             if names.initial_producers else f"fix the count with {_given(names.producers, split.producer_budget)}")
+    # Started at the limit and retired below it: a higher start would be retired again.
+    initial = names.initial_producers
+    start = (f"start it higher with {_given(initial, split.producer_budget)}"
+             if initial and (split.initial or 0) < split.producer_budget
+             else f"fix the count with {_given(names.producers, split.producer_budget)}")
     return f"auto had reached {split.producers} of {split.producer_budget} by the end; {start}"
+
+
+def _raise(name: str, value: int, what: str, then: str = "") -> str:
+    """Advice to raise a producer count, where the setting allows a higher one."""
+    if value >= MAX_PRODUCERS:
+        return f"{what} is at the most a run may have ({MAX_PRODUCERS})"
+    return f"raise {name} above {value}{then}"
 
 
 def _given(name: str, value: int) -> str:
@@ -147,10 +169,16 @@ def _given(name: str, value: int) -> str:
 
 
 def _more_slots(split: TimeSplit, names: Spelling) -> str:
+    if names.slots and (split.slots or 0) >= MAX_SLOTS_PER_CONSUMER:
+        return (f"{names.slots} is at its most ({MAX_SLOTS_PER_CONSUMER}): raise --batch-size (a slot holds a "
+                "batch, built in parts of at least 4 samples)")
     if names.slots:
         return f"raise {names.slots}"
-    count = names.max_producers if split.auto else names.producers
-    return f"raise {count} (a Loader's ring holds a slot for each producer it may run, and 2 more)"
+    if split.auto:
+        return _raise(names.max_producers, split.producer_ceiling or split.producer_budget, "auto's ceiling",
+                      then=" (a Loader's ring holds a slot for each producer it may run, and 2 more)")
+    return _raise(names.producers, split.producers, "the count",
+                  then=" (a Loader's ring holds a slot for each producer it runs, and 2 more)")
 
 
 def suggest_sync_every(averaging: float, sync_every: int) -> int:

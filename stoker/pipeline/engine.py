@@ -350,7 +350,8 @@ class Engine:
     def verdict_fields(self) -> dict[str, Any]:
         """The producers' side of the verdict (`observe.diagnosis.TimeSplit`), the same for both drivers."""
         return {**self.gauges.verdict_fields(self.producer_limit()), "auto": self.autoscaler is not None,
-                "producer_room": self.assembler.parts * self.num_slots}
+                "producer_room": self.assembler.parts * self.num_slots, "cores": self.cores,
+                "initial": self.gauges.producers_initial}
 
     # ---- the end ------------------------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ touches pixels or gradients.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -17,7 +18,7 @@ import numpy as np
 
 from stoker.common import checkpoint, faults
 from stoker.common.checkpoint import Position
-from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where
+from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where, takes
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
 from stoker.common.files import write_json
 from stoker.common.memory import available_memory
@@ -660,7 +661,13 @@ class Controller:
             compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
             averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
             overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]), compiled=self.config.compile,
+            slots=self.config.slots_per_consumer, overlap_allowed=self.overlap_allowed,
             **self.engine.verdict_fields())), self.membership.losses)
+
+    @functools.cached_property
+    def overlap_allowed(self) -> bool:
+        """Whether the verdict may advise --overlap-averaging true: the run's other settings may refuse it."""
+        return self.config.overlap_averaging or takes(self.config, overlap_averaging=True)
 
     def _steps_left(self, position: Position) -> int:
         """Global steps from `position` to the end of the run, as the plan stands now."""

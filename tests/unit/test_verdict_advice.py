@@ -40,6 +40,7 @@ def test_the_run_verdict_counts_the_producers_of_now_against_the_limit_of_now(te
     # The engine's state after such a run, without its processes: the controller reads it from there.
     engine = Engine.__new__(Engine)
     engine.budget, engine.pool, engine.num_slots, engine.assembler = 6, None, 4, SimpleNamespace(parts=8)
+    engine.cores = 2
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.autoscaler.limit = 3  # the fork to 4 did not pay, and 4 retired
     engine.gauges = gauges = ProducerGauges(6, events=None)
@@ -105,6 +106,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
 
     engine = Engine.__new__(Engine)
     engine.budget, engine.pool, engine.num_slots, engine.assembler = 6, None, 4, SimpleNamespace(parts=8)
+    engine.cores = 2
     engine.autoscaler = Autoscaler(minimum=1, budget=1, ceiling=6)
     engine.gauges = gauges = ProducerGauges(6, events=None)
     gauges.producers_initial = 1
@@ -120,7 +122,8 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     expected = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
                                   averaging=0.0, sync_every=1, producers=2,
                                   producer_budget=6, producer_utilization=0.4, producer_ceiling=6,
-                                  producer_read_share=0.0025, producer_slot_bound=0.6), LOADER_ARGUMENTS).text
+                                  producer_read_share=0.0025, producer_slot_bound=0.6, initial=1, cores=2),
+                        LOADER_ARGUMENTS).text
     assert text == expected and "reading the files is slow" not in text, text
     assert "--" not in text, text  # a Loader's user has arguments, not the trainer's flags
     trainers = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
@@ -203,7 +206,7 @@ def test_after_a_resume_the_verdict_tells_the_whole_run_s_shares(textures, tmp_p
                                          "producers": 2, "out": tmp_path / "run"}))  # starts nothing
     engine = Engine.__new__(Engine)
     engine.budget, engine.pool, engine.autoscaler = 2, None, None
-    engine.num_slots, engine.assembler = 4, SimpleNamespace(parts=8)
+    engine.num_slots, engine.assembler, engine.cores = 4, SimpleNamespace(parts=8), 2
     engine.gauges = gauges = ProducerGauges(2, events=None)
     gauges.timeline, gauges.producer_busy = [{"producers": 2}], (9.5, 10.0)
     controller.driver._engine = engine
@@ -236,3 +239,86 @@ def test_a_host_bound_run_already_compiled_is_not_told_to_compile():
     assert "try --compile" in diagnose(TimeSplit(**host_bound)).text
     compiled = diagnose(TimeSplit(compiled=True, **host_bound)).text
     assert compiled.startswith("host-bound") and "try --compile" not in compiled and "--compile is on" in compiled
+
+
+# ---- every verdict, against the settings of the run it judges ------------------------------------------------------
+
+ADVICE = (re.compile(r"raise (--[a-z-]+) above (\d+)"), re.compile(r"raise (--[a-z-]+)(?![a-z-])(?! above)()"),
+          re.compile(r"(--(?:producers|initial-producers|sync-every|overlap-averaging)) (\d+|true)"),
+          re.compile(r"try (--compile)()"), re.compile(r"lower (--image-size)()"))
+
+
+def _advised(text: str, config) -> dict[str, object]:
+    """The settings a verdict tells its run to change, with the values it names ("raise --x above 3": 4; "raise
+    --x": one more than now; "lower --x": half of now)."""
+    changes: dict[str, object] = {}
+    for pattern in ADVICE:
+        for flag, value in pattern.findall(text):
+            name = flag[2:].replace("-", "_")
+            now = getattr(config, name)
+            if pattern is ADVICE[0]:
+                changes[name] = int(value) + 1
+            elif name == "compile" or value == "true":
+                changes[name] = True
+            elif value:
+                changes[name] = int(value)
+            else:
+                changes[name] = now // 2 if flag == "--image-size" else now + 1
+    return changes
+
+
+def _runs():
+    """Runs that end in every verdict: host-, sync- and input-bound; auto or fixed, below, at or held under the
+    ceiling (the most a run may have, 512, included); producers busy or idle, reading or decoding, at one a core or
+    not; the slots at their most or not; started at the limit; compiled, overlapped, or not allowed to overlap."""
+    from stoker.common.procs import MAX_PRODUCERS
+
+    inputs = [dict(producers=p, producer_budget=b, producer_ceiling=c, auto=auto, initial=i)
+              for auto in (True, False)
+              for p, b, c, i in ((2, 2, 2, 1), (2, 6, 6, 1), (2, 6, 6, 6), (3, 3, 6, 1),
+                                 (MAX_PRODUCERS, MAX_PRODUCERS, MAX_PRODUCERS, 1))
+              if auto or (p == b == c and i == 1)]
+    for counts in inputs:
+        for shares in (dict(input_wait=0.4, averaging=0.0), dict(input_wait=0.02, averaging=0.3),
+                       dict(input_wait=0.02, averaging=0.0, host=0.3)):
+            for utilization, read_share, slot_bound in ((0.95, 0.01, 0.0), (0.95, 0.9, 0.0), (0.5, 0.01, 0.4),
+                                                        (0.5, 0.01, 0.0)):
+                for slots, cores, room in ((4, 2, 1024), (64, 8, 1024), (4, 2, 2)):
+                    for compiled, overlapped, overlap_allowed in ((False, False, True), (True, True, True),
+                                                                  (False, False, False)):
+                        yield TimeSplit(compute=0.5, sync_every=1, producer_utilization=utilization,
+                                        producer_read_share=read_share, producer_slot_bound=slot_bound, slots=slots,
+                                        cores=cores, producer_room=room, compiled=compiled, overlapped=overlapped,
+                                        overlap_allowed=overlap_allowed, **shares, **counts)
+
+
+def _config_of(split: TimeSplit, data):
+    from stoker.common.config import make_config
+
+    train, val = data
+    counts = ({"producers": "auto", "max_producers": split.producer_ceiling, "initial_producers": split.initial}
+              if split.auto else {"producers": split.producers})
+    return make_config({"data": train, "val": val, "image_size": 32, "batch_size": 8, "devices": "cpu:2",
+                        "slots_per_consumer": split.slots, "sync_every": split.sync_every, "compile": split.compiled,
+                        "overlap_averaging": split.overlapped,
+                        "outer_optimizer": "none" if split.overlap_allowed else "sgd", **counts})
+
+
+def test_no_verdict_advises_what_the_run_already_does_or_a_setting_it_cannot_take(textures):
+    """Each setting a verdict names is applied to the run's own settings: it must change them, and the settings
+    must accept it (a bound, or another setting, refuses what the run cannot have)."""
+    from stoker.common.config import takes
+
+    seen = set()
+    for split in _runs():
+        config = _config_of(split, textures)
+        assert takes(config, overlap_averaging=True) == (split.overlap_allowed or split.overlapped)
+        verdict = diagnose(split)
+        seen.add(verdict.kind)
+        for name, value in _advised(verdict.text, config).items():
+            assert getattr(config, name) != value, (verdict.text, name, "the run does this already")
+            assert takes(config, **{name: value}), (verdict.text, name, value, "the run cannot take it")
+            decoding = split.producer_utilization >= 0.8 and (split.producer_read_share or 0) < 0.5
+            if name == "producers" and not split.auto and decoding:  # more, on cores each busy with one already
+                assert split.producers < (split.cores or 0), (verdict.text, "no core left for another producer")
+    assert seen == {"input-bound", "sync-bound", "host-bound"}
