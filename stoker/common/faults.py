@@ -7,8 +7,8 @@ ends epoch 0's validation), "producer:delete:cat_3.jpg" (the file is deleted jus
 is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
 full disk); "controller:term-self:closing" sends SIGTERM to the controller from its own shutdown, and
 "consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group. Several faults: join them with "|".
-With STOKER_FAULT_ONCE=FILE the fault fires in the first process that reaches it only (the one that creates FILE);
-without it, in every process that reaches it, so "producer:sigkill:huge.png" is a file that gets every producer
+With STOKER_FAULT_ONCE=FILE each fault fires in the first process that reaches it only (the one that creates FILE;
+FILE.1 for the second fault, FILE.2 for the third); without it, in every process that reaches it, so "producer:sigkill:huge.png" is a file that gets every producer
 decoding it killed, as the kernel's OOM killer does. Unset, every hook is a dictionary lookup and nothing more.
 """
 
@@ -30,12 +30,23 @@ READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, 
 STEP_TIME_ENV = "STOKER_STEP_TIME_MS"  # every training step holds its consumer this long, like a slow device
 CHECKPOINT_WRITE_ENV = "STOKER_CHECKPOINT_WRITE_MS"  # every checkpoint file takes this long to write, like a slow disk
 CHECKPOINT_READ_ENV = "STOKER_CHECKPOINT_READ_MS"  # and this long to read back
+# A consumer started again waits for this file before it asks to join: a test orders the join after a fault (with
+# STOKER_FAULT_ONCE, the file a fault creates as it fires), instead of racing the start-up against the steps.
+JOIN_AFTER_ENV = "STOKER_JOIN_AFTER"
 
 
 def simulated_delay(env: str) -> None:
     milliseconds = float(os.environ.get(env) or 0)
     if milliseconds > 0:
         time.sleep(milliseconds / 1000)
+
+
+def wait_for_file(env: str, check) -> None:
+    """Wait until the file named by `env` exists (unset: return at once), calling `check` (which raises to stop)."""
+    path = os.environ.get(env)
+    while path and not os.path.exists(path):
+        check()
+        time.sleep(0.05)
 
 
 def armed() -> bool:
@@ -45,16 +56,16 @@ def armed() -> bool:
 
 def maybe_inject(role: str, where: str, channel=None) -> None:
     """`channel`: the pipe to the controller, for "sigkill-mid-message" (half a message written, then SIGKILL)."""
-    for fault_role, action, match in _specs():
-        if fault_role == role and match in where and _first_time():
+    for index, (fault_role, action, match) in enumerate(_specs()):
+        if fault_role == role and match in where and _first_time(index):
             _act(action, where, channel)
 
 
 def wants(role: str, action: str, where: str) -> bool:
     """For a fault that changes what a process does instead of what happens to it: "producer-batch:repeat-batch:
     part=5;" makes the producer of part 5 write the batch it built before again (one batch delivered twice)."""
-    return any((fault_role, fault_action) == (role, action) and match in where and _first_time()
-               for fault_role, fault_action, match in _specs())
+    return any((fault_role, fault_action) == (role, action) and match in where and _first_time(index)
+               for index, (fault_role, fault_action, match) in enumerate(_specs()))
 
 
 def _specs() -> list[list[str]]:
@@ -63,10 +74,13 @@ def _specs() -> list[list[str]]:
     return [one.split(":", 2) for one in spec.split("|")] if spec else []
 
 
-def _first_time() -> bool:
+def _first_time(index: int) -> bool:
+    """Whether fault `index` (of those joined with "|") fires here: always, or with STOKER_FAULT_ONCE, only in the
+    first process to create its marker."""
     marker = os.environ.get(ONCE_ENV)
     if not marker:
         return True
+    marker = f"{marker}.{index}" if index else marker
     try:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:

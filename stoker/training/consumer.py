@@ -252,6 +252,7 @@ class Replica:
         breaks (a peer died) is left and joined again as the controller says (`_rejoin`)."""
         broken: Exception | None = None
         if self.setup.joining:
+            faults.wait_for_file(faults.JOIN_AFTER_ENV, self._check_stopped)
             self.outbox.send(Joining(self.setup.local_rank))
             self._join(self._next_regroup(ready))
         while True:

@@ -217,3 +217,26 @@ def test_a_killed_consumer_is_started_again_and_the_group_grows_back(numbered, t
     assert summary["replicas_identical"] and summary["duplicate_samples"] == summary["missing_samples"] == 0
     assert [e["consumers"] for e in events(run_dir, "regrouped")] == [2, 3]
     assert seen_by_content(run_dir, numbered[1]) == [8] * numbered[1]
+
+
+def test_a_consumer_killed_while_another_is_started_again_costs_one_more_and_the_run_goes_on(numbered, tmp_path):
+    """Consumer 1 dies at step 3 and is started again; consumer 2 dies at step 5, while consumer 1 starts. The new
+    consumer 1 asks to join only once the second kill has fired (STOKER_JOIN_AFTER names that fault's marker), so
+    the order is the faults', not the machine's. After the first regroup the survivors are ranks 0 and 1: rank 1 is
+    consumer 2 from then on."""
+    run_dir = tmp_path / "run"
+    second_fired = tmp_path / "run.fired.1"
+    result = train(numbered, run_dir, "consumer:sigkill:rank=1,step=3;|consumer:sigkill:rank=1,step=5;", epochs=8,
+                   restarts=1, env={"STOKER_STEP_TIME_MS": "400", "STOKER_JOIN_AFTER": str(second_fired)})
+    summary = read_summary(run_dir)
+    assert result.returncode == 0 and summary["status"] == "completed", result.stderr[-3000:]
+    assert [loss["consumer"] for loss in summary["consumers_lost"]] == [1, 2]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    changes = [r for r in records if r["event"] in ("consumer_lost", "regrouped")]
+    assert [(r["event"], r.get("consumer"), r.get("members")) for r in changes[:4]] == [
+        ("consumer_lost", 1, None), ("regrouped", None, [0, 2]), ("consumer_lost", 2, None), ("regrouped", None, [0])]
+    assert not any(r.get("joined") for r in changes[:4])  # the second died while the first was starting again
+    rejoined = [joined["consumer"] for joined in summary["consumers_rejoined"]]
+    assert set(rejoined) <= {1, 2} and summary["consumers_at_end"] == 1 + len(rejoined)
+    assert summary["replicas_identical"] and summary["duplicate_samples"] == summary["missing_samples"] == 0
+    assert seen_by_content(run_dir, numbered[1]) == [8] * numbered[1]
