@@ -8,8 +8,9 @@ is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (wri
 full disk); "controller:term-self:closing" sends SIGTERM to the controller from its own shutdown, and
 "consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group. Several faults: join them with "|".
 With STOKER_FAULT_ONCE=FILE each fault fires in the first process that reaches it only (the one that creates FILE;
-FILE.1 for the second fault, FILE.2 for the third); without it, in every process that reaches it, so "producer:sigkill:huge.png" is a file that gets every producer
-decoding it killed, as the kernel's OOM killer does. Unset, every hook is a dictionary lookup and nothing more.
+FILE.1 for the second fault, FILE.2 for the third); without it, in every process that reaches it, so
+"producer:sigkill:huge.png" is a file that gets every producer decoding it killed, as the kernel's OOM killer does.
+Unset, every hook is a dictionary lookup and nothing more.
 """
 
 from __future__ import annotations
