@@ -84,21 +84,6 @@ def test_bench_gpu_without_the_bench_extra_says_which_extra_to_install(monkeypat
     assert "pip install 'stoker[bench]'" in capsys.readouterr().err
 
 
-def test_a_stopped_or_failed_consumer_aborts_its_group_and_only_a_finished_one_destroys_it(monkeypatch):
-    """destroy_process_group flushes pending NCCL work and can block until the controller kills the consumer."""
-    from torch.distributed import distributed_c10d
-
-    from stoker.training import consumer
-
-    calls: list[str] = []
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
-    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda *a: calls.append("abort"))
-    consumer.close_group(finished=False)
-    consumer.close_group(finished=True)
-    assert calls == ["abort", "destroy"]
-
-
 def _count_compiles() -> tuple[list[int], object]:
     compiles = [0]
 
@@ -201,6 +186,49 @@ def test_compile_threads_share_the_cores_among_this_machine_s_consumers_not_its_
     assert consumer.compile_threads("cuda:0", num_threads=2, local_consumers=1) == 16
     assert consumer.compile_threads("cuda:3", num_threads=2, local_consumers=4) == 4
     assert consumer.compile_threads("cpu", num_threads=2, local_consumers=1) == 2  # its torch threads
+
+
+@pytest.mark.parametrize("ending, expected", [
+    ("a peer died", ["sent ConsumerFailed", "abort"]), ("stopped", ["abort"]), ("finished", ["destroy"])])
+def test_a_consumer_aborts_its_group_after_a_failure_or_a_stop_and_destroys_it_only_after_a_finish(
+        monkeypatch, ending, expected):
+    """The consumer's own ending, as on a GPU: a collective that fails because a peer died (NCCL raises
+    DistBackendError) sends the failure to the controller first, then aborts the group; nothing destroys it, which
+    would flush the pending work and block until the controller kills the consumer."""
+    from torch.distributed import distributed_c10d
+
+    from stoker.training import consumer
+
+    calls: list[str] = []
+
+    class Outbox:
+        def send(self, message) -> None:
+            calls.append(f"sent {type(message).__name__}")
+
+    class Replica:
+        def __init__(self, *args) -> None:
+            pass
+
+        def serve(self, ready) -> None:
+            if ending == "a peer died":
+                raise dist.DistBackendError("NCCL error: remote process exited or there was a network error")
+            if ending == "stopped":
+                raise consumer.Stopped()
+
+    class Ring:
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(consumer, "Replica", Replica)
+    monkeypatch.setattr(consumer.SlotRing, "attach", lambda spec: Ring())
+    monkeypatch.setattr(consumer, "name_process", lambda name: None)
+    monkeypatch.setattr(consumer, "exit_with_parent", lambda: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: calls.append("destroy"))
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", lambda *a: calls.append("abort"))
+    setup = type("Setup", (), {"rank": 1, "local_rank": 1, "ring": None})()
+    consumer.consumer_main(setup, ready=None, outbox=Outbox(), stop=threading.Event())
+    assert calls == expected
 
 
 def test_an_abort_that_raises_is_logged_not_raised_over_the_consumer_s_own_error(monkeypatch, caplog):
