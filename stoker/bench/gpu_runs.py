@@ -131,7 +131,7 @@ class _Step:
             torch.cuda.set_device(self.device)
         accel.configure_backends(deterministic=False)
         self.model = build_model(model, num_classes).to(self.device)
-        Averager(self.model, 1, 1, args.batch_size)  # re-points the state into flat buckets, as the consumer's
+        Averager(self.model, 1, 1)  # re-points the state into flat buckets, as the consumer's
         self.precision = accel.MixedPrecision(args.precision, self.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9,
                                          **accel.fused_option(torch.optim.SGD, self.device))

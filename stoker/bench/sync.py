@@ -76,7 +76,7 @@ def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]
     steps, repeats = settings["steps"], settings["repeats"]
     batches = _batches(rank, settings, max(steps, CHECK_STEPS))
     stoker_model, ddp_model = _model(settings), _model(settings)
-    averager = Averager(stoker_model, 1, WORLD, settings["batch_size"], in_backward=True)
+    averager = Averager(stoker_model, 1, WORLD, in_backward=True)
     ddp = DistributedDataParallel(ddp_model)
     stoker_opt, ddp_opt = _optimizer(stoker_model, settings), _optimizer(ddp, settings)
     samples = settings["batch_size"] * WORLD
@@ -182,7 +182,7 @@ def _averaging_costs(model: torch.nn.Module, repeats: int = 200) -> tuple[float,
 
     from stoker.training.averager import Averager
 
-    averager = Averager(model, 1, WORLD, batch_size=1)
+    averager = Averager(model, 1, WORLD)
     flat = torch.zeros(sum(b.numel() for b in averager.float_buckets))
     tensors = [t.detach().clone() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
 

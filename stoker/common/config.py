@@ -354,6 +354,10 @@ class AveragingSettings:
     consumer_restarts: Annotated[Count, Setting(
         "times a consumer that died is started again on its device (it rejoins the others at their next regroup); "
         "past that its device stays out", "R", may_change_on_resume=True)] = Field(default=2, ge=0, le=100)
+    global_batch: Annotated[Literal["shrink", "fixed"], Setting(
+        "with fewer consumers (a death, or a resume on fewer): shrink (each keeps --batch-size, the learning rate "
+        "follows the global batch) | fixed (the global batch, the steps and the schedule stay; each consumer takes "
+        "a larger share, its slots sized for --min-consumers)", "HOW")] = "shrink"
 
     @model_validator(mode="after")
     def _outer_step_needs_the_average(self) -> AveragingSettings:

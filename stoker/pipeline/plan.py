@@ -5,7 +5,8 @@ producers and of timing, exactly-once delivery, re-issue of a dead producer's wo
 
 An epoch is one permutation of the training set, eaten from its start in steps of `batch_size` x consumers. When
 the consumers change (one died and the survivors go on, `run/membership.py`), the plan is made again from where the
-agreed steps ended: the same permutation, from that sample on, in steps of the new count. So the plan of a run is
+agreed steps ended: the same permutation, from that sample on, in steps of the new count (or, with
+`--global-batch fixed`, in steps of the first count's size, each consumer a larger share). So the plan of a run is
 a pure function of (seed, epoch, position in the epoch, membership history), and every sample of every epoch is
 still in exactly one step.
 """
@@ -55,10 +56,19 @@ class EpochPlan:
     start_offset: int = 0
     # The consumers the learning-rate schedule was made for (the run's first count): `schedule_step`.
     reference_consumers: int | None = None
+    # `--global-batch fixed`: a step holds the reference count's samples whatever the consumers, each a larger share
+    # when there are fewer (the optimizer steps and the schedule stay the run's); else each keeps `batch_size`.
+    fixed_global: bool = False
 
     @property
     def per_step(self) -> int:
-        return self.batch_size * self.num_consumers
+        consumers = (self.reference_consumers or self.num_consumers) if self.fixed_global else self.num_consumers
+        return self.batch_size * consumers
+
+    def largest_share(self, fewest: int) -> int:
+        """The most samples one consumer's batch of a step may hold while at least `fewest` consumers train: the
+        batch slots are sized for it."""
+        return -(-self.reference.per_step // max(1, fewest)) if self.fixed_global else self.batch_size
 
     @property
     def steps_per_epoch(self) -> int:
@@ -87,7 +97,7 @@ class EpochPlan:
     @property
     def samples_trained_per_epoch(self) -> int:
         """The samples an epoch's steps hold: all of them, less a dropped short last step's."""
-        return min(self.num_train, self.steps_per_epoch * self.batch_size * self.num_consumers)
+        return min(self.num_train, self.steps_per_epoch * self.per_step)
 
     @functools.cached_property
     def reference(self) -> EpochPlan:
@@ -106,7 +116,7 @@ class EpochPlan:
     @property
     def lr_scale(self) -> float:
         """The learning rate follows the global batch (Goyal et al. 2017): fewer consumers, a smaller step."""
-        return self.num_consumers / self.reference.num_consumers
+        return self.per_step / self.reference.per_step
 
     def regrouped(self, consumers: int, epoch: int, step: int, offset: int) -> EpochPlan:
         """The plan from step `step` of `epoch` (after `offset` of its samples) for `consumers`."""

@@ -94,7 +94,8 @@ class Controller:
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
-                              self.cluster.world, config.seed, config.drop_last)
+                              self.cluster.world, config.seed, config.drop_last,
+                              fixed_global=config.global_batch == "fixed")
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"drop_last=true with {len(self.data.train)} training images leaves no step: one takes "
                              f"{config.batch_size * self.cluster.world} (batch_size x {self.cluster.world} consumers)")
@@ -129,10 +130,18 @@ class Controller:
             cluster.join_controllers(self.cluster, config.collective_timeout_s)
             cluster.check_same_settings(self.cluster, self._shared_settings())
             self.start_at, self.resume_from = self._resume_point()
+            self.build = replace(self.build, batch_size=self._largest_share())
             self._reset_state()
         except BaseException:
             self.run_lock.close()
             raise
+
+    def _largest_share(self) -> int:
+        """The samples a batch slot must hold: `--batch-size`, or with `--global-batch fixed` the share of each
+        consumer when the fewest train that the run goes on with (`--min-consumers`; the count it has, where a death
+        ends it)."""
+        fewest = self.config.min_consumers if self.elastic else self.cluster.world
+        return self.plan.largest_share(fewest)
 
     def _shared_settings(self) -> dict[str, Any]:
         """What every machine must agree on (paths and producer counts are each machine's own business)."""

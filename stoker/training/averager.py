@@ -2,9 +2,9 @@
 
 All floating-point parameters and buffers (BatchNorm running statistics included) are re-pointed into one flat
 tensor per dtype at start, so averaging is one all_reduce per dtype with no copy in or out: the model *is* the
-bucket. Integer buffers (BatchNorm's batch counters) advance alike on every replica while every step is full;
-after a short step, where a replica may have had no samples, they are reconciled with a MAX. The collective
-doubles as the barrier that makes every replica continue from the same average at the same time.
+bucket. Integer buffers (BatchNorm's batch counters) advance alike on every replica while each has samples in
+every step; after a step with fewer samples than replicas, where one had none, they are reconciled with a MAX.
+The collective doubles as the barrier that makes every replica continue from the same average at the same time.
 
 With an outer optimizer (DiLoCo), the averaged change of the parameters since the last averaging is a
 pseudo-gradient: SGD or Nesterov momentum applies it to the parameters as they were at the last averaging.
@@ -50,14 +50,12 @@ class OuterSpec:
 class Averager:
     """Averages a model's state every `sync_every` steps, weighted by the samples each replica trained on."""
 
-    def __init__(self, model: nn.Module, sync_every: int, world_size: int, batch_size: int,
+    def __init__(self, model: nn.Module, sync_every: int, world_size: int,
                  outer: OuterSpec | None = None, overlap: bool = False, in_backward: bool = False) -> None:
         if outer is not None and overlap:
             raise ValueError("an outer optimizer needs the average before it steps: it cannot overlap")
         self.sync_every = sync_every
         self.world_size = world_size
-        self.batch_size = batch_size
-        self.full_step_samples = batch_size * world_size
         self.float_buckets, parameters = flatten_float_state(model)
         self.int_tensors = [t for t in _state_tensors(model) if not t.is_floating_point()]
         self.pending = NOTHING_PENDING
@@ -71,7 +69,6 @@ class Averager:
         """The group changed (a peer died): average over `world_size` replicas from now on; an averaging that was
         in flight in the old group is dropped (the replica went back to the state before it)."""
         self.world_size = world_size
-        self.full_step_samples = self.batch_size * world_size
         if self.backward is not None:
             self.backward.world_size = world_size
             self.backward.optimizer, self.backward.works = None, []
@@ -96,8 +93,8 @@ class Averager:
         """Before the step's backward: count its samples and, when it averages and `optimizer` is given, let the
         averaging start during backward (the optimizer then steps each group of parameters as it completes)."""
         local, total, short = self.pending
-        self.pending = (local + local_samples, total + global_samples,
-                        short + (global_samples < self.full_step_samples))
+        # Fewer samples than replicas: one had none and skipped its forward pass (its counters lag).
+        self.pending = (local + local_samples, total + global_samples, short + (global_samples < self.world_size))
         if self.backward is not None and optimizer is not None and not (step + 1) % self.sync_every:
             self.backward.arm(optimizer, self._weight())
 

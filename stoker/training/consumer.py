@@ -196,7 +196,7 @@ class Replica:
         self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
         averaging = setup.averaging
         in_backward = averages_in_backward(averaging, setup.hardware, setup.recipe)
-        self.averager = Averager(self.model, averaging.sync_every, setup.world_size, setup.ring.batch_size,
+        self.averager = Averager(self.model, averaging.sync_every, setup.world_size,
                                  setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.

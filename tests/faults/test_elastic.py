@@ -106,6 +106,25 @@ def test_a_killed_consumer_costs_one_consumer_and_every_image_is_trained_once_pe
         assert json.loads((run_dir / "checkpoints" / "step_00000005" / "meta.json").read_text())["num_consumers"] == 2
 
 
+def test_with_a_fixed_global_batch_the_survivors_take_larger_shares_and_the_steps_stay_as_planned(numbered,
+                                                                                                   tmp_path):
+    """`--global-batch fixed`: after consumer 1 dies at step 3, each step still holds 24 samples (12 a survivor, the
+    slots sized for --min-consumers 2), so 2 epochs take the 10 steps of the unbroken run; every image once."""
+    run_dir = tmp_path / "run"
+    result = train(numbered, run_dir, "consumer:sigkill:rank=1,step=3;", "--global-batch", "fixed",
+                   "--min-consumers", "2", epochs=2)
+    summary = read_summary(run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_went_on_without(run_dir, summary, 1)
+    trained: dict[tuple[int, int], int] = {}  # (global step, rank) -> samples, as last reported (none taken back)
+    for step in events(run_dir, "step"):
+        trained[step["global_step"], step["rank"]] = step["samples"]
+    per_step = {g: sum(n for (s, _), n in trained.items() if s == g) for g, _ in trained}
+    assert sorted(per_step) == list(range(10)) and set(per_step.values()) == {24}
+    assert {n for (g, _), n in trained.items() if g >= 4} == {12}
+    assert seen_by_content(run_dir, numbered[1]) == [2] * numbered[1]
+
+
 def test_the_same_kill_at_the_same_step_gives_the_same_weights(numbered, tmp_path):
     runs = []
     for name in ("a", "b"):

@@ -138,7 +138,7 @@ def test_a_model_has_several_averaging_groups_on_a_gpu():
 
     for name in ("resnet8", "resnet18"):
         model = build_model(name, 10).cuda()
-        averager = Averager(model, 1, 2, 8, in_backward=True)
+        averager = Averager(model, 1, 2, in_backward=True)
         assert averager.backward is not None and len(averager.backward.groups) >= 3, name
         for tensor in (*model.parameters(), *model.buffers()):
             assert not tensor.is_floating_point() or tensor.data_ptr() % 64 == 0

@@ -15,7 +15,7 @@ from stoker.training.averager import Averager
 
 
 def _two_rounds(rank: int, world: int) -> dict[str, list[float] | float]:
-    averager = Averager(nn.Linear(2, 2), sync_every=1, world_size=world, batch_size=1, overlap=True)
+    averager = Averager(nn.Linear(2, 2), sync_every=1, world_size=world, overlap=True)
     state = averager.float_buckets[0]
     state.fill_(rank + 1.0)  # replicas hold 1 and 2: their average is 1.5
     averager.after_step(0, local_samples=1, global_samples=world)  # sent in the background, nothing applied
@@ -45,7 +45,7 @@ ADAMW_STEPS = 6
 def _adamw_replica(rank: int, world: int) -> dict[str, np.ndarray]:
     """stoker's way: each replica steps AdamW on its own batches, then the Averager averages the parameters."""
     model = sync._model(ADAMW)
-    averager = Averager(model, sync_every=1, world_size=world, batch_size=ADAMW["batch_size"])
+    averager = Averager(model, sync_every=1, world_size=world)
     optimizer = sync._optimizer(model, ADAMW)
     for step, (images, labels) in enumerate(sync._batches(rank, ADAMW, ADAMW_STEPS)):
         optimizer.zero_grad(set_to_none=True)

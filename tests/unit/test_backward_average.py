@@ -18,7 +18,7 @@ STEPS = [(8, 8), (8, 8), (8, 8), (5, 3), (8, 8), (4, 0), (8, 8)]
 def _train(rank: int, world: int, optimizer_name: str, in_backward: bool) -> tuple[dict, int]:
     torch.manual_seed(0)
     model = build_model("resnet8", 10)  # BatchNorm: its running statistics are averaged too
-    averager = Averager(model, sync_every=1, world_size=world, batch_size=8, in_backward=in_backward)
+    averager = Averager(model, sync_every=1, world_size=world, in_backward=in_backward)
     optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=5e-4) if optimizer_name == "adamw"
                  else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4))
     generator = torch.Generator().manual_seed(100 + rank)

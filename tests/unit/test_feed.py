@@ -336,7 +336,7 @@ def _replica_on(ops: FakeOps, ring: SlotRing, sync_every: int = 1, steps_ahead: 
                                     averaging=SimpleNamespace(check_replicas_every=0))
     # A linear model: the fake device's ordering is under test, not the network (labels go up to 23).
     replica.model = replica.forward = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8 * 8 * 3, 30))
-    replica.averager = Averager(replica.model, sync_every, 1, 4)
+    replica.averager = Averager(replica.model, sync_every, 1)
     replica.optimizer = torch.optim.SGD(replica.model.parameters(), lr=0.01)
     replica.precision = MixedPrecision("fp32", torch.device("cpu"))
     replica.outbox = _Outbox()
