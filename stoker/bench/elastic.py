@@ -7,6 +7,11 @@ Each repeat trains the built-in set twice with the same kill (consumer `--kill-r
 - **restart** (`--on-consumer-failure stop`, then `--resume RUN_DIR`): the run fails and is started again from its
   last checkpoint, as torchrun's agents restart every worker.
 
+With `--lose machine`, a whole machine is lost instead, under elastic torchrun on loopback (`--nnodes 1:2
+--max-restarts 1`, two agents with `--devices` each): machine 1's consumer stops at `--kill-step` (a hang, whose
+marker is the cue) and its agent and every process below it are SIGKILLed; torchrun starts the survivor again and
+stoker resumes from the last checkpoint by itself. `--rdzv-conf` is torchrun's (its defaults when not given).
+
 Both are timed by the wall clock at which metrics.jsonl's lines appear (polled every 10 ms), from the last step
 reported before the kill to the first step reported after the recovery: the step the kill interrupted is in both.
 The restart way also trains again the steps between its checkpoint and the kill: they are added at the run's own
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -38,6 +44,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                         help="global step the consumer is killed at (default: the middle of the last epoch)")
     parser.add_argument("--kill-rank", type=int, default=1, help="the consumer killed")
     parser.add_argument("--repeats", type=int, default=5, help="repeats (medians)")
+    parser.add_argument("--lose", choices=("consumer", "machine"), default="consumer",
+                        help="what dies: one consumer (going on against a checkpoint restart) or a whole machine "
+                             "under elastic torchrun (two agents on loopback)")
+    parser.add_argument("--rdzv-conf", default="", help="with --lose machine: torchrun's --rdzv-conf")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.set_defaults(run=run)
 
@@ -53,6 +63,8 @@ class Timed:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lose == "machine":
+        return run_machine_loss(args)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="stoker-bench-elastic-") as scratch:
         kill_step = args.kill_step if args.kill_step is not None else _middle_of_last_epoch(args, Path(scratch))
@@ -115,25 +127,15 @@ def train(args: argparse.Namespace, run_dir: Path, on_failure: str, fault: dict[
     command = [sys.executable, "-m", "stoker", "train", "--devices", args.devices, "--epochs",
                str(epochs or args.epochs), "--on-consumer-failure", on_failure, "--quiet", "--report", "false"]
     command += ["--resume", str(run_dir)] if resume else ["--out", str(run_dir)]
-    metrics = run_dir / "metrics.jsonl"
-    offset = metrics.stat().st_size if metrics.exists() else 0
+    watch = _Watch(run_dir / "metrics.jsonl")  # a resume appends: only the new lines
     env = {**os.environ, **(fault or {})}
     if fault is None:
         env.pop("STOKER_FAULT", None)
     lines: list[tuple[float, dict[str, Any]]] = []
-    pending = b""
     with subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
         while True:
             finished = process.poll() is not None
-            if metrics.exists():
-                with metrics.open("rb") as file:
-                    file.seek(offset)
-                    chunk = file.read()
-                offset += len(chunk)
-                pending += chunk
-                *whole, pending = pending.split(b"\n")
-                now = time.monotonic()
-                lines += [(now, json.loads(line)) for line in whole if line.strip()]
+            lines += watch.read()
             if finished:
                 break
             time.sleep(POLL_S)
@@ -159,3 +161,118 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"  checkpoint restart (torchrun's way): {result['restart_recovery_s']:.2f} s (the run fails, --resume "
           "from its last checkpoint, the steps since it trained again)")
     print(f"  going on is {result['speedup']}x faster")
+
+
+# ---- a machine lost under elastic torchrun ----------------------------------------------------------------------
+
+def run_machine_loss(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-elastic-") as scratch:
+        kill_step = args.kill_step if args.kill_step is not None else _middle_of_last_epoch(args, Path(scratch))
+        for repeat in range(args.repeats):
+            rows.append(machine_recovery(args, Path(scratch) / f"r{repeat}", kill_step))
+            print(f"repeat {repeat + 1}: {rows[-1]['recovery_s']:.2f} s", file=sys.stderr)
+    result = {"lose": "machine", "devices_per_machine": args.devices, "epochs": args.epochs, "kill_step": kill_step,
+              "rdzv_conf": args.rdzv_conf or "torchrun's defaults", "repeats": len(rows),
+              "recovery_s": round(statistics.median(r["recovery_s"] for r in rows), 3),
+              "restart_to_first_step_s": round(statistics.median(r["restart_to_first_step_s"] for r in rows), 3),
+              "runs": rows}
+    print(f"machine 1 of 2 ({args.devices} each) lost at step {kill_step}, torchrun --nnodes 1:2, --rdzv-conf "
+          f"{result['rdzv_conf']}, medians of {len(rows)}: {result['recovery_s']:.2f} s from the last step before "
+          f"the loss to the same point again ({result['restart_to_first_step_s']:.2f} s to the survivor's first "
+          "step, and the steps since the checkpoint trained again)")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def machine_recovery(args: argparse.Namespace, root: Path, kill_step: int) -> dict[str, float]:
+    """One loss: two agents, machine 1 killed whole at `kill_step`, the survivor's metrics.jsonl timed."""
+    from stoker.bench.servers import free_port
+
+    root.mkdir(parents=True)
+    run_dir, cue, port = root / "run", root / "fired", free_port()
+    env = {**os.environ, "STOKER_FAULT": f"consumer:hang:rank=1,step={kill_step};", "STOKER_FAULT_ONCE": str(cue)}
+    agents = [subprocess.Popen(agent_command(node, port, args.rdzv_conf, [
+        "--devices", args.devices, "--epochs", str(args.epochs), "--out", str(run_dir), "--quiet", "--report",
+        "false"]), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for node in range(2)]
+    lines: list[tuple[float, dict[str, Any]]] = []
+    watch = _Watch(run_dir / "metrics.jsonl")
+    try:
+        while agents[0].poll() is None:
+            lines += watch.read()
+            if cue.exists() and agents[1].poll() is None:
+                kill_tree(agents[1].pid)
+            time.sleep(POLL_S)
+        lines += watch.read()
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    if agents[0].returncode != 0:
+        raise RuntimeError(f"the surviving machine's torchrun ended with {agents[0].returncode}")
+    timed = Timed(lines)
+    summaries = timed.events("summary")
+    resumed_at = summaries[0][0]  # the failed part's summary: what follows is the resumed part
+    before = [at for at, line in timed.events("step") if at < resumed_at and line["global_step"] < kill_step]
+    after = [(at, line) for at, line in timed.events("step") if at > resumed_at]
+    step_s = statistics.median(b - a for a, b in zip(before, before[1:], strict=False))
+    again = kill_step - after[0][1]["global_step"]
+    restart_s = after[0][0] - before[-1]
+    return {"recovery_s": restart_s + again * step_s, "restart_to_first_step_s": restart_s,
+            "steps_trained_again": again, "step_s": step_s}
+
+
+def agent_command(node: int, port: int, rdzv_conf: str, train_args: list[str]) -> list[str]:
+    """torchrun for "machine" `node` of two on loopback: machine 0 hosts the rendezvous and, by its address, is rank
+    0 (the c10d rendezvous lives on one machine, which must not be the one lost)."""
+    conf = ",".join(part for part in (f"is_host={str(node == 0).lower()}", rdzv_conf) if part)
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+            "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+            "stoker-elastic", "--rdzv-conf", conf, "--local-addr", f"127.0.0.{node + 1}", "-m", "stoker", "train",
+            *train_args]
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [pid]
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    """A machine lost: the process and everything below it, SIGKILLed."""
+    for member in process_tree(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class _Watch:
+    """A metrics.jsonl read as it grows, each new line with the wall-clock time it was seen."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pending = path, b""
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def read(self) -> list[tuple[float, dict[str, Any]]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as file:
+            file.seek(self.offset)
+            chunk = file.read()
+        self.offset += len(chunk)
+        self.pending += chunk
+        *whole, self.pending = self.pending.split(b"\n")
+        now = time.monotonic()
+        return [(now, json.loads(line)) for line in whole if line.strip()]

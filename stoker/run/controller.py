@@ -5,6 +5,7 @@ touches pixels or gradients.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -125,10 +126,16 @@ class Controller:
         # Held until run() ends: taken before the folder is looked at, so two starts cannot both find it free.
         self.run_lock = rundir.RunDirLock(self.run_dir, self.cluster.node)
         try:
-            if config.resume is None:
+            restarted = config.resume is None and rundir.started_again(self.run_dir)
+            if config.resume is None and not restarted:
                 rundir.check_new_run_dir(self.run_dir)
             cluster.join_controllers(self.cluster, config.collective_timeout_s)
             cluster.check_same_settings(self.cluster, self._shared_settings())
+            # torchrun started this job's workers again (a machine lost, or a failure): go on from the last
+            # checkpoint on the machines there are now; the first machine's folder decides, as for --resume.
+            if cluster.from_leader(self.cluster, restarted and rundir.holds_a_checkpoint(self.run_dir)):
+                log.warning("started again by torchrun: resuming %s from its last checkpoint", self.run_dir)
+                self.config = config = dataclasses.replace(config, resume=self.run_dir)
             self.start_at, self.resume_from = self._resume_point()
             self.build = replace(self.build, batch_size=self._largest_share())
             self._reset_state()
@@ -174,7 +181,7 @@ class Controller:
             raise rundir.RunDirError(error)
         start = Position(**position)
         if consumers != self.cluster.world:
-            resume.check_other_count(self.config, consumers, self.cluster.world, agree, self.cluster.multi)
+            resume.check_other_count(self.config, consumers, self.cluster.world, agree)
         # The epoch in progress goes on from its first sample not trained, in steps of this run's count: the plan
         # is made again where the checkpoint's count (or the first count, after a death) differs.
         offset = start.offset if start.offset is not None else replace(
@@ -247,6 +254,7 @@ class Controller:
         self.run_lock.record_holder()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())  # every machine: `--resume` reads it
+        rundir.mark_job(self.run_dir)  # under torchrun: its restarts of this job go on in this folder
         metrics_file = "metrics.jsonl" if self.cluster.leader else f"metrics-node{self.cluster.node}.jsonl"
         self.metrics = MetricsLog(self.run_dir / metrics_file,
                                   self.run_dir / "tensorboard" if self.config.tensorboard else None,

@@ -105,12 +105,10 @@ def replicas_agree(meta: dict[str, Any]) -> bool:
     return config.get("sync_every", 1) == 1 and not config.get("overlap_averaging", False)
 
 
-def check_other_count(config: TrainConfig, saved: int, consumers: int, agree: bool, several_machines: bool) -> None:
+def check_other_count(config: TrainConfig, saved: int, consumers: int, agree: bool) -> None:
     """A resume with another number of consumers: the epoch in progress is planned again for them, and each new
     consumer takes a saved one's optimizer and RNG state; that needs every replica to hold the averaged model."""
     where = f"resume={str(config.resume)!r}: the checkpoint has {saved} consumers, this run {consumers}"
-    if several_machines:
-        raise ResumeError(f"{where}; on several machines resume with the same machines and devices")
     if not agree:
         raise ResumeError(f"{where}, and it was saved between two averagings (sync_every={config.sync_every}), "
                           f"where replicas differ; resume with {saved} consumers, or from a checkpoint at an "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +20,39 @@ RUN_MARKERS = (RUN_CONFIG_FILE, "metrics.jsonl", "summary.json", "checkpoints")
 
 class RunDirError(ValueError):
     """The run folder cannot be used as asked; the message says what to do instead."""
+
+
+# The torchrun job a run folder belongs to (its rendezvous id), written beside config.json by every machine.
+JOB_FILE = "torchrun-job.json"
+
+
+def torchrun_job() -> str | None:
+    """The id of the torchrun job this controller belongs to (`--rdzv-id`, or --standalone's own), where there is
+    one: a static rendezvous (`--node-rank`) names none, and two such launches must not take each other's folder."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return job if job not in ("", "none") else None
+
+
+def mark_job(run_dir: Path) -> None:
+    if (job := torchrun_job()) is not None:
+        (run_dir / JOB_FILE).write_text(json.dumps({"job": job}))
+
+
+def started_again(run_dir: Path) -> bool:
+    """Whether torchrun started this job's workers again in their own folder: after a failure within
+    `--max-restarts`, or a membership change (a machine lost or added, with `--nnodes MIN:MAX`), which torchrun
+    does not count as a restart (TORCHELASTIC_RESTART_COUNT stays 0), so the job's id decides."""
+    job = torchrun_job()
+    if job is None:
+        return False
+    try:
+        return json.loads((run_dir / JOB_FILE).read_text()).get("job") == job
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def holds_a_checkpoint(run_dir: Path) -> bool:
+    return any((run_dir / "checkpoints").glob("step_*"))
 
 
 def check_new_run_dir(run_dir: Path) -> None:

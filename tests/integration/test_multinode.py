@@ -115,3 +115,41 @@ def test_machines_with_different_settings_refuse_to_start(textures, tmp_path):
     assert all(code != 0 for code, _ in results)
     assert "machine 1 differs from machine 0 in lr" in results[1][1]
     assert "another machine's settings differ" in results[0][1]
+
+
+def test_a_machine_lost_under_elastic_torchrun_costs_the_steps_since_the_checkpoint_and_the_run_goes_on(tmp_path):
+    """`torchrun --nnodes 1:2 --max-restarts 1` on two "machines". Machine 1's consumer stops at step 9 (a hang: the
+    marker it leaves is the test's cue, no race) and the whole machine is killed, agent and all; the survivor's
+    run fails within a second, torchrun starts it again alone, and stoker resumes from the step-8 checkpoint by
+    itself on one machine. The witness model counts by content: every image trained exactly once per epoch."""
+    from stoker.bench.elastic import agent_command, kill_tree
+    from tests.faults.test_elastic import seen_by_content, write_numbered_images
+
+    count = write_numbered_images(tmp_path / "data" / "train", 4, 30)
+    write_numbered_images(tmp_path / "data" / "val", 4, 3)
+    port, out, cue = free_port(), tmp_path / "run", tmp_path / "fired"
+    environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   "STOKER_FAULT": "consumer:hang:rank=1,step=9;", "STOKER_FAULT_ONCE": str(cue)}
+    agents = [subprocess.Popen(
+        agent_command(node, port, "last_call_timeout=2,keep_alive_interval=1", [
+            "--data", str(tmp_path / "data" / "train"), "--val", str(tmp_path / "data" / "val"), "--model",
+            "witness:counting_cnn", "--augment", "none", "--devices", "cpu:1", "--batch-size", "8", "--image-size",
+            "32", "--epochs", "3", "--out", str(out), "--quiet", "--report", "false"]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment,
+        preexec_fn=_one_core(node)) for node in range(2)]
+    try:
+        while not cue.exists() and agents[1].poll() is None and agents[0].poll() is None:
+            time.sleep(0.05)
+        assert cue.exists(), agents[1].communicate()[1][-3000:]
+        kill_tree(agents[1].pid)  # the machine goes: its agent, controller, consumer, producers
+        _, stderr = agents[0].communicate(timeout=180)
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    assert agents[0].returncode == 0, stderr[-3000:]
+    assert "started again by torchrun: resuming" in stderr
+    summary = read_summary(out)
+    assert summary["status"] == "completed" and summary["start_step"] == 8
+    assert summary["machines"] == 1 and summary["num_consumers"] == 1
+    assert seen_by_content(out, count) == [3] * count
+    assert wait_for_no_trace(timeout_s=15) == ([], [])
