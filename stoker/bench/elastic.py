@@ -168,7 +168,9 @@ def print_table(result: dict[str, Any]) -> None:
 def run_machine_loss(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="stoker-bench-elastic-") as scratch:
-        kill_step = args.kill_step if args.kill_step is not None else _middle_of_last_epoch(args, Path(scratch))
+        # The probe trains the two machines' consumers on one: the same global steps.
+        both = argparse.Namespace(**{**vars(args), "devices": f"cpu:{2 * _cpu_count(args.devices)}"})
+        kill_step = args.kill_step if args.kill_step is not None else _middle_of_last_epoch(both, Path(scratch))
         for repeat in range(args.repeats):
             rows.append(machine_recovery(args, Path(scratch) / f"r{repeat}", kill_step))
             print(f"repeat {repeat + 1}: {rows[-1]['recovery_s']:.2f} s", file=sys.stderr)
@@ -186,6 +188,13 @@ def run_machine_loss(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_count(devices: str) -> int:
+    kind, _, count = devices.partition(":")
+    if kind != "cpu" or not count.isdigit():
+        raise SystemExit(f"bench elastic --lose machine: --devices is each loopback machine's, cpu:N (got {devices})")
+    return int(count)
+
+
 def machine_recovery(args: argparse.Namespace, root: Path, kill_step: int) -> dict[str, float]:
     """One loss: two agents, machine 1 killed whole at `kill_step`, the survivor's metrics.jsonl timed."""
     from stoker.bench.servers import free_port
@@ -195,29 +204,36 @@ def machine_recovery(args: argparse.Namespace, root: Path, kill_step: int) -> di
     env = {**os.environ, "STOKER_FAULT": f"consumer:hang:rank=1,step={kill_step};", "STOKER_FAULT_ONCE": str(cue)}
     agents = [subprocess.Popen(agent_command(node, port, args.rdzv_conf, [
         "--devices", args.devices, "--epochs", str(args.epochs), "--out", str(run_dir), "--quiet", "--report",
-        "false"]), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for node in range(2)]
+        "false"]), env=env, stdout=subprocess.DEVNULL, stderr=(root / f"machine{node}.log").open("w"))
+        for node in range(2)]
     lines: list[tuple[float, dict[str, Any]]] = []
     watch = _Watch(run_dir / "metrics.jsonl")
+    killed_at = None
     try:
         while agents[0].poll() is None:
             lines += watch.read()
-            if cue.exists() and agents[1].poll() is None:
+            if cue.exists() and killed_at is None:
                 kill_tree(agents[1].pid)
+                killed_at = time.monotonic()
             time.sleep(POLL_S)
         lines += watch.read()
     finally:
         for agent in agents:
             kill_tree(agent.pid)
+    log = (root / "machine0.log").read_text(errors="replace")[-3000:]
     if agents[0].returncode != 0:
-        raise RuntimeError(f"the surviving machine's torchrun ended with {agents[0].returncode}")
-    timed = Timed(lines)
-    summaries = timed.events("summary")
-    resumed_at = summaries[0][0]  # the failed part's summary: what follows is the resumed part
-    before = [at for at, line in timed.events("step") if at < resumed_at and line["global_step"] < kill_step]
-    after = [(at, line) for at, line in timed.events("step") if at > resumed_at]
+        raise RuntimeError(f"the surviving machine's torchrun ended with {agents[0].returncode}:\n{log}")
+    if killed_at is None:
+        raise RuntimeError(f"the run ended before step {kill_step}, where machine 1 was to be lost:\n{log}")
+    steps = Timed(lines).events("step")
+    before = [at for at, _ in steps if at < killed_at]
+    # The resumed part starts where the global step goes back (to the checkpoint's): a step the survivor finished
+    # before the loss may be written just after it.
+    newest = max(line["global_step"] for at, line in steps if at < killed_at)
+    resumed_at, resumed = next((at, line) for at, line in steps if at > killed_at and line["global_step"] < newest)
     step_s = statistics.median(b - a for a, b in zip(before, before[1:], strict=False))
-    again = kill_step - after[0][1]["global_step"]
-    restart_s = after[0][0] - before[-1]
+    again = kill_step - resumed["global_step"]
+    restart_s = resumed_at - before[-1]
     return {"recovery_s": restart_s + again * step_s, "restart_to_first_step_s": restart_s,
             "steps_trained_again": again, "step_s": step_s}
 

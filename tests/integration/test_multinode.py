@@ -128,10 +128,13 @@ def test_a_machine_lost_under_elastic_torchrun_costs_the_steps_since_the_checkpo
     count = write_numbered_images(tmp_path / "data" / "train", 4, 30)
     write_numbered_images(tmp_path / "data" / "val", 4, 3)
     port, out, cue = free_port(), tmp_path / "run", tmp_path / "fired"
+    # last_call_timeout: how long a rendezvous with fewer than 2 machines waits for more. At start both join well
+    # within it (else machine 0 trains alone and the cue never comes: the test fails saying so); after the loss
+    # the survivor waits that long, and keep_alive_interval x 3 for the lost machine's heartbeat.
     environment = {**os.environ, "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    "STOKER_FAULT": "consumer:hang:rank=1,step=9;", "STOKER_FAULT_ONCE": str(cue)}
     agents = [subprocess.Popen(
-        agent_command(node, port, "last_call_timeout=2,keep_alive_interval=1", [
+        agent_command(node, port, "last_call_timeout=10,keep_alive_interval=1", [
             "--data", str(tmp_path / "data" / "train"), "--val", str(tmp_path / "data" / "val"), "--model",
             "witness:counting_cnn", "--augment", "none", "--devices", "cpu:1", "--batch-size", "8", "--image-size",
             "32", "--epochs", "3", "--out", str(out), "--quiet", "--report", "false"]),
