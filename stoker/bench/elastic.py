@@ -225,12 +225,11 @@ def machine_recovery(args: argparse.Namespace, root: Path, kill_step: int) -> di
         raise RuntimeError(f"the surviving machine's torchrun ended with {agents[0].returncode}:\n{log}")
     if killed_at is None:
         raise RuntimeError(f"the run ended before step {kill_step}, where machine 1 was to be lost:\n{log}")
-    steps = Timed(lines).events("step")
-    before = [at for at, _ in steps if at < killed_at]
-    # The resumed part starts where the global step goes back (to the checkpoint's): a step the survivor finished
-    # before the loss may be written just after it.
-    newest = max(line["global_step"] for at, line in steps if at < killed_at)
-    resumed_at, resumed = next((at, line) for at, line in steps if at > killed_at and line["global_step"] < newest)
+    timed = Timed(lines)
+    before = [at for at, _ in timed.events("step") if at < killed_at]
+    # The resumed part's lines follow its own "start" (a step finished before the loss may be written after it).
+    started_again = timed.events("start")[-1][0]
+    resumed_at, resumed = next((at, line) for at, line in timed.events("step") if at >= started_again)
     step_s = statistics.median(b - a for a, b in zip(before, before[1:], strict=False))
     again = kill_step - resumed["global_step"]
     restart_s = resumed_at - before[-1]

@@ -160,7 +160,7 @@ def _raise(name: str, value: int, what: str, then: str = "") -> str:
     """Advice to raise a producer count, where the setting allows a higher one."""
     if value >= MAX_PRODUCERS:
         return f"{what} is at the most a run may have ({MAX_PRODUCERS})"
-    return f"raise {name} above {value}{then}"
+    return f"raise {name.rstrip('=')} above {value}{then}"
 
 
 def _given(name: str, value: int) -> str:

@@ -5,7 +5,6 @@ touches pixels or gradients.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -108,7 +107,8 @@ class Controller:
                                                    available_cores(),
                                                    most_parts_in_flight(config.batch_size, self.num_slots),
                                                    available_memory())
-        self.build = Build(self.data.train, self.data.val, config.augment, config.seed, config.batch_size,
+        # A slot holds a batch of --batch-size, or with --global-batch fixed the largest share a consumer may take.
+        self.build = Build(self.data.train, self.data.val, config.augment, config.seed, self._largest_share(),
                            self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
                            self.val_image_size)
         check_room(self.build, self.counts, "producers" if config.producers != "auto"
@@ -131,17 +131,33 @@ class Controller:
                 rundir.check_new_run_dir(self.run_dir)
             cluster.join_controllers(self.cluster, config.collective_timeout_s)
             cluster.check_same_settings(self.cluster, self._shared_settings())
-            # torchrun started this job's workers again (a machine lost, or a failure): go on from the last
-            # checkpoint on the machines there are now; the first machine's folder decides, as for --resume.
-            if cluster.from_leader(self.cluster, restarted and rundir.holds_a_checkpoint(self.run_dir)):
+            if self._after_a_restart(restarted) == "resume":
                 log.warning("started again by torchrun: resuming %s from its last checkpoint", self.run_dir)
-                self.config = config = dataclasses.replace(config, resume=self.run_dir)
+                self.config = config = config.replace(resume=self.run_dir)
             self.start_at, self.resume_from = self._resume_point()
-            self.build = replace(self.build, batch_size=self._largest_share())
+            if self._largest_share() != self.build.batch_size:  # resumed on fewer consumers than its first count
+                self.build = replace(self.build, batch_size=self._largest_share())
+                check_room(self.build, self.counts, "producers")
             self._reset_state()
         except BaseException:
             self.run_lock.close()
             raise
+
+    def _after_a_restart(self, restarted: bool) -> str | None:
+        """torchrun started this job's workers again (a machine lost, or a failure): the first machine decides from
+        its folder and every machine's whether all go on from the last checkpoint at the machines there are now
+        (`rundir.after_a_restart`); an error it finds stops every machine."""
+        everyone = cluster.gather_to_leader(self.cluster, restarted)
+        decision: tuple[str | None, str | None] | None = None
+        if self.cluster.leader:
+            try:
+                decision = (rundir.after_a_restart(self.run_dir, restarted, any(everyone or ())), None)
+            except rundir.RunDirError as error:
+                decision = (None, str(error))
+        action, refusal = cluster.from_leader(self.cluster, decision)
+        if refusal is not None:
+            raise rundir.RunDirError(refusal)
+        return action
 
     def _largest_share(self) -> int:
         """The samples a batch slot must hold: `--batch-size`, or with `--global-batch fixed` the share of each

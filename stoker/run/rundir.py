@@ -34,6 +34,7 @@ def torchrun_job() -> str | None:
 
 
 def mark_job(run_dir: Path) -> None:
+    """Record the torchrun job this folder's run belongs to (`started_again` reads it)."""
     if (job := torchrun_job()) is not None:
         (run_dir / JOB_FILE).write_text(json.dumps({"job": job}))
 
@@ -51,8 +52,29 @@ def started_again(run_dir: Path) -> bool:
         return False
 
 
-def holds_a_checkpoint(run_dir: Path) -> bool:
-    return any((run_dir / "checkpoints").glob("step_*"))
+def after_a_restart(run_dir: Path, here: bool, elsewhere: bool) -> str | None:
+    """On the first machine, what a job torchrun started again does: "resume" from the last checkpoint of the part
+    that failed, None to start afresh (no machine's folder is this job's, or the part failed before its first
+    checkpoint). `here`, `elsewhere`: whether this machine's folder, and another machine's, are this job's. A
+    `RunDirError` where going on would lose or repeat work silently."""
+    if not (here or elsewhere):
+        return None
+    if not here:
+        raise RunDirError(f"torchrun started job {torchrun_job()!r} again, but the first machine's run folder "
+                          f"{run_dir} is not this job's (the machine that held it was lost, or another came "
+                          "first): keep the run folder on a disk every machine sees, and --resume it")
+    status = _status(run_dir)
+    if status in ("completed", "interrupted"):  # not a failure torchrun recovers from: a new launch, or Ctrl-C
+        raise RunDirError(f"out={str(run_dir)!r} holds this job's run, which ended {status}: continue it with "
+                          f"--resume {run_dir}, or give a new --out folder")
+    return "resume" if any((run_dir / "checkpoints").glob(f"{checkpoint.PREFIX}*")) else None
+
+
+def _status(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return None  # killed before it wrote one
 
 
 def check_new_run_dir(run_dir: Path) -> None:
@@ -75,7 +97,9 @@ def newest_checkpoint(run_dir: Path, fits: checkpoint.FitCheck | None = None) ->
 
 
 def default_run_dir() -> Path:
-    return Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    """runs/<time>; under a torchrun job, runs/<its id>, the same folder each time torchrun starts it again."""
+    job = torchrun_job()
+    return Path("runs") / (f"torchrun-{job}" if job else datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 class RunDirLock:

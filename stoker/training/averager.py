@@ -93,7 +93,8 @@ class Averager:
         """Before the step's backward: count its samples and, when it averages and `optimizer` is given, let the
         averaging start during backward (the optimizer then steps each group of parameters as it completes)."""
         local, total, short = self.pending
-        # Fewer samples than replicas: one had none and skipped its forward pass (its counters lag).
+        # Fewer planned samples than replicas: one had none and skipped its forward pass (its counters lag). A share
+        # whose every file was unusable is not seen here (rare; the final replica check reports it).
         self.pending = (local + local_samples, total + global_samples, short + (global_samples < self.world_size))
         if self.backward is not None and optimizer is not None and not (step + 1) % self.sync_every:
             self.backward.arm(optimizer, self._weight())

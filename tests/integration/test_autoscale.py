@@ -25,7 +25,7 @@ def run(textures, out, *extra, env):
 
 
 def test_slow_input_adds_producers_past_the_free_cores_while_consumers_wait(textures, tmp_path):
-    summary = run(textures, tmp_path / "auto", "--epochs", "8", "--producers", "auto", "--max-producers", "6",
+    summary = run(textures, tmp_path / "auto", "--epochs", "6", "--producers", "auto", "--max-producers", "6",
                   env=SLOW_INPUT)
     assert summary["producers_initial"] == 1  # and 1 is what the cores the CPU consumer leaves free hold (2 cores)
     assert 3 <= summary["producers_max"] <= 6 and summary["producers_final"] >= 3
@@ -43,7 +43,7 @@ def test_slow_input_adds_producers_past_the_free_cores_while_consumers_wait(text
     # of the time, three 70%, six (the most allowed) 40%; a loaded machine slows the consumer and lowers all three.
     assert stall < 0.75, stall
 
-    fixed = run(textures, tmp_path / "fixed", "--epochs", "8", "--producers", "3", env={})  # fast input
+    fixed = run(textures, tmp_path / "fixed", "--epochs", "6", "--producers", "3", env={})  # fast input
     assert fixed["producers_max"] == 3
     assert_same_weights(tmp_path / "auto", tmp_path / "fixed")  # neither scaling decisions nor timing change them
 

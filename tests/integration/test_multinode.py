@@ -138,17 +138,18 @@ def test_a_machine_lost_under_elastic_torchrun_costs_the_steps_since_the_checkpo
             "--data", str(tmp_path / "data" / "train"), "--val", str(tmp_path / "data" / "val"), "--model",
             "witness:counting_cnn", "--augment", "none", "--devices", "cpu:1", "--batch-size", "8", "--image-size",
             "32", "--epochs", "3", "--out", str(out), "--quiet", "--report", "false"]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment,
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / f"machine{node}.log").open("w"), env=environment,
         preexec_fn=_one_core(node)) for node in range(2)]
     try:
         while not cue.exists() and agents[1].poll() is None and agents[0].poll() is None:
             time.sleep(0.05)
-        assert cue.exists(), agents[1].communicate()[1][-3000:]
+        assert cue.exists(), (tmp_path / "machine1.log").read_text()[-3000:]
         kill_tree(agents[1].pid)  # the machine goes: its agent, controller, consumer, producers
-        _, stderr = agents[0].communicate(timeout=180)
+        agents[0].wait(timeout=180)
     finally:
         for agent in agents:
             kill_tree(agent.pid)
+    stderr = (tmp_path / "machine0.log").read_text()
     assert agents[0].returncode == 0, stderr[-3000:]
     assert "started again by torchrun: resuming" in stderr
     summary = read_summary(out)
