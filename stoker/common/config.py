@@ -42,6 +42,7 @@ GROUPS = (DATA, RECIPE, DEVICES, AVERAGING, RUN, OUTPUT, EXPERT)
 _UNSET: Any = object()
 S = TypeVar("S")
 MAX_SLOTS_PER_CONSUMER = 64  # each slot holds a whole batch in shared memory
+MIN_IMAGE_SIZE = 8
 
 
 class ConfigError(ValueError):
@@ -128,7 +129,7 @@ class DataSettings:
         "share of each class held out for validation when --val is not given", "F")] = Field(
         default=0.1, ge=0.0, lt=1.0)
     image_size: Annotated[MaybeCount, Setting("training resolution (default 32 on the built-in data, else 224)",
-                                              "PX")] = Field(default=None, ge=8, le=2048)
+                                              "PX")] = Field(default=None, ge=MIN_IMAGE_SIZE, le=2048)
     augment: Annotated[Augment, Setting(
         "standard (random resized crop + flip) | noflip | none | trivial (standard + TrivialAugment) | randaug "
         "(standard + RandAugment, 2 ops at magnitude 9)", "MODE", group=RECIPE)] = "standard"
@@ -140,7 +141,8 @@ class DataSettings:
     # reads the model, so the training steps stay bitwise the same whatever it is.
     val_image_size: Annotated[MaybeCount, Setting(
         "validation resolution: short side resized, centre crop (default: --image-size; larger than training's "
-        "helps, e.g. train 160, validate 224)", "PX", may_change_on_resume=True)] = Field(default=None, ge=8, le=2048)
+        "helps, e.g. train 160, validate 224)", "PX", may_change_on_resume=True)] = Field(
+        default=None, ge=MIN_IMAGE_SIZE, le=2048)
 
     @model_validator(mode="after")
     def _paths_exist(self) -> DataSettings:

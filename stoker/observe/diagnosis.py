@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from stoker.common.config import MAX_SLOTS_PER_CONSUMER
+from stoker.common.config import MAX_SLOTS_PER_CONSUMER, MIN_IMAGE_SIZE
 from stoker.common.procs import MAX_PRODUCERS
 
 INPUT_BOUND = 0.10  # consumers waiting for batches more than this share of their time
@@ -41,6 +41,7 @@ class TimeSplit:
     initial: int | None = None  # the count auto started at (--initial-producers)
     cores: int | None = None  # the machine's: a fixed count at one a core gains no CPU by being more
     overlap_allowed: bool = True  # whether the run's other settings allow --overlap-averaging true
+    image_size: int | None = None  # the training resolution, which the advice may ask to lower
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,24 @@ def _producer_advice(split: TimeSplit, names: Spelling) -> str:
     if at_limit and (split.producer_ceiling or 0) > split.producer_budget:
         # The autoscaler holds the count below the ceiling: one more producer was tried and did not pay.
         return (f"producers held at {split.producer_budget} ({busy}; the ceiling is {split.producer_ceiling}) "
-                "because one more did not raise the rate: the cores are the limit, not the producer count; lower "
-                f"{names.image_size}, or give the run more cores")
-    if not split.auto and split.cores and split.producers >= split.cores:
-        # Busy decoding, one a core or more: more producers would share the same cores.
+                f"because one more did not raise the rate: the cores are the limit, not the producer count; "
+                f"{_fewer_pixels_or_cores(split, names)}")
+    if split.cores and split.producers >= split.cores:
+        # Busy decoding, one a core or more: more producers (or a higher ceiling) would share the same cores.
         return (f"{_count_now(split, busy)}, {split.cores} cores: the cores are the limit, not the producer "
-                f"count; lower {names.image_size}, or give the run more cores")
-    return (f"{_count_now(split, busy)}: give them more cores ({_more_producers(split, names)}) or lower "
-            f"{names.image_size}")
+                f"count; {_fewer_pixels_or_cores(split, names)}")
+    smaller = f" or lower {names.image_size}" if _can_shrink(split) else ""
+    return f"{_count_now(split, busy)}: give them more cores ({_more_producers(split, names)}){smaller}"
+
+
+def _can_shrink(split: TimeSplit) -> bool:
+    return split.image_size is None or split.image_size > MIN_IMAGE_SIZE
+
+
+def _fewer_pixels_or_cores(split: TimeSplit, names: Spelling) -> str:
+    if _can_shrink(split):
+        return f"lower {names.image_size}, or give the run more cores"
+    return f"give the run more cores ({names.image_size} is at its least, {MIN_IMAGE_SIZE})"
 
 
 def _count_now(split: TimeSplit, busy: str) -> str:

@@ -694,7 +694,7 @@ class Controller:
             compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
             averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
             overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]), compiled=self.config.compile,
-            slots=self.config.slots_per_consumer, overlap_allowed=self.overlap_allowed,
+            slots=self.config.slots_per_consumer, overlap_allowed=self.overlap_allowed, image_size=self.image_size,
             **self.engine.verdict_fields())), self.membership.losses)
 
     @functools.cached_property

@@ -341,7 +341,7 @@ class Loader:
         producers = engine.verdict_fields() if engine else {"producers": 0, "producer_budget": 0,
                                                              "producer_utilization": 0.0}
         split = TimeSplit(compute=stats.compute_fractions()[0], input_wait=stall, averaging=0.0, sync_every=1,
-                          overlapped=False, **producers)
+                          overlapped=False, image_size=self.image_size, **producers)
         return {"rank": self.info.rank if self.info else None,
                 "world_size": self.info.world_size if self.info else None,
                 "batches": stats.consumers[0].steps, "samples": stats.consumers[0].samples,

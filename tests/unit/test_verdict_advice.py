@@ -115,6 +115,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     gauges.slot_bound_s = 6.0  # ... while batches waited for a free slot
     loader = Loader.__new__(Loader)
     loader.stats, loader._engine, loader.info, loader.repeated_samples = RunStats(1, 100, 0), engine, None, 0
+    loader.image_size = 32
     for step, now in enumerate((1.0, 2.0, 3.0)):
         loader.stats.record_step(StepReport(0, 0, step, step, 2, 0.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
     text = loader.summary()["verdict"]["text"]
@@ -122,7 +123,8 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     expected = diagnose(TimeSplit(compute=stats.compute_fractions()[0], input_wait=stats.stall_fractions()[0],
                                   averaging=0.0, sync_every=1, producers=2,
                                   producer_budget=6, producer_utilization=0.4, producer_ceiling=6,
-                                  producer_read_share=0.0025, producer_slot_bound=0.6, initial=1, cores=2),
+                                  producer_read_share=0.0025, producer_slot_bound=0.6, initial=1, cores=2,
+                                  image_size=32),
                         LOADER_ARGUMENTS).text
     assert text == expected and "reading the files is slow" not in text, text
     assert "--" not in text, text  # a Loader's user has arguments, not the trainer's flags
@@ -283,13 +285,13 @@ def _runs():
                        dict(input_wait=0.02, averaging=0.0, host=0.3)):
             for utilization, read_share, slot_bound in ((0.95, 0.01, 0.0), (0.95, 0.9, 0.0), (0.5, 0.01, 0.4),
                                                         (0.5, 0.01, 0.0)):
-                for slots, cores, room in ((4, 2, 1024), (64, 8, 1024), (4, 2, 2)):
+                for slots, cores, room, size in ((4, 2, 1024, 32), (64, 8, 1024, 8), (4, 2, 2, 32)):
                     for compiled, overlapped, overlap_allowed in ((False, False, True), (True, True, True),
                                                                   (False, False, False)):
                         yield TimeSplit(compute=0.5, sync_every=1, producer_utilization=utilization,
                                         producer_read_share=read_share, producer_slot_bound=slot_bound, slots=slots,
-                                        cores=cores, producer_room=room, compiled=compiled, overlapped=overlapped,
-                                        overlap_allowed=overlap_allowed, **shares, **counts)
+                                        cores=cores, producer_room=room, image_size=size, compiled=compiled,
+                                        overlapped=overlapped, overlap_allowed=overlap_allowed, **shares, **counts)
 
 
 def _config_of(split: TimeSplit, data):
@@ -298,7 +300,8 @@ def _config_of(split: TimeSplit, data):
     train, val = data
     counts = ({"producers": "auto", "max_producers": split.producer_ceiling, "initial_producers": split.initial}
               if split.auto else {"producers": split.producers})
-    return make_config({"data": train, "val": val, "image_size": 32, "batch_size": 8, "devices": "cpu:2",
+    return make_config({"data": train, "val": val, "image_size": split.image_size, "batch_size": 8,
+                        "devices": "cpu:2",
                         "slots_per_consumer": split.slots, "sync_every": split.sync_every, "compile": split.compiled,
                         "overlap_averaging": split.overlapped,
                         "outer_optimizer": "none" if split.overlap_allowed else "sgd", **counts})
@@ -319,6 +322,6 @@ def test_no_verdict_advises_what_the_run_already_does_or_a_setting_it_cannot_tak
             assert getattr(config, name) != value, (verdict.text, name, "the run does this already")
             assert takes(config, **{name: value}), (verdict.text, name, value, "the run cannot take it")
             decoding = split.producer_utilization >= 0.8 and (split.producer_read_share or 0) < 0.5
-            if name == "producers" and not split.auto and decoding:  # more, on cores each busy with one already
+            if name in ("producers", "max_producers") and decoding:  # more, on cores each busy with one already
                 assert split.producers < (split.cores or 0), (verdict.text, "no core left for another producer")
     assert seen == {"input-bound", "sync-bound", "host-bound"}
