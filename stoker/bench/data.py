@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.common.procs import descendants
 from stoker.data.index import load_image_folder
 
 NUM_CLASSES = 1000
@@ -166,22 +167,8 @@ def _wait_first_step(metrics: Path, process: subprocess.Popen, started: float) -
 
 def _family_memory(root_pid: int) -> list[tuple[str, dict[str, float]]]:
     """(title, {Rss, Pss, Uss} in MB) of the process and its descendants, from /proc/PID/smaps_rollup."""
-    family, found = {root_pid}, True
-    while found:
-        found = False
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and int(entry) not in family and _parent(int(entry)) in family:
-                family.add(int(entry))
-                found = True
+    family = {root_pid, *descendants(root_pid)}
     return [(_title(pid), _rollup(pid)) for pid in sorted(family) if _title(pid).startswith("stoker")]
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
 
 
 def _title(pid: int) -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker.common.procs import descendants
+
 POLL_S = 0.01
 
 
@@ -247,26 +249,9 @@ def agent_command(node: int, port: int, rdzv_conf: str, train_args: list[str]) -
             *train_args]
 
 
-def process_tree(pid: int) -> list[int]:
-    """`pid` and every process below it, from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
 def kill_tree(pid: int) -> None:
     """A machine lost: the process and everything below it, SIGKILLed."""
-    for member in process_tree(pid):
+    for member in [pid, *descendants(pid)]:
         try:
             os.kill(member, signal.SIGKILL)
         except ProcessLookupError:

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from stoker.common.procs import descendants
+
 FEEDS = ("loader", "dataloader_pillow", "dataloader_stoker")
 
 
@@ -213,7 +215,7 @@ def tree_cpu_s() -> float:
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
     tick = os.sysconf("SC_CLK_TCK")
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # exited since
@@ -221,23 +223,6 @@ def tree_cpu_s() -> float:
         # utime, stime, cutime, cstime (fields 14-17 of proc(5))
         total += sum(int(value) for value in fields[11:15]) / tick
     return total
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
 
 
 def _feed(args: argparse.Namespace) -> tuple[Any, Any]:

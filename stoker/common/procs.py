@@ -56,6 +56,25 @@ def stoker_processes() -> list[tuple[int, str]]:
     return found
 
 
+def descendants(root: int) -> list[int]:
+    """The live processes below `root` (children, theirs, ...), from each process's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
 def started_by() -> int:
     """The pid of the process that started us, as multiprocessing recorded it at the spawn. `os.getppid()` asked
     later would already name the reaper if the parent died while we were still importing."""

@@ -11,27 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from stoker.common.procs import descendants
 from tests.conftest import HELPERS
 
 pytestmark = pytest.mark.timeout(120)
 
 LISTEN = "0A"  # TCP state in /proc/net/tcp*
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, set[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(parent, set()).add(int(entry))
-    found, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        found.add(pid)
-        todo.extend(children.get(pid, set()) - found)
-    return found
 
 
 def _socket_inodes(pids: set[int]) -> set[str]:
@@ -108,7 +93,7 @@ def test_a_run_on_one_machine_listens_on_loopback_only(textures, tmp_path, netwo
     seen: set[tuple[str, int]] = set()
     samples_with_consumers = 0
     while run.poll() is None:
-        pids = _descendants(run.pid)
+        pids = {run.pid, *descendants(run.pid)}
         titles = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in pids if os.path.exists(f"/proc/{pid}")]
         if sum(title.startswith(b"stoker consumer") for title in titles) == 2:
             samples_with_consumers += 1
