@@ -135,8 +135,9 @@ class Controller:
                 log.warning("started again by torchrun: resuming %s from its last checkpoint", self.run_dir)
                 self.config = config = config.replace(resume=self.run_dir)
             self.start_at, self.resume_from = self._resume_point()
-            if self._largest_share() != self.build.batch_size:  # resumed on fewer consumers than its first count
-                self.build = replace(self.build, batch_size=self._largest_share())
+            share = self._largest_share()
+            if share != self.build.batch_size:  # resumed on fewer consumers than its first count
+                self.build = replace(self.build, batch_size=share)
                 check_room(self.build, self.counts, "producers")
             self._reset_state()
         except BaseException:
