@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from stoker.common import zygote
 from stoker.common.procs import CONTEXT, Mailbox
 from stoker.data import builtin_data
 from stoker.data.index import load_image_folder
-from stoker.pipeline import zygote
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.pool import ProducerPool, StartMethod
 from stoker.pipeline.producer import Part, PartDone, ProducerSetup, Source

@@ -19,10 +19,10 @@ from multiprocessing.process import BaseProcess
 from multiprocessing.queues import Queue
 from typing import Literal
 
+from stoker.common import zygote
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
 from stoker.data.imaging import UNREADABLE
-from stoker.pipeline import zygote
 from stoker.pipeline.producer import STATUS_IDLE, Part, PartDone, ProducerSetup, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 

@@ -11,13 +11,13 @@ import sys
 import time
 
 import stoker
+from stoker.common import zygote
 from stoker.common.procs import stoker_processes
-from stoker.pipeline import zygote
 
 # In a fresh interpreter: each forked child writes its blocked-signal mask (SigBlk, hex) as its target begins.
 PROBE = """
 from stoker.common.procs import start
-from stoker.pipeline import zygote
+from stoker.common import zygote
 
 def report(writer):
     writer.send(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("SigBlk")))
@@ -37,7 +37,7 @@ if __name__ == "__main__":
 HOLDER = """
 import sys, time
 import stoker
-from stoker.pipeline import zygote
+from stoker.common import zygote
 
 if __name__ == "__main__":
     loader = stoker.Loader(sys.argv[1], batch_size=8, image_size=32, producers=2, device="cpu")
