@@ -84,7 +84,7 @@ class ProducerPool:
         """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
         baseline)."""
         assert max_in_flight >= 1, max_in_flight
-        self.context = zygote.CONTEXT if start_method == "zygote" else CONTEXT
+        self.context = zygote.PRODUCERS.context if start_method == "zygote" else CONTEXT
         self.setup = setup
         self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
@@ -119,8 +119,8 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        if self.context is zygote.CONTEXT and not self.zygote_held:
-            zygote.acquire()
+        if self.context is zygote.PRODUCERS.context and not self.zygote_held:
+            zygote.PRODUCERS.acquire()
             self.zygote_held = True
         parts = self.context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
@@ -340,4 +340,4 @@ class ProducerPool:
             handle.parts.close()
         if self.zygote_held:
             self.zygote_held = False
-            zygote.release()
+            zygote.PRODUCERS.release()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from stoker.common import checkpoint, faults
+from stoker.common import checkpoint, faults, zygote
 from stoker.common.checkpoint import Position
 from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where, takes
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
@@ -220,6 +220,9 @@ class Controller:
     def _reset_state(self) -> None:
         self.driver = EngineDriver(self.build, self.counts)  # ring, producers, order of work; started with the run
         self.consumers: list = []
+        # CPU consumers are forked from a zygote that imported torch once; a GPU's are spawned (common/zygote.py)
+        self.consumer_zygote = zygote.CONSUMERS if all(device == "cpu" for device in self.devices) else None
+        self.consumer_zygote_held = False
         self.ready_queues: list = []
         self.store: dist.Store | None = None
         self.local_store: LocalStore | None = None
@@ -331,6 +334,9 @@ class Controller:
         config = self.config
         self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.num_slots, self.data.val is not None,
                                    config.checkpoint_every, self.run_dir, self.cluster.first_rank, self.num_consumers)
+        if self.consumer_zygote is not None:  # first: its imports go on while the producers start
+            self.consumer_zygote.acquire()
+            self.consumer_zygote_held = True
         self.driver.start(self.stats, self.metrics, self.scheduler)
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
@@ -369,7 +375,8 @@ class Controller:
         outbox = self.mailbox.open()
         try:
             return start(consumer_main, (setup, self.ready_queues[rank], outbox, self.stop,
-                                         self.membership.generation), f"stoker consumer {rank}")
+                                         self.membership.generation), f"stoker consumer {rank}",
+                         self.consumer_zygote.context if self.consumer_zygote is not None else CONTEXT)
         finally:
             outbox.close()
 
@@ -747,6 +754,9 @@ class Controller:
         self.driver.stop_producers()
         stop_processes(self.consumers, timeout_s=10.0)
         stop_processes(CONTEXT.active_children(), timeout_s=5.0)  # one a signal caught between start and record
+        if self.consumer_zygote is not None and self.consumer_zygote_held:
+            self.consumer_zygote_held = False
+            self.consumer_zygote.release()
         for channel in self.ready_queues:
             channel.cancel_join_thread()
             channel.close()

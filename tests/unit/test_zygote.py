@@ -1,9 +1,10 @@
-"""Producers are forked from the zygote (multiprocessing's forkserver with stoker's producer modules preloaded), and
-every guarantee spawn gave them holds: SIGINT and SIGTERM blocked from birth, no torch in the zygote, the zygote
-gone when the last engine closes and when its controller is SIGKILLed."""
+"""Producers and CPU consumers are forked from zygotes (multiprocessing's forkserver with their modules
+preloaded), and every guarantee spawn gave them holds: SIGINT and SIGTERM blocked from birth, no torch in the
+producers' zygote, a zygote gone when the last user closes and when its controller is SIGKILLed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import stoker
 from stoker.common import zygote
-from stoker.common.procs import stoker_processes
+from stoker.common.procs import descendants, stoker_processes
 
 # In a fresh interpreter: each forked child writes its blocked-signal mask (SigBlk, hex) as its target begins.
 PROBE = """
@@ -23,14 +24,14 @@ def report(writer):
     writer.send(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("SigBlk")))
 
 if __name__ == "__main__":
-    zygote.acquire()
-    pipes = [zygote.CONTEXT.Pipe(duplex=False) for _ in range(2)]
-    children = [start(report, (writer,), f"stoker producer {n}", zygote.CONTEXT) for n, (_, writer) in
+    zygote.PRODUCERS.acquire()
+    pipes = [zygote.PRODUCERS.context.Pipe(duplex=False) for _ in range(2)]
+    children = [start(report, (writer,), f"stoker producer {n}", zygote.PRODUCERS.context) for n, (_, writer) in
                 enumerate(pipes)]
     print(*(reader.recv() for reader, _ in pipes))
     for child in children:
         child.join(30)
-    zygote.release()
+    zygote.PRODUCERS.release()
 """
 
 # A Loader's user whose process is SIGKILLed while its producers work: prints its pid and the zygote's, then waits.
@@ -42,7 +43,7 @@ from stoker.common import zygote
 if __name__ == "__main__":
     loader = stoker.Loader(sys.argv[1], batch_size=8, image_size=32, producers=2, device="cpu")
     next(iter(loader))
-    print(zygote.zygote_pid(), flush=True)
+    print(zygote.PRODUCERS.pid(), flush=True)
     time.sleep(600)
 """
 
@@ -83,15 +84,15 @@ def test_a_loaders_producers_are_the_zygotes_children_and_it_goes_with_the_last_
             stoker.Loader(train, batch_size=8, image_size=32, producers=1, device="cpu") as second:
         next(iter(first))
         next(iter(second))
-        pid = zygote.zygote_pid()
+        pid = zygote.PRODUCERS.pid()
         assert pid is not None and _parent(pid) == os.getpid()
         producers = [h.process.pid for loader in (first, second) for h in loader._engine.pool.active]
         assert len(producers) == 3 and all(_parent(p) == pid for p in producers)
         with open(f"/proc/{pid}/maps") as maps:
             assert "libtorch" not in maps.read()  # nothing of torch, so nothing of CUDA, is in what producers copy
         first.close()
-        assert zygote.zygote_pid() == pid  # the second loader's producers still need it
-    assert zygote.zygote_pid() is None and _gone({pid}, 30)
+        assert zygote.PRODUCERS.pid() == pid  # the second loader's producers still need it
+    assert zygote.PRODUCERS.pid() is None and _gone({pid}, 30)
 
 
 def test_a_killed_loader_process_takes_its_zygote_and_producers_with_it(textures, tmp_path):
@@ -184,7 +185,7 @@ def test_a_users_own_forkserver_is_left_alone(textures):
     train, _ = textures
     with stoker.Loader(train, batch_size=8, image_size=32, producers=1, device="cpu") as loader:
         next(iter(loader))
-        assert zygote.zygote_pid() not in (None, theirs)
+        assert zygote.PRODUCERS.pid() not in (None, theirs)
     assert forkserver._forkserver._forkserver_pid == theirs and os.path.exists(f"/proc/{theirs}")
     again = context.Process(target=time.sleep, args=(0,))
     again.start()
@@ -203,11 +204,55 @@ def test_a_loader_started_in_a_thread_that_ends_keeps_its_zygote_and_producers(t
         first = threading.Thread(target=lambda: next(batches))
         first.start()
         first.join(120)
-        pid = zygote.zygote_pid()
+        pid = zygote.PRODUCERS.pid()
         time.sleep(1.0)  # a killed zygote's producers would be gone by now
         seen = [i for _ in batches for i in loader.batch_ids.tolist()]
-        assert zygote.zygote_pid() == pid and os.path.exists(f"/proc/{pid}")
+        assert zygote.PRODUCERS.pid() == pid and os.path.exists(f"/proc/{pid}")
         summary = loader.summary()
         lost = [event for event in loader.events.recent if event["event"] == "producer_lost"]
     assert summary["duplicate_samples"] == 0 and len(seen) == 120 - 8
     assert not lost, lost
+
+
+def _blocked_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("SigBlk")), 16)
+
+
+def test_a_cpu_runs_consumers_are_forked_from_the_consumers_zygote_with_signals_blocked(textures, tmp_path):
+    """One torch import a run, not one a consumer: both consumers are the children of the consumers' zygote (itself
+    the controller's child, with torch in its mappings), born with SIGINT and SIGTERM blocked; Ctrl-C still ends
+    the run interrupted. Steps held 300 ms each keep the consumers alive while they are looked at."""
+    train, val = textures
+    run_dir = tmp_path / "run"
+    environment = {**os.environ, "STOKER_STEP_TIME_MS": "300"}
+    controller = subprocess.Popen([sys.executable, "-m", "stoker", "train", "--data", str(train), "--val", str(val),
+                                   "--devices", "cpu:2", "--batch-size", "8", "--image-size", "32", "--epochs", "4",
+                                   "--report", "false", "--quiet", "--out", str(run_dir)],
+                                  stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        deadline = time.monotonic() + 180  # bounds a failure only: the consumers live for 60 steps of 300 ms
+        consumers: list[tuple[int, str]] = []
+        while len(consumers) < 2 and time.monotonic() < deadline and controller.poll() is None:
+            ours = set(descendants(controller.pid))  # not another test's run
+            consumers = [(pid, title) for pid, title in stoker_processes() if pid in ours
+                         and title.startswith("stoker consumer ") and title[len("stoker consumer "):].isdigit()]
+            time.sleep(0.05)
+        assert len(consumers) == 2, (stoker_processes(), controller.poll())
+        zygotes = {_parent(pid) for pid, _ in consumers}
+        assert len(zygotes) == 1
+        (zygote_pid,) = zygotes
+        assert dict(stoker_processes()).get(zygote_pid) == "stoker consumer zygote"
+        assert _parent(zygote_pid) == controller.pid
+        with open(f"/proc/{zygote_pid}/maps") as maps:
+            assert "libtorch" in maps.read()  # what each consumer copies instead of importing
+        for pid, _ in consumers:
+            for signal_number in (signal.SIGINT, signal.SIGTERM):
+                assert _blocked_signals(pid) & (1 << (signal_number - 1)), (pid, signal_number)
+        controller.send_signal(signal.SIGINT)
+        _, stderr = controller.communicate(timeout=180)
+    finally:
+        controller.kill()
+    assert controller.returncode == 130, stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    assert _gone({zygote_pid}, 30)
