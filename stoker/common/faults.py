@@ -21,6 +21,8 @@ import signal
 import struct
 import time
 
+from stoker.common.procs import started_by
+
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
 ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc",
@@ -100,8 +102,8 @@ def _act(action: str, where: str, channel) -> None:
     elif action == "hang":
         while True:
             time.sleep(3600)
-    elif action == "interrupt-parent":
-        os.kill(os.getppid(), signal.SIGINT)
+    elif action == "interrupt-parent":  # the controller, not the zygote a child was forked from
+        os.kill(started_by(), signal.SIGINT)
     elif action == "term-self":  # SIGTERM: a shell's background job ignores SIGINT, never SIGTERM
         os.kill(os.getpid(), signal.SIGTERM)
     elif action in ("interrupt-group", "term-group"):  # as Ctrl-C, or `kill -TERM -PGID` (scancel, docker stop)
@@ -109,7 +111,7 @@ def _act(action: str, where: str, channel) -> None:
     elif action == "kill-group":  # kill -9 of the whole process group: the resource tracker dies too
         os.killpg(os.getpgrp(), signal.SIGKILL)
     elif action == "kill-parent":
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(started_by(), signal.SIGKILL)
     elif action == "delete":
         if os.path.exists(where):
             os.unlink(where)

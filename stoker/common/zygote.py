@@ -187,7 +187,7 @@ class _ConsumerProcess(context.ForkServerProcess):
 
 # Producers: numpy, OpenCV, simplejpeg and Pillow, no torch. CPU consumers: torch and the training code.
 PRODUCERS = Zygote("stoker zygote", ["stoker.pipeline.producer"], _ProducerProcess)
-CONSUMERS = Zygote("stoker consumer zygote", ["stoker.training.consumer"], _ConsumerProcess)
+CONSUMERS = Zygote("stoker zygote (consumers)", ["stoker.training.consumer"], _ConsumerProcess)
 
 
 def main_script() -> str | None:

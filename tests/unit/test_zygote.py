@@ -242,7 +242,7 @@ def test_a_cpu_runs_consumers_are_forked_from_the_consumers_zygote_with_signals_
         zygotes = {_parent(pid) for pid, _ in consumers}
         assert len(zygotes) == 1
         (zygote_pid,) = zygotes
-        assert dict(stoker_processes()).get(zygote_pid) == "stoker consumer zygote"
+        assert dict(stoker_processes()).get(zygote_pid) == "stoker zygote (consumers)"
         assert _parent(zygote_pid) == controller.pid
         with open(f"/proc/{zygote_pid}/maps") as maps:
             assert "libtorch" in maps.read()  # what each consumer copies instead of importing
