@@ -23,8 +23,9 @@ def test_short_soak_with_random_producer_kills_holds_every_check(tmp_path):
     assert result["kills"] >= 5 and result["producers_replaced"] == result["kills"]
     # at least one epoch boundary under kills (3+ epochs on a quiet machine; 2 at a load average of 15)
     assert result["epochs"] >= 2 and result["epochs_exactly_once"] == result["epochs"]
-    # one pid each; the zygote producers are forked from is the run's too, and its memory is watched with the rest
-    assert set(result["rss"]) == {"stoker controller", "stoker consumer 0", "stoker producer 0", "stoker zygote"}
+    # one pid each; the zygotes producers and consumers are forked from are the run's too, watched with the rest
+    assert set(result["rss"]) == {"stoker controller", "stoker consumer 0", "stoker producer 0", "stoker zygote",
+                                  "stoker zygote (consumers)"}
     assert result["shm_segments"]["min"] == result["shm_segments"]["max"] == 1
 
 
