@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from stoker.common import zygote
 from stoker.common.config import (
     FIELD_NAMES,
     GROUPS,
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     for handler in logging.getLogger().handlers:  # file names in log lines printable: a name may hold escape codes
         handler.addFilter(EscapedArguments())
+    if argv is None:  # run as a program, not called from a user's script
+        zygote.main_is_stokers()
     args = build_parser().parse_args(argv)
     if args.command in ("bench", "pack", "eval", "predict"):
         return args.run(args)

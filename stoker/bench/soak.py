@@ -139,7 +139,8 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, r
 
 
 def _family(controller_pid: int) -> dict[int, str]:
-    """The run's processes: the controller, its children (consumers, the zygote) and the zygote's (producers)."""
+    """The run's processes: the controller, its children (the zygotes; spawned consumers) and theirs (producers,
+    forked consumers)."""
     titled = dict(stoker_processes())
     children = {pid for pid in titled if _parent(pid) == controller_pid}
     return {pid: title for pid, title in titled.items()

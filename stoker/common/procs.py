@@ -98,7 +98,7 @@ def check_memory_for_producers(count: int, setting: str = "producers") -> None:
 def exit_with_parent() -> None:
     """Ask the kernel for SIGKILL when our parent dies, on Linux; `ParentWatch` covers the rest. SIGKILL, not
     SIGTERM: children never take SIGTERM (see `start`), and a killed controller leaves nothing for them to finish.
-    The parent is the controller, or for a producer the zygote, which the kernel kills at the controller's death.
+    The parent is the controller, or for a forked child the zygote, which the kernel kills at the controller's death.
     A controller already gone by now will never be the cause of a signal, so we leave at once."""
     _ask_for_kill_at_parent_death()
     if ParentWatch().parent_gone():
@@ -122,11 +122,11 @@ def _ask_for_kill_at_parent_death() -> None:
 
 class ParentWatch:
     """True once the process that started us is gone: its end of the pipe multiprocessing gave us is closed (the
-    controller's, also for a producer forked by the zygote), or we were re-parented (the parent pid changed)."""
+    controller's, also for a child forked by a zygote), or we were re-parented (the parent pid changed)."""
 
     def __init__(self) -> None:
         self._parent = started_by()
-        self._forked_by = os.getppid()  # the zygote, for a producer; else the same as `_parent`
+        self._forked_by = os.getppid()  # the zygote, for a forked child; else the same as `_parent`
         parent = mp.parent_process()
         self._sentinel = parent.sentinel if parent is not None else None
 

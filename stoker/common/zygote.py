@@ -10,20 +10,22 @@ touched) with this module and its children's modules preloaded: it pays those im
 from there in milliseconds. The producers' zygote imports no torch, so a producer's memory stays its own.
 
 What spawn gave a child still holds. A zygote is a fresh interpreter (no copied threads or locks); it imports the
-main script as a spawned child would (its command line, path and folder too), so CUDA is no more initialized
-there than in a spawned child: a guarded script's import starts nothing. CUDA consumers are still spawned: a main
-script that touches CUDA as it is imported (outside its `__main__` guard) would leave every later fork unable to
-use it, and on a GPU machine's many cores the imports cost little. A zygote is started with SIGINT and SIGTERM
-blocked, so every child is born with them blocked, and shares the controller's resource tracker. The parent-death
-chain: a zygote asks the kernel for SIGKILL at its parent's death, each child for SIGKILL at the zygote's, and a
-child also watches the controller itself (`procs.ParentWatch`). The kernel's signal follows the thread that
-forked, not the process, so a zygote is started from a thread of its own that lives as long as the process (a
-Loader first iterated in a short-lived thread would otherwise lose its zygote, and every producer, with that
-thread).
+main script as a spawned child would (its command line, path and folder too), so CUDA is no more initialized there
+than in a spawned child: a guarded script's import starts nothing. Consumers are forked only on CPU devices under
+stoker's command line (`consumers_may_fork`): a user's script's top-level code runs in the zygote, and CUDA
+initialized there or torch's OpenMP threads started there would be unusable in every fork; on a GPU machine's many
+cores the imports cost little. A zygote is started with SIGINT and SIGTERM blocked, so every child is born with
+them blocked, and shares the controller's resource tracker. The parent-death chain: a zygote asks the kernel for
+SIGKILL at its parent's death, each child for SIGKILL at the zygote's, and a child also watches the controller
+itself (`procs.ParentWatch`). The kernel's signal follows the thread that forked, not the process, so a zygote is
+started from a thread of its own that lives as long as the process (a Loader first iterated in a short-lived thread
+would otherwise lose its zygote, and every producer, with that thread).
 
 One zygote of each kind per process, kept while any user of the process has children from it (a Loader for
 training and one for validation share the producers'), restarted if it dies, and killed when the last one
-closes: it holds nothing a kill can lose.
+closes. The producers' zygote holds nothing a kill can lose; the consumers' takes every consumer forked from it
+(their parent-death signal is its), which the controller names as the cause. Children see the environment the
+controller had when their zygote started.
 """
 
 from __future__ import annotations
@@ -55,14 +57,20 @@ _MAIN = "STOKER_ZYGOTE_MAIN"
 # What a spawned child is given to import the main module as `__mp_main__` (Python 3.11's forkserver never
 # preloads it: it looks for a key its own preparation data does not have, and applies no sys.path or folder).
 _MAIN_KEYS = ("sys_argv", "sys_path", "dir", "orig_dir", "init_main_from_name", "init_main_from_path")
+# The variables above are the process's: two zygotes starting at once must not read each other's.
+_environment = threading.Lock()
+# Whether this process's main module is stoker's own command line, which starts nothing and touches neither CUDA
+# nor torch's threads as it is imported: consumers are forked only then (`CONSUMERS`).
+_main_is_stokers = False
 
 
 class Zygote:
     """One forkserver of stoker's own with `modules` preloaded, titled `title`; started at the first `acquire`,
     killed at the last `release`, started again if it died; `context` starts processes forked from it."""
 
-    def __init__(self, title: str, modules: list[str], process_class: type) -> None:
+    def __init__(self, title: str, role: str, modules: list[str], process_class: type) -> None:
         self.title = title
+        self.role = role  # who is forked from it, as errors name them: "producers"
         self.preload = [__name__, *modules]  # this module first: it makes the new process a zygote
         self._server: Any = forkserver.ForkServer()
         self._server.set_forkserver_preload(self.preload)
@@ -86,8 +94,27 @@ class Zygote:
                 self._stop()
 
     def pid(self) -> int | None:
-        """The running zygote's pid, None when none runs."""
+        """The zygote's pid, None when none was started or it was stopped (one that died keeps its pid until it is
+        started again: `alive` says)."""
         return self._server._forkserver_pid
+
+    def alive(self) -> bool:
+        """Whether the zygote runs, read from /proc: reaping it here would leave multiprocessing's own check of it
+        asking for a child that is gone."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except OSError:
+            return False
+
+    def ended_before_forking(self, error: BaseException) -> str:
+        """What a start that failed because the zygote ended says; the zygote's own traceback, above, says why."""
+        return (f"the zygote, the process {self.role} are forked from, ended before forking one "
+                f"({type(error).__name__}): importing the main script ({main_script() or 'none'}) or stoker's "
+                f"{self.role[:-1]} modules failed in it, as its traceback above says")
 
     def popen(self, process_obj: Any) -> _Popen:
         self._ensure_running()
@@ -116,7 +143,7 @@ class Zygote:
     def _start_if_not_running(self) -> None:
         """multiprocessing's `ensure_running` (which also restarts a dead server), with what only the zygote
         reads."""
-        with signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
+        with _environment, signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
             main = {key: value for key, value in spawn.get_preparation_data("zygote").items() if key in _MAIN_KEYS}
             os.environ[_ZYGOTE_OF] = str(os.getpid())
             os.environ[_TITLE] = self.title
@@ -186,8 +213,21 @@ class _ConsumerProcess(context.ForkServerProcess):
 
 
 # Producers: numpy, OpenCV, simplejpeg and Pillow, no torch. CPU consumers: torch and the training code.
-PRODUCERS = Zygote("stoker zygote", ["stoker.pipeline.producer"], _ProducerProcess)
-CONSUMERS = Zygote("stoker zygote (consumers)", ["stoker.training.consumer"], _ConsumerProcess)
+PRODUCERS = Zygote("stoker zygote", "producers", ["stoker.pipeline.producer"], _ProducerProcess)
+CONSUMERS = Zygote("stoker zygote (consumers)", "consumers", ["stoker.training.consumer"], _ConsumerProcess)
+
+
+def main_is_stokers() -> None:
+    """Called by stoker's command line run as a program: consumers may be forked under it. Under a user's script
+    they are spawned: its top-level code runs in the zygote, and CUDA initialized or torch's OpenMP threads started
+    there (`torch.cuda.is_available()`, one matrix product) would leave no fork able to use them."""
+    global _main_is_stokers
+    _main_is_stokers = True
+
+
+def consumers_may_fork(devices: list[str]) -> bool:
+    """Whether the consumers on `devices` are forked from `CONSUMERS`: CPU devices under stoker's command line."""
+    return _main_is_stokers and all(device == "cpu" for device in devices)
 
 
 def main_script() -> str | None:

@@ -129,10 +129,7 @@ class ProducerPool:
                             f"stoker producer {producer}", self.context)
         except (EOFError, ConnectionError) as error:  # the zygote died before it could fork
             outbox.close()
-            raise StokerRunError(f"the zygote, the process producers are forked from, ended before forking one "
-                                 f"({type(error).__name__}): importing the main script "
-                                 f"({zygote.main_script() or 'none'}) or stoker's producer modules failed in it, "
-                                 "as its traceback above says") from None
+            raise StokerRunError(zygote.PRODUCERS.ended_before_forking(error)) from None
         if process.pid is not None:
             nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed

@@ -221,7 +221,7 @@ class Controller:
         self.driver = EngineDriver(self.build, self.counts)  # ring, producers, order of work; started with the run
         self.consumers: list = []
         # CPU consumers are forked from a zygote that imported torch once; a GPU's are spawned (common/zygote.py)
-        self.consumer_zygote = zygote.CONSUMERS if all(device == "cpu" for device in self.devices) else None
+        self.consumer_zygote = zygote.CONSUMERS if zygote.consumers_may_fork(self.devices) else None
         self.consumer_zygote_held = False
         self.ready_queues: list = []
         self.store: dist.Store | None = None
@@ -377,6 +377,10 @@ class Controller:
             return start(consumer_main, (setup, self.ready_queues[rank], outbox, self.stop,
                                          self.membership.generation), f"stoker consumer {rank}",
                          self.consumer_zygote.context if self.consumer_zygote is not None else CONTEXT)
+        except (EOFError, ConnectionError) as error:  # the consumers' zygote died before it could fork
+            if self.consumer_zygote is None:
+                raise
+            raise StokerRunError(self.consumer_zygote.ended_before_forking(error)) from None
         finally:
             outbox.close()
 
@@ -516,6 +520,8 @@ class Controller:
                 if rank in self.finished:
                     continue
                 cause = f"consumer {rank} (pid {process.pid}) {describe_exit(process)}"
+                if self.consumer_zygote is not None and not self.consumer_zygote.alive():
+                    cause += ": the zygote consumers are forked from died, and every consumer with it"
                 if not self.membership.elastic or not self.stats.steps_done:  # before the first step: starting up
                     self.witness.log_reported_failures()
                     raise StokerRunError(cause)

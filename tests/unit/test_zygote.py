@@ -219,34 +219,53 @@ def _blocked_signals(pid: int) -> int:
         return int(next(line.split()[1] for line in status if line.startswith("SigBlk")), 16)
 
 
+def _train_slowly(textures, run_dir, through: str = "cli", tmp_path=None) -> subprocess.Popen:
+    """A `cpu:2` run of 4 epochs whose steps are held 300 ms each (the consumers live for 60 of them while a test
+    looks at them), started by stoker's command line or by a user's script calling `stoker.train`."""
+    train, val = textures
+    settings = dict(data=str(train), val=str(val), devices="cpu:2", batch_size=8, image_size=32, epochs=4,
+                    report=False, quiet=True, out=str(run_dir))
+    environment = {**os.environ, "STOKER_STEP_TIME_MS": "300"}
+    if through == "cli":
+        command = [sys.executable, "-m", "stoker", "train", "--data", str(train), "--val", str(val), "--devices",
+                   "cpu:2", "--batch-size", "8", "--image-size", "32", "--epochs", "4", "--report", "false",
+                   "--quiet", "--out", str(run_dir)]
+    else:
+        script = tmp_path / "users_script.py"
+        script.write_text(f"import stoker\nif __name__ == '__main__':\n    stoker.train(**{settings!r})\n")
+        command = [sys.executable, str(script)]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=environment)
+
+
+def _consumers_of(run: subprocess.Popen, count: int = 2) -> list[int]:
+    """The pids of the run's consumers once `count` of them are up (its own: not another test's run)."""
+    deadline = time.monotonic() + 180  # bounds a failure only: the consumers live for 60 steps of 300 ms
+    while time.monotonic() < deadline and run.poll() is None:
+        ours = set(descendants(run.pid))
+        consumers = [pid for pid, title in stoker_processes() if pid in ours
+                     and title.startswith("stoker consumer ") and title[len("stoker consumer "):].isdigit()]
+        if len(consumers) == count:
+            return consumers
+        time.sleep(0.05)
+    raise AssertionError((stoker_processes(), run.poll()))
+
+
 def test_a_cpu_runs_consumers_are_forked_from_the_consumers_zygote_with_signals_blocked(textures, tmp_path):
     """One torch import a run, not one a consumer: both consumers are the children of the consumers' zygote (itself
     the controller's child, with torch in its mappings), born with SIGINT and SIGTERM blocked; Ctrl-C still ends
-    the run interrupted. Steps held 300 ms each keep the consumers alive while they are looked at."""
-    train, val = textures
+    the run interrupted."""
     run_dir = tmp_path / "run"
-    environment = {**os.environ, "STOKER_STEP_TIME_MS": "300"}
-    controller = subprocess.Popen([sys.executable, "-m", "stoker", "train", "--data", str(train), "--val", str(val),
-                                   "--devices", "cpu:2", "--batch-size", "8", "--image-size", "32", "--epochs", "4",
-                                   "--report", "false", "--quiet", "--out", str(run_dir)],
-                                  stderr=subprocess.PIPE, text=True, env=environment)
+    controller = _train_slowly(textures, run_dir)
     try:
-        deadline = time.monotonic() + 180  # bounds a failure only: the consumers live for 60 steps of 300 ms
-        consumers: list[tuple[int, str]] = []
-        while len(consumers) < 2 and time.monotonic() < deadline and controller.poll() is None:
-            ours = set(descendants(controller.pid))  # not another test's run
-            consumers = [(pid, title) for pid, title in stoker_processes() if pid in ours
-                         and title.startswith("stoker consumer ") and title[len("stoker consumer "):].isdigit()]
-            time.sleep(0.05)
-        assert len(consumers) == 2, (stoker_processes(), controller.poll())
-        zygotes = {_parent(pid) for pid, _ in consumers}
+        consumers = _consumers_of(controller)
+        zygotes = {_parent(pid) for pid in consumers}
         assert len(zygotes) == 1
         (zygote_pid,) = zygotes
         assert dict(stoker_processes()).get(zygote_pid) == "stoker zygote (consumers)"
         assert _parent(zygote_pid) == controller.pid
         with open(f"/proc/{zygote_pid}/maps") as maps:
             assert "libtorch" in maps.read()  # what each consumer copies instead of importing
-        for pid, _ in consumers:
+        for pid in consumers:
             for signal_number in (signal.SIGINT, signal.SIGTERM):
                 assert _blocked_signals(pid) & (1 << (signal_number - 1)), (pid, signal_number)
         controller.send_signal(signal.SIGINT)
@@ -256,3 +275,33 @@ def test_a_cpu_runs_consumers_are_forked_from_the_consumers_zygote_with_signals_
     assert controller.returncode == 130, stderr[-3000:]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
     assert _gone({zygote_pid}, 30)
+
+
+def test_under_a_users_script_consumers_are_spawned(textures, tmp_path):
+    """The script's top-level code would run in the zygote, and CUDA or torch's OpenMP threads started there would
+    be unusable in every fork: under a user's script the consumers are the controller's own children."""
+    run = _train_slowly(textures, tmp_path / "run", through="script", tmp_path=tmp_path)
+    try:
+        consumers = _consumers_of(run)
+        assert {_parent(pid) for pid in consumers} == {run.pid}
+        assert not [title for _, title in stoker_processes() if title == "stoker zygote (consumers)"
+                    and _parent(_) == run.pid]
+    finally:
+        run.kill()
+        run.communicate(timeout=60)
+
+
+def test_a_killed_consumers_zygote_fails_the_run_naming_it(textures, tmp_path):
+    """Every consumer asks for SIGKILL at its parent's death, and its parent is the zygote: the run cannot go on
+    without them, and says why instead of 'exited with code 255' twice."""
+    run_dir = tmp_path / "run"
+    controller = _train_slowly(textures, run_dir)
+    try:
+        (zygote_pid,) = {_parent(pid) for pid in _consumers_of(controller)}
+        os.kill(zygote_pid, signal.SIGKILL)
+        _, stderr = controller.communicate(timeout=180)
+    finally:
+        controller.kill()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert controller.returncode == 1 and summary["status"] == "failed", stderr[-3000:]
+    assert "the zygote consumers are forked from died, and every consumer with it" in summary["error"]
