@@ -72,7 +72,7 @@ class Zygote:
         self.title = title
         self.role = role  # who is forked from it, as errors name them: "producers"
         self.preload = [__name__, *modules]  # this module first: it makes the new process a zygote
-        self._server: Any = forkserver.ForkServer()
+        self._server = _Server(self)
         self._server.set_forkserver_preload(self.preload)
         self._lock = threading.Lock()
         self._users = 0
@@ -96,7 +96,7 @@ class Zygote:
     def pid(self) -> int | None:
         """The zygote's pid, None when none was started or it was stopped (one that died keeps its pid until it is
         started again: `alive` says)."""
-        return self._server._forkserver_pid
+        return self._server.pid()
 
     def alive(self) -> bool:
         """Whether the zygote runs, read from /proc: reaping it here would leave multiprocessing's own check of it
@@ -117,8 +117,7 @@ class Zygote:
                 f"{self.role[:-1]} modules failed in it, as its traceback above says")
 
     def popen(self, process_obj: Any) -> _Popen:
-        self._ensure_running()
-        return _Popen(process_obj, self._server)
+        return _Popen(process_obj, self._server)  # its connection starts the zygote if it is not running
 
     def _ensure_running(self) -> None:
         """Started, or started again if it died, by the keeper thread; a failure to start is raised here."""
@@ -149,7 +148,7 @@ class Zygote:
             os.environ[_TITLE] = self.title
             os.environ[_MAIN] = json.dumps(main)
             try:
-                self._server.ensure_running()
+                self._server.start_here()
             finally:
                 for name in (_ZYGOTE_OF, _TITLE, _MAIN):
                     os.environ.pop(name, None)
@@ -157,14 +156,38 @@ class Zygote:
     def _stop(self) -> None:
         """Killed, then reaped by multiprocessing's own stop (which closes its end of the server's pipes): a
         graceful stop would wait for every child forked from it to let go of the server."""
-        pid = self._server._forkserver_pid
+        pid = self._server.pid()
         if pid is None:
             return
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self._server._stop()
+        self._server.stop()
+
+
+class _Server(forkserver.ForkServer):
+    """multiprocessing's ForkServer whose every start goes through its zygote's keeper thread, with what only the
+    zygote reads: the one `connect_to_new_process` makes on its own too, when the zygote died since it was last
+    looked at (started from the caller's thread, it would be a plain forkserver: untitled, without the controller's
+    death, without the main script)."""
+
+    def __init__(self, zygote: Zygote) -> None:
+        super().__init__()
+        self._zygote = zygote
+
+    def ensure_running(self) -> None:
+        self._zygote._ensure_running()
+
+    def start_here(self) -> None:
+        """The standard start (which also starts a dead server again), in the keeper's thread."""
+        forkserver.ForkServer.ensure_running(self)
+
+    def pid(self) -> int | None:
+        return cast(Any, self)._forkserver_pid  # the standard library's own record, not in its type stubs
+
+    def stop(self) -> None:
+        cast(Any, self)._stop()
 
 
 class _Popen(popen_forkserver.Popen):

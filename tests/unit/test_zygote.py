@@ -13,7 +13,7 @@ import time
 
 import stoker
 from stoker.common import zygote
-from stoker.common.procs import descendants, stoker_processes
+from stoker.common.procs import descendants, start, stoker_processes
 
 # In a fresh interpreter: each forked child writes its blocked-signal mask (SigBlk, hex) as its target begins.
 PROBE = """
@@ -212,6 +212,33 @@ def test_a_loader_started_in_a_thread_that_ends_keeps_its_zygote_and_producers(t
         lost = [event for event in loader.events.recent if event["event"] == "producer_lost"]
     assert summary["duplicate_samples"] == 0 and len(seen) == 120 - 8
     assert not lost, lost
+
+
+def _report_pid(writer):
+    writer.send(os.getpid())
+
+
+def test_a_zygote_killed_between_forks_is_started_again_as_a_zygote():
+    """The next fork's own connection starts it again, through the keeper thread: titled, tied to this process's
+    death, not a plain forkserver started from the caller's thread."""
+    zygote.PRODUCERS.acquire()
+    try:
+        first = zygote.PRODUCERS.pid()
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 60  # bounds a failure only
+        while zygote.PRODUCERS.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reader, writer = zygote.PRODUCERS.context.Pipe(duplex=False)
+        child = start(_report_pid, (writer,), "stoker producer 0", zygote.PRODUCERS.context)
+        child_pid = reader.recv()
+        child.join(60)
+        again = zygote.PRODUCERS.pid()
+        assert again not in (None, first) and _parent(child_pid) in (again, -1)
+        assert dict(stoker_processes()).get(again) == "stoker zygote"  # what `_become_zygote` does first
+        assert _parent(again) == os.getpid()
+    finally:
+        zygote.PRODUCERS.release()
+    assert _gone({again}, 30)
 
 
 def _blocked_signals(pid: int) -> int:
