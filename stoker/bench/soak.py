@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stoker.common.procs import stoker_processes
+from stoker.common.procs import descendants, stoker_processes
 from stoker.common.waiting import waiting
 from stoker.data import builtin_data
 from stoker.observe.metrics import read_events
@@ -139,12 +139,10 @@ def _watch(run_process: subprocess.Popen, seconds: float, kill_every_s: float, r
 
 
 def _family(controller_pid: int) -> dict[int, str]:
-    """The run's processes: the controller, its children (the zygotes; spawned consumers) and theirs (producers,
-    forked consumers)."""
-    titled = dict(stoker_processes())
-    children = {pid for pid in titled if _parent(pid) == controller_pid}
-    return {pid: title for pid, title in titled.items()
-            if pid == controller_pid or pid in children or _parent(pid) in children}
+    """The run's processes: the controller and every stoker process below it (the zygotes, the consumers, the
+    producers)."""
+    family = {controller_pid, *descendants(controller_pid)}
+    return {pid: title for pid, title in stoker_processes() if pid in family}
 
 
 def _parent(pid: int) -> int | None:
