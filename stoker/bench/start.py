@@ -48,15 +48,12 @@ def run(args: argparse.Namespace) -> int:
         index = load_image_folder(Path(scratch) / "train")
         source = Source(tuple(index.paths), np.asarray(index.labels))
         runs: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        zygote.PRODUCERS.acquire()  # started once, as in a run: these are the producers the autoscaler adds
-        try:
+        with zygote.PRODUCERS.acquire():  # started once, as in a run: these are the producers the autoscaler adds
             for _ in range(args.repeats):
                 for count in counts:
                     for method in METHODS:
                         runs.setdefault((method, count), []).append(
                             time_starts(source, count, args.batch_size, method))
-        finally:
-            zygote.PRODUCERS.release()
     rows = [_row(count, runs) for count in counts]
     print_table(rows)
     if args.json:

@@ -64,6 +64,29 @@ _environment = threading.Lock()
 _main_is_stokers = False
 
 
+class Lease:
+    """One user's hold on a zygote (`Zygote.acquire`); `release` (idempotent) gives it back. `Lease()` holds
+    nothing: a user that has not taken one yet."""
+
+    def __init__(self, zygote: Zygote | None = None) -> None:
+        self._zygote = zygote
+
+    @property
+    def held(self) -> bool:
+        return self._zygote is not None
+
+    def release(self) -> None:
+        zygote, self._zygote = self._zygote, None
+        if zygote is not None:
+            zygote._release()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class Zygote:
     """One forkserver of stoker's own with `modules` preloaded, titled `title`; started at the first `acquire`,
     killed at the last `release`, started again if it died; `context` starts processes forked from it."""
@@ -80,14 +103,16 @@ class Zygote:
         self._keeper: threading.Thread | None = None
         self.context = _context_with(process_class)
 
-    def acquire(self) -> None:
-        """A user of this process will start children from it: started (or its count of users raised)."""
+    def acquire(self) -> Lease:
+        """A user of this process will start children from it: started (or its count of users raised). The user
+        gives it back with the lease's `release`, once its children are all stopped."""
         with self._lock:
             self._ensure_running()
             self._users += 1
+        return Lease(self)
 
-    def release(self) -> None:
-        """A user's children are all stopped: the last one kills the zygote."""
+    def _release(self) -> None:
+        """The last user's release kills the zygote."""
         with self._lock:
             self._users = max(0, self._users - 1)
             if self._users == 0:

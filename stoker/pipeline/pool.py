@@ -97,7 +97,7 @@ class ProducerPool:
         self.stuck_starts = 0  # producers lost for a start that never ended
         self.any_started = False  # whether one producer of this pool ever was ready
         self.max_alive = 0
-        self.zygote_held = False  # whether this pool counts among the zygote's users (from its first producer)
+        self.zygote = zygote.Lease()  # this pool's hold on the producers' zygote (from its first producer on)
         self.outside_kills: dict[tuple, int] = {}  # (batch key, sample id) -> producers killed from outside on it
         # (kind, sample id) -> why: files that took a producer down, or that it could not decode, stay skipped in
         # later epochs, without another loss, decode or warning
@@ -119,9 +119,8 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        if self.context is zygote.PRODUCERS.context and not self.zygote_held:
-            zygote.PRODUCERS.acquire()
-            self.zygote_held = True
+        if self.context is zygote.PRODUCERS.context and not self.zygote.held:
+            self.zygote = zygote.PRODUCERS.acquire()
         parts = self.context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         try:
@@ -335,6 +334,4 @@ class ProducerPool:
         stop_processes([h.process for h in handles], timeout_s, kill_loses_nothing=True)
         for handle in handles:
             handle.parts.close()
-        if self.zygote_held:
-            self.zygote_held = False
-            zygote.PRODUCERS.release()
+        self.zygote.release()

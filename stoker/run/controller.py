@@ -222,7 +222,7 @@ class Controller:
         self.consumers: list = []
         # CPU consumers are forked from a zygote that imported torch once; a GPU's are spawned (common/zygote.py)
         self.consumer_zygote = zygote.CONSUMERS if zygote.consumers_may_fork(self.devices) else None
-        self.consumer_zygote_held = False
+        self.consumer_lease = zygote.Lease()
         self.ready_queues: list = []
         self.store: dist.Store | None = None
         self.local_store: LocalStore | None = None
@@ -335,8 +335,7 @@ class Controller:
         self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.num_slots, self.data.val is not None,
                                    config.checkpoint_every, self.run_dir, self.cluster.first_rank, self.num_consumers)
         if self.consumer_zygote is not None:  # first: its imports go on while the producers start
-            self.consumer_zygote.acquire()
-            self.consumer_zygote_held = True
+            self.consumer_lease = self.consumer_zygote.acquire()
         self.driver.start(self.stats, self.metrics, self.scheduler)
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
@@ -760,9 +759,7 @@ class Controller:
         self.driver.stop_producers()
         stop_processes(self.consumers, timeout_s=10.0)
         stop_processes(CONTEXT.active_children(), timeout_s=5.0)  # one a signal caught between start and record
-        if self.consumer_zygote is not None and self.consumer_zygote_held:
-            self.consumer_zygote_held = False
-            self.consumer_zygote.release()
+        self.consumer_lease.release()
         for channel in self.ready_queues:
             channel.cancel_join_thread()
             channel.close()

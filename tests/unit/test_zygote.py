@@ -24,14 +24,14 @@ def report(writer):
     writer.send(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("SigBlk")))
 
 if __name__ == "__main__":
-    zygote.PRODUCERS.acquire()
+    lease = zygote.PRODUCERS.acquire()
     pipes = [zygote.PRODUCERS.context.Pipe(duplex=False) for _ in range(2)]
     children = [start(report, (writer,), f"stoker producer {n}", zygote.PRODUCERS.context) for n, (_, writer) in
                 enumerate(pipes)]
     print(*(reader.recv() for reader, _ in pipes))
     for child in children:
         child.join(30)
-    zygote.PRODUCERS.release()
+    lease.release()
 """
 
 # A Loader's user whose process is SIGKILLed while its producers work: prints its pid and the zygote's, then waits.
@@ -221,8 +221,7 @@ def _report_pid(writer):
 def test_a_zygote_killed_between_forks_is_started_again_as_a_zygote():
     """The next fork's own connection starts it again, through the keeper thread: titled, tied to this process's
     death, not a plain forkserver started from the caller's thread."""
-    zygote.PRODUCERS.acquire()
-    try:
+    with zygote.PRODUCERS.acquire():
         first = zygote.PRODUCERS.pid()
         os.kill(first, signal.SIGKILL)
         deadline = time.monotonic() + 60  # bounds a failure only
@@ -236,8 +235,6 @@ def test_a_zygote_killed_between_forks_is_started_again_as_a_zygote():
         assert again not in (None, first) and _parent(child_pid) in (again, -1)
         assert dict(stoker_processes()).get(again) == "stoker zygote"  # what `_become_zygote` does first
         assert _parent(again) == os.getpid()
-    finally:
-        zygote.PRODUCERS.release()
     assert _gone({again}, 30)
 
 
