@@ -9,12 +9,14 @@ added by one of two stand-ins for a network (this kernel has no netem), each run
   to nginx directly: no CPU but the requests' own.
 A row of plain HTTP (no latency added, no stand-in) shows what the requests themselves cost. Each repeat runs
 `stoker train` once per row, in turn, with the producer count auto picks; the table shows the median whole-run
-throughput (summary.json's, validation excluded), streamed / local and the most producers auto ran.
+throughput from the first step on (summary.json's, validation excluded), streamed / local, and the range over
+the runs of the most producers auto ran in each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -34,56 +36,82 @@ STAND_INS = ("proxy", "reader")
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("remote", help="shards over HTTP with added latency against local disk")
-    parser.add_argument("--latencies", default="25,100", help="added round trips in ms, comma-separated")
-    parser.add_argument("--stand-ins", default=",".join(STAND_INS),
+    parser.add_argument("--latencies", type=_latencies, default=[25.0, 100.0],
+                        help="added round trips in ms, comma-separated (default 25,100)")
+    parser.add_argument("--stand-ins", type=_stand_ins, default=list(STAND_INS),
                         help="what adds the latency: proxy (a process in front of the server), reader (a wait before "
-                             "each request); comma-separated")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each (median counts)")
-    parser.add_argument("--per-class", type=int, default=300, help="training images per class (10 classes)")
-    parser.add_argument("--epochs", type=int, default=2)
+                             "each request); comma-separated (default both)")
+    parser.add_argument("--repeats", type=_positive, default=3, help="runs of each (median counts)")
+    parser.add_argument("--per-class", type=_positive, default=300, help="training images per class (10 classes)")
+    parser.add_argument("--epochs", type=_positive, default=2)
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.set_defaults(run=run)
 
 
+def _latencies(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
+    if not values or any(not value > 0 for value in values):
+        raise argparse.ArgumentTypeError(f"expected round trips above 0 ms, got {text!r}")
+    return values
+
+
+def _stand_ins(text: str) -> list[str]:
+    values = [part for part in text.split(",") if part]
+    if not values or set(values) - set(STAND_INS):
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(STAND_INS)}, got {text!r}")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
-    latencies = [float(x) for x in args.latencies.split(",") if x]
-    stand_ins = [x for x in args.stand_ins.split(",") if x]
-    if unknown := set(stand_ins) - set(STAND_INS):
-        raise SystemExit(f"--stand-ins: {', '.join(sorted(unknown))}: expected some of {', '.join(STAND_INS)}")
-    with tempfile.TemporaryDirectory(prefix="stoker-bench-remote-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-remote-") as scratch, contextlib.ExitStack() as servers_up:
         root = Path(scratch)
         pattern = _pack(root, args.per_class)
-        runs: dict[str, list[dict[str, float]]] = {}
-        with servers.nginx(root) as web:
-            proxies = {ms: servers.latency_proxy(web.port, ms) for ms in latencies} if "proxy" in stand_ins else {}
-            try:
-                sources = _sources(root, pattern, web.url, proxies, latencies, stand_ins)
-                for repeat in range(args.repeats):
-                    for name, (data, env) in sources.items():
-                        result = _train(root, data, env, args.epochs, f"{name}-{repeat}")
-                        runs.setdefault(name, []).append(result)
-                        print(f"  {name:>18}  run {repeat + 1}: {result['samples_per_s']:8.1f} samples/s, "
-                              f"at most {result['producers_max']:.0f} producers", flush=True)
-            finally:
-                for proxy in proxies.values():
-                    proxy.close()
+        web = servers_up.enter_context(servers.nginx(root))
+        proxies = {ms: servers_up.enter_context(servers.latency_proxy(web.port, ms)) for ms in args.latencies} \
+            if "proxy" in args.stand_ins else {}
+        sources = _sources(root, pattern, web.url, proxies, args.latencies, args.stand_ins)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sources}
+        names = list(sources)
+        for repeat in range(args.repeats):
+            # Each repeat starts one row later: no row always runs first, on a machine just quiet, or last.
+            for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+                data, env = sources[name]
+                result = _train(root, data, env, args.epochs, f"{name}-{repeat}")
+                runs[name].append(result)
+                print(f"  {name:>18}  run {repeat + 1}: {result['samples_per_s']:8.1f} samples/s, "
+                      f"at most {result['producers_max']} producers", flush=True)
     rows = _rows(runs)
     _print(rows)
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "runs": runs, "epochs": args.epochs,
-                                         "images": 10 * args.per_class}, indent=2))
+                                         "images": 10 * args.per_class, "latencies_ms": args.latencies,
+                                         "stand_ins": args.stand_ins, "repeats": args.repeats}, indent=2))
     return 0
 
 
 def _sources(root: Path, pattern: str, web: str, proxies: dict[float, servers.Server], latencies: list[float],
              stand_ins: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
-    """Each row's --data and the environment it runs in."""
+    """Each row's --data and the environment it runs in (no row inherits a wait set in the caller's shell)."""
     url = f"/train/{pattern}"
-    sources: dict[str, tuple[str, dict[str, str]]] = {"local": (str(root / "train" / pattern), {}),
-                                                      "HTTP": (web + url, {})}
+    none = {faults.READ_LATENCY_ENV: "0"}
+    sources: dict[str, tuple[str, dict[str, str]]] = {"local": (str(root / "train" / pattern), none),
+                                                      "HTTP": (web + url, none)}
     for ms in latencies:
         if "proxy" in stand_ins:
-            sources[f"{ms:g} ms (proxy)"] = (proxies[ms].url + url, {})
+            sources[f"{ms:g} ms (proxy)"] = (proxies[ms].url + url, none)
         if "reader" in stand_ins:
             sources[f"{ms:g} ms (reader)"] = (web + url, {faults.READ_LATENCY_ENV: f"{ms:g}"})
     return sources
@@ -100,13 +128,12 @@ def _pack(root: Path, per_class: int) -> str:
     return f"shard-{{{names[0][6:12]}..{names[-1][6:12]}}}.tar"
 
 
-def _train(root: Path, data: str, env: dict[str, str], epochs: int, name: str) -> dict[str, float]:
+def _train(root: Path, data: str, env: dict[str, str], epochs: int, name: str) -> dict[str, Any]:
     out = root / "runs" / name
     _stoker("train", "--data", data, "--val-fraction", "0", "--image-size", "32", "--epochs", str(epochs),
             "--out", str(out), "--quiet", "--report", "false", env={"STOKER_CACHE": str(root / "cache"), **env})
     summary = json.loads((out / "summary.json").read_text())
-    return {"samples_per_s": float(summary["throughput_samples_per_s"]),
-            "producers_max": float(summary["producers_max"])}
+    return {"samples_per_s": float(summary["throughput_samples_per_s"]), "producers_max": int(summary["producers_max"])}
 
 
 def _stoker(*args: str, env: dict[str, str] | None = None) -> None:
@@ -116,19 +143,21 @@ def _stoker(*args: str, env: dict[str, str] | None = None) -> None:
         raise RuntimeError(f"stoker {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}")
 
 
-def _rows(runs: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+def _rows(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     local = statistics.median(run["samples_per_s"] for run in runs["local"])
     rows = []
     for name, results in runs.items():
         rate = statistics.median(run["samples_per_s"] for run in results)
+        counts = [run["producers_max"] for run in results]
         rows.append({"source": name, "samples_per_s": round(rate, 1),
                      "over_local": round(rate / local, 3) if local else 0.0,
-                     "producers_max": max(int(run["producers_max"]) for run in results)})
+                     "producers_max": [min(counts), max(counts)]})  # each run's most, over the runs
     return rows
 
 
 def _print(rows: list[dict[str, Any]]) -> None:
     print(f"\n{'source':>18}  {'samples/s':>10}  {'/ local':>8}  {'producers':>9}")
     for row in rows:
+        fewest, most = row["producers_max"]
         print(f"{row['source']:>18}  {row['samples_per_s']:>10.1f}  {row['over_local']:>8.3f}  "
-              f"{row['producers_max']:>9}")
+              f"{f'{fewest}-{most}' if fewest != most else str(most):>9}")

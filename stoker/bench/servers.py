@@ -143,98 +143,129 @@ def latency_proxy(target_port: int, round_trip_ms: float) -> Server:
 
 # The proxy's CPU is the stand-in network's, taken from the cores training runs on (a real network's wait costs
 # none): requests are held for the whole round trip and answers pass straight through, in protocol callbacks rather
-# than stream tasks. A request and its answer wait the same round trip as with half of it each way; delaying both
-# ways in stream tasks took 0.76 s of CPU per 2-epoch run of `stoker bench remote` at 25 ms, this takes 0.44 s.
-HIGH_WATER = 1 << 20  # bytes a side may have buffered before the other side stops reading
+# than stream tasks. A client waits one round trip for each answer as with half of it each way (what the server
+# starts on its own, a close, reaches the client at once). Over 4 runs of `stoker bench remote` at 25 ms (2 epochs)
+# this proxy used 0.44 s of CPU a run, the one delaying both ways in stream tasks 0.76 s.
+HIGH_WATER = 1 << 20  # bytes a connection may have waiting to be sent before its peer stops being read
 
 
 class _Side(asyncio.Protocol):
-    """One connection of a proxied pair: what it receives goes to `peer`, after `delay_s` (in arrival order)."""
+    """One connection of a proxied pair. What it receives is written to its peer's connection `delay_s` later, in
+    arrival order; its end (EOF, or a close) follows its data; a reset resets the peer and drops what was held."""
 
     def __init__(self, delay_s: float) -> None:
         self.delay_s = delay_s
-        self.transport: asyncio.Transport | None = None
-        self.peer: _Side | None = None
-        self.held: deque[tuple[float, bytes]] = deque()  # (due, data) not yet forwarded
+        self.peer = self  # set by `_pair`
+        self.transport: asyncio.Transport | None = None  # None until connected
+        self.held: deque[tuple[float, bytes]] = deque()  # (due, data) not yet written to the peer
         self.timer: asyncio.TimerHandle | None = None
-        self.closing = False
+        self.ended = False  # no more data comes from this side: the peer is told once what it sent is written
+        self.gone = False  # this side's connection is closed, or (the upstream side) could not be made
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         transport.set_write_buffer_limits(HIGH_WATER)
-        if self.peer is not None and self.peer.held and self.peer.timer is None:
-            self.peer._wait_for_due()  # what the client sent while this side was connecting
+        if self.peer.gone and not self.peer.held:  # the other side left (or failed) while this one connected
+            transport.abort()
+        elif self.peer.held or self.peer.ended:
+            self.peer._forward()  # what arrived while this side was connecting
 
     def data_received(self, data: bytes) -> None:
-        if self.delay_s <= 0 and not self.held and self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.write(data)
-            return
         self.held.append((asyncio.get_running_loop().time() + self.delay_s, data))
         if self.timer is None:
-            self._wait_for_due()
+            self._forward()
 
-    def _wait_for_due(self) -> None:
-        self.timer = asyncio.get_running_loop().call_at(self.held[0][0], self._forward)
+    def eof_received(self) -> bool:
+        self.ended = True
+        if self.timer is None:
+            self._forward()
+        return True  # half-closed: the answer may still be written to this side
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        if exc is not None:  # a reset: the peer is reset too
+            self._drop()
+            self.peer._drop()
+            if self.peer.transport is not None:
+                self.peer.transport.abort()
+            return
+        self.ended = True
+        if self.timer is None:
+            self._forward()
 
     def _forward(self) -> None:
-        """Write what is due, then wait for the next; until the peer is connected, its `connection_made` calls."""
+        """Write what is due to the peer, then wait for the next due; pass the end on once all of it is written."""
         self.timer = None
-        if self.peer is None or self.peer.transport is None:
+        out = self.peer.transport
+        if out is None:
+            return  # the peer is connecting: its `connection_made` calls again
+        if out.is_closing():
+            self._drop()
             return
         now = asyncio.get_running_loop().time()
         while self.held and self.held[0][0] <= now:
-            self.peer.transport.write(self.held.popleft()[1])
+            out.write(self.held.popleft()[1])
         if self.held:
-            self._wait_for_due()
-        elif self.closing:
-            self.peer.transport.close()
+            self.timer = asyncio.get_running_loop().call_at(self.held[0][0], self._forward)
+        elif self.ended:
+            self._pass_end(out)
 
-    def eof_received(self) -> bool:
-        self.closing = True
-        if not self.held and self.timer is None and self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.close()
-        return False
+    def _pass_end(self, out: asyncio.Transport) -> None:
+        if self.peer.ended and not self.peer.held:  # both ways done
+            out.close()
+            if self.transport is not None:
+                self.transport.close()
+        elif out.can_write_eof():
+            out.write_eof()
+        else:
+            out.close()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        if exc is not None and self.peer is not None and self.peer.transport is not None:
-            self.peer.transport.abort()  # a reset on one side resets the other
-        elif self.peer is not None and self.peer.transport is not None and not self.held:
-            self.peer.transport.close()
-        self.closing = True
+    def _drop(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.held.clear()
 
-    # The peer's writes back up: stop reading what would be written to it.
+    # Flow control: while this side's connection cannot take more, the peer (whose data it sends) is not read.
     def pause_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
+        if self.peer.transport is not None:
             self.peer.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and self.peer.transport is not None:
+        if self.peer.transport is not None:
             self.peer.transport.resume_reading()
+
+
+def _pair(round_trip_s: float) -> tuple[_Side, _Side]:
+    """(client's side, server's side): requests wait the round trip, answers pass at once."""
+    client, server = _Side(round_trip_s), _Side(0.0)
+    client.peer, server.peer = server, client
+    return client, server
 
 
 async def _serve(listen: int, target: int, round_trip_ms: float) -> None:
     loop = asyncio.get_running_loop()
+    connecting: set[asyncio.Task] = set()  # held: the loop keeps only weak references to its tasks
 
-    def client_side() -> _Side:
-        client = _Side(round_trip_ms / 1000)  # requests wait the round trip
-        server = _Side(0.0)  # answers pass at once
-        client.peer, server.peer = server, client
+    async def connect(client: _Side, server: _Side) -> None:
+        try:
+            await loop.create_connection(lambda: server, "127.0.0.1", target)
+        except Exception:  # noqa: BLE001 (refused, unreachable: the client is reset, now or once it is connected)
+            server.gone = True
+            client._drop()
+            if client.transport is not None:
+                client.transport.abort()
 
-        async def connect() -> None:
-            try:
-                await loop.create_connection(lambda: server, "127.0.0.1", target)
-            except OSError:
-                if client.transport is not None:
-                    client.transport.abort()
-
-        connecting.add(task := loop.create_task(connect()))
+    def accepted() -> _Side:
+        client, server = _pair(round_trip_ms / 1000)
+        task = loop.create_task(connect(client, server))
+        connecting.add(task)
         task.add_done_callback(connecting.discard)
         return client
 
-    connecting: set[asyncio.Task] = set()  # held, or the loop may collect a connect still running
-    server = await loop.create_server(client_side, "127.0.0.1", listen)
-    async with server:
-        await server.serve_forever()
+    listener = await loop.create_server(accepted, "127.0.0.1", listen)
+    async with listener:
+        await listener.serve_forever()
 
 
 if __name__ == "__main__":

@@ -68,6 +68,8 @@ class Lease:
     """One user's hold on a zygote (`Zygote.acquire`); `release` (idempotent) gives it back. `Lease()` holds
     nothing: a user that has not taken one yet."""
 
+    _taking = threading.Lock()  # two threads releasing one lease (a close racing a finalizer) give back one user
+
     def __init__(self, zygote: Zygote | None = None) -> None:
         self._zygote = zygote
 
@@ -76,7 +78,8 @@ class Lease:
         return self._zygote is not None
 
     def release(self) -> None:
-        zygote, self._zygote = self._zygote, None
+        with Lease._taking:
+            zygote, self._zygote = self._zygote, None
         if zygote is not None:
             zygote._release()
 
@@ -114,7 +117,8 @@ class Zygote:
     def _release(self) -> None:
         """The last user's release kills the zygote."""
         with self._lock:
-            self._users = max(0, self._users - 1)
+            assert self._users > 0, f"{self.title}: released more often than acquired"
+            self._users -= 1
             if self._users == 0:
                 self._stop()
 

@@ -97,7 +97,7 @@ class ProducerPool:
         self.stuck_starts = 0  # producers lost for a start that never ended
         self.any_started = False  # whether one producer of this pool ever was ready
         self.max_alive = 0
-        self.zygote = zygote.Lease()  # this pool's hold on the producers' zygote (from its first producer on)
+        self.zygote_lease = zygote.Lease()  # this pool's hold on the producers' zygote (from its first producer on)
         self.outside_kills: dict[tuple, int] = {}  # (batch key, sample id) -> producers killed from outside on it
         # (kind, sample id) -> why: files that took a producer down, or that it could not decode, stay skipped in
         # later epochs, without another loss, decode or warning
@@ -119,8 +119,8 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        if self.context is zygote.PRODUCERS.context and not self.zygote.held:
-            self.zygote = zygote.PRODUCERS.acquire()
+        if self.context is zygote.PRODUCERS.context and not self.zygote_lease.held:
+            self.zygote_lease = zygote.PRODUCERS.acquire()
         parts = self.context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         try:
@@ -334,4 +334,4 @@ class ProducerPool:
         stop_processes([h.process for h in handles], timeout_s, kill_loses_nothing=True)
         for handle in handles:
             handle.parts.close()
-        self.zygote.release()
+        self.zygote_lease.release()

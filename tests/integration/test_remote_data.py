@@ -301,3 +301,42 @@ def test_two_runs_filling_one_cache_folder_stay_within_its_size(shards, tmp_path
     assert copies and all(p.read_bytes() in originals for p in copies)
     assert [p.name for p in held if p.name.startswith(".") and p.name != ".lock"] == []
     assert sum(p.stat().st_size for p in copies) <= sum(sizes[:5])
+
+
+def test_the_latency_proxy_adds_its_round_trip_and_passes_bytes_ends_and_refusals_on(shards, web):
+    """The stand-in network `stoker bench remote` measures through: each answer comes one round trip late or more
+    (a lower bound: a loaded machine only adds), byte for byte what nginx sends, also after the client half-closes;
+    a server that refuses the connection closes the client's."""
+    import http.client
+    import socket
+
+    shard = shards / "train" / "shard-000003.tar"
+    data = shard.read_bytes()
+    proxy = servers.latency_proxy(web.port, 200)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+        for start in (0, 1000, len(data) - 700):
+            began = time.monotonic()
+            connection.request("GET", "/train/shard-000003.tar", headers={"Range": f"bytes={start}-{start + 599}"})
+            assert connection.getresponse().read() == data[start:start + 600]
+            assert time.monotonic() - began >= 0.2
+        connection.request("GET", "/train/shard-000003.tar")  # the same connection, kept alive
+        assert connection.getresponse().read() == data
+        connection.close()
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=30) as half:
+            half.sendall(b"GET /train/shard-000003.tar HTTP/1.0\r\n\r\n")
+            half.shutdown(socket.SHUT_WR)  # the request is all sent; the answer must still come back
+            answer = b"".join(iter(lambda: half.recv(1 << 16), b""))
+        assert answer.endswith(data) and answer.startswith(b"HTTP/1.1 200")
+    finally:
+        proxy.close()
+    nowhere = servers.latency_proxy(servers.free_port(), 50)
+    try:
+        with socket.create_connection(("127.0.0.1", nowhere.port), timeout=30) as refused:
+            refused.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            try:
+                assert refused.recv(100) == b""
+            except ConnectionResetError:
+                pass
+    finally:
+        nowhere.close()
