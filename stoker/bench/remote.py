@@ -8,9 +8,9 @@ added by one of two stand-ins for a network (this kernel has no netem), each run
 - `reader`: every request waits the round trip in the thread that sends it (`STOKER_READ_LATENCY_MS`), then goes
   to nginx directly: no CPU but the requests' own.
 A row of plain HTTP (no latency added, no stand-in) shows what the requests themselves cost. Each repeat runs
-`stoker train` once per row, in turn, with the producer count auto picks; the table shows the median whole-run
-throughput from the first step on (summary.json's, validation excluded), streamed / local, and the range over
-the runs of the most producers auto ran in each.
+`stoker train` once per row, in turn (each repeat starting one row later), with the producer count auto picks; the
+table shows the median throughput from the first step on (summary.json's, validation excluded), streamed / local,
+and the range over the runs of the most producers auto ran in each.
 """
 
 from __future__ import annotations
