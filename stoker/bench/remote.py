@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -53,9 +54,9 @@ def _latencies(text: str) -> list[float]:
         values = [float(part) for part in text.split(",") if part]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated milliseconds, got {text!r}") from None
-    if not values or any(not value > 0 for value in values):
+    if not values or any(not (0 < value < math.inf) for value in values):
         raise argparse.ArgumentTypeError(f"expected round trips above 0 ms, got {text!r}")
-    return values
+    return list(dict.fromkeys(values))
 
 
 def _stand_ins(text: str) -> list[str]:
@@ -84,13 +85,14 @@ def run(args: argparse.Namespace) -> int:
             if "proxy" in args.stand_ins else {}
         sources = _sources(root, pattern, web.url, proxies, args.latencies, args.stand_ins)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sources}
-        names = list(sources)
+        names, order = list(sources), []
         for repeat in range(args.repeats):
             # Each repeat starts one row later: no row always runs first, on a machine just quiet, or last.
             for name in names[repeat % len(names):] + names[:repeat % len(names)]:
                 data, env = sources[name]
                 result = _train(root, data, env, args.epochs, f"{name}-{repeat}")
                 runs[name].append(result)
+                order.append(name)
                 print(f"  {name:>18}  run {repeat + 1}: {result['samples_per_s']:8.1f} samples/s, "
                       f"at most {result['producers_max']} producers", flush=True)
     rows = _rows(runs)
@@ -98,8 +100,18 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "runs": runs, "epochs": args.epochs,
                                          "images": 10 * args.per_class, "latencies_ms": args.latencies,
-                                         "stand_ins": args.stand_ins, "repeats": args.repeats}, indent=2))
+                                         "stand_ins": args.stand_ins, "repeats": args.repeats, "order": order,
+                                         "commit": _commit()}, indent=2))
     return 0
+
+
+def _commit() -> str | None:
+    """The code measured, where it is a git checkout."""
+    try:
+        return subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
 
 
 def _sources(root: Path, pattern: str, web: str, proxies: dict[float, servers.Server], latencies: list[float],

@@ -10,10 +10,12 @@ one round trip.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -145,8 +147,8 @@ def latency_proxy(target_port: int, round_trip_ms: float) -> Server:
 # none): requests are held for the whole round trip and answers pass straight through, in protocol callbacks rather
 # than stream tasks. A client waits one round trip for each answer as with half of it each way (what the server
 # starts on its own, a close, reaches the client at once). Over 4 runs of `stoker bench remote` at 25 ms (2 epochs)
-# this proxy's first version (9b894d5, the same path for data) used 0.44 s of CPU a run, the one delaying both ways
-# in stream tasks 0.76 s.
+# this proxy's first version (9b894d5, which wrote answers without queueing them) used 0.44 s of CPU a run, the one
+# delaying both ways in stream tasks 0.76 s; this one was not measured again.
 HIGH_WATER = 1 << 20  # bytes a connection may have waiting to be sent before its peer stops being read
 
 
@@ -167,7 +169,7 @@ class _Side(asyncio.Protocol):
         self.transport = transport
         transport.set_write_buffer_limits(HIGH_WATER)
         if self.peer.gone and not self.peer.held:  # the other side left (or failed) while this one connected
-            transport.abort()
+            _reset(transport)
         elif self.peer.held or self.peer.ended:
             self.peer._forward()  # what arrived while this side was connecting
 
@@ -185,10 +187,7 @@ class _Side(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         if exc is not None:  # a reset: the peer is reset too
-            self._drop()
-            self.peer._drop()
-            if self.peer.transport is not None:
-                self.peer.transport.abort()
+            self._reset_both()
             return
         self.ended = True
         if self.timer is None:
@@ -217,9 +216,20 @@ class _Side(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.close()
         elif out.can_write_eof():
-            out.write_eof()
+            try:
+                out.write_eof()
+            except OSError:  # the peer was reset and the proxy has not read it yet
+                self._reset_both()
         else:
             out.close()
+
+    def _reset_both(self) -> None:
+        """Drop what either side held and reset both connections (RST, not a close: a client must not take a cut
+        answer for a whole one)."""
+        for side in (self, self.peer):
+            side._drop()
+            if side.transport is not None and not side.gone:
+                _reset(side.transport)
 
     def _drop(self) -> None:
         if self.timer is not None:
@@ -235,6 +245,15 @@ class _Side(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.peer.transport is not None:
             self.peer.transport.resume_reading()
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Close with a TCP reset: no lingering, what was not sent is dropped."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 def _pair(round_trip_s: float) -> tuple[_Side, _Side]:
@@ -255,7 +274,7 @@ async def _serve(listen: int, target: int, round_trip_ms: float) -> None:
             server.gone = True
             client._drop()
             if client.transport is not None:
-                client.transport.abort()
+                _reset(client.transport)
 
     def accepted() -> _Side:
         client, server = _pair(round_trip_ms / 1000)

@@ -68,17 +68,16 @@ class Lease:
     """One user's hold on a zygote (`Zygote.acquire`); `release` (idempotent) gives it back. `Lease()` holds
     nothing: a user that has not taken one yet."""
 
-    _taking = threading.Lock()  # two threads releasing one lease (a close racing a finalizer) give back one user
-
     def __init__(self, zygote: Zygote | None = None) -> None:
         self._zygote = zygote
+        self._taking = threading.Lock()  # two threads releasing one lease give back one user
 
     @property
     def held(self) -> bool:
         return self._zygote is not None
 
     def release(self) -> None:
-        with Lease._taking:
+        with self._taking:
             zygote, self._zygote = self._zygote, None
         if zygote is not None:
             zygote._release()
@@ -117,7 +116,8 @@ class Zygote:
     def _release(self) -> None:
         """The last user's release kills the zygote."""
         with self._lock:
-            assert self._users > 0, f"{self.title}: released more often than acquired"
+            if self._users <= 0:
+                raise RuntimeError(f"{self.title}: released more often than acquired")
             self._users -= 1
             if self._users == 0:
                 self._stop()

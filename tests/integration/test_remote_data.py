@@ -330,7 +330,9 @@ def test_the_latency_proxy_adds_its_round_trip_and_passes_bytes_ends_and_refusal
         assert answer.endswith(data) and answer.startswith(b"HTTP/1.1 200")
     finally:
         proxy.close()
-    nowhere = servers.latency_proxy(servers.free_port(), 50)
+    closed = socket.socket()  # a port held, never listened on: connections to it are refused
+    closed.bind(("127.0.0.1", 0))
+    nowhere = servers.latency_proxy(closed.getsockname()[1], 50)
     try:
         with socket.create_connection(("127.0.0.1", nowhere.port), timeout=30) as refused:
             refused.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -340,3 +342,4 @@ def test_the_latency_proxy_adds_its_round_trip_and_passes_bytes_ends_and_refusal
                 pass
     finally:
         nowhere.close()
+        closed.close()
