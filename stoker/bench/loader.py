@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.common.procs import descendants
+from stoker.common.procs import descendants, stat_fields
 
 FEEDS = ("loader", "dataloader_pillow", "dataloader_stoker")
 
@@ -216,9 +216,8 @@ def tree_cpu_s() -> float:
         total += usage.ru_utime + usage.ru_stime
     tick = os.sysconf("SC_CLK_TCK")
     for pid in descendants(os.getpid()):
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # exited since
+        fields = stat_fields(pid)
+        if fields is None:  # exited since
             continue
         # utime, stime, cutime, cstime (fields 14-17 of proc(5))
         total += sum(int(value) for value in fields[11:15]) / tick

@@ -29,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from stoker.common.procs import descendants, stoker_processes
+from stoker.common.procs import descendants, parent_of, stoker_processes
 from stoker.common.waiting import waiting
 from stoker.data import builtin_data
 from stoker.observe.metrics import read_events
@@ -145,14 +145,6 @@ def _family(controller_pid: int) -> dict[int, str]:
     return {pid: title for pid, title in stoker_processes() if pid in family}
 
 
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return int(handle.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _rss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/statm") as handle:
@@ -178,7 +170,7 @@ def _shm_used_bytes(controller_pid: int) -> int:
 def _left_behind(controller_pid: int) -> dict[str, list]:
     deadline = time.monotonic() + 15
     while True:
-        processes = [p for p in stoker_processes() if p[0] == controller_pid or _parent(p[0]) in (controller_pid, 1)]
+        processes = [p for p in stoker_processes() if p[0] == controller_pid or parent_of(p[0]) in (controller_pid, 1)]
         segments = live_segments(controller_pid)
         if (not processes and not segments) or time.monotonic() > deadline:
             return {"processes": processes, "segments": segments}

@@ -56,16 +56,30 @@ def stoker_processes() -> list[tuple[int, str]]:
     return found
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the process's name (its state, then its parent's pid, ...: proc(5) from
+    field 3); None once it is gone. The name is passed by its last ')': it may hold spaces and parentheses."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def parent_of(pid: int | str) -> int | None:
+    """The pid of the process's parent; None once it is gone."""
+    fields = stat_fields(pid)
+    try:
+        return int(fields[1]) if fields is not None else None
+    except (IndexError, ValueError):
+        return None
+
+
 def descendants(root: int) -> list[int]:
     """The live processes below `root` (children, theirs, ...), from each process's parent in /proc."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as handle:
-                    parent = int(handle.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+        if entry.isdigit() and (parent := parent_of(entry)) is not None:
             children.setdefault(parent, []).append(int(entry))
     found, todo = [], list(children.get(root, []))
     while todo:

@@ -46,6 +46,7 @@ from stoker.common.procs import (
     main_script_hidden_when_unreadable,
     name_process,
     signals_blocked_for_children,
+    stat_fields,
 )
 
 # The controller's pid, the zygote's title and how to import the controller's main module, set only in the
@@ -131,13 +132,8 @@ class Zygote:
         """Whether the zygote runs, read from /proc: reaping it here would leave multiprocessing's own check of it
         asking for a child that is gone."""
         pid = self.pid()
-        if pid is None:
-            return False
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-        except OSError:
-            return False
+        fields = stat_fields(pid) if pid is not None else None
+        return bool(fields and fields[0] not in ("Z", "X"))
 
     def ended_before_forking(self, error: BaseException) -> str:
         """What a start that failed because the zygote ended says; the zygote's own traceback, above, says why."""
