@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 START_TIMEOUT_S = 60.0  # a loaded 2-core machine starts moto (Flask, boto) in seconds; this is a hang, not a race
 S3_TEST_KEY = "stoker-test"  # moto accepts any credentials; these reach it the way a user's would
@@ -121,17 +122,31 @@ def s3_environment(endpoint: str) -> dict[str, str]:
             "AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": "true"}
 
 
-def upload_folder(endpoint: str, bucket: str, folder: Path, prefix: str = "") -> None:
-    """Every file under `folder` into `bucket` (made here), with boto3 as any other tool would write it."""
-    import boto3
-
-    env = s3_environment(endpoint)
-    client = boto3.client("s3", endpoint_url=endpoint, region_name=env["AWS_REGION"],
-                          aws_access_key_id=S3_TEST_KEY, aws_secret_access_key=S3_TEST_KEY)
-    client.create_bucket(Bucket=bucket)
+def upload_folder(endpoint: str, bucket: str, folder: Path, prefix: str = "", public: bool = False) -> None:
+    """Every file under `folder` into `bucket` (made here unless it exists), with boto3 as any other tool would
+    write it; `public`: readable without credentials (ACL public-read)."""
+    client = _s3_client(endpoint)
+    if bucket not in {entry["Name"] for entry in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket=bucket)
     for path in sorted(folder.rglob("*")):
         if path.is_file():
-            client.upload_file(str(path), bucket, prefix + path.relative_to(folder).as_posix())
+            client.upload_file(str(path), bucket, prefix + path.relative_to(folder).as_posix(),
+                               ExtraArgs={"ACL": "public-read"} if public else None)
+
+
+def delete_prefix(endpoint: str, bucket: str, prefix: str) -> None:
+    """Every object of `bucket` under `prefix` removed."""
+    client = _s3_client(endpoint)
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for entry in page.get("Contents", []):
+            client.delete_object(Bucket=bucket, Key=entry["Key"])
+
+
+def _s3_client(endpoint: str) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=endpoint, region_name=s3_environment(endpoint)["AWS_REGION"],
+                        aws_access_key_id=S3_TEST_KEY, aws_secret_access_key=S3_TEST_KEY)
 
 
 def latency_proxy(target_port: int, round_trip_ms: float) -> Server:

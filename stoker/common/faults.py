@@ -39,9 +39,14 @@ JOIN_AFTER_ENV = "STOKER_JOIN_AFTER"
 
 
 def simulated_delay(env: str) -> None:
-    milliseconds = float(os.environ.get(env) or 0)
-    if milliseconds > 0:
-        time.sleep(milliseconds / 1000)
+    seconds = delay_s(env)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def delay_s(env: str) -> float:
+    """The wait `env` asks for, in seconds (unset: none)."""
+    return max(0.0, float(os.environ.get(env) or 0) / 1000)
 
 
 def wait_for_file(env: str, check) -> None:

@@ -131,6 +131,11 @@ class PackedIndex:
         return [(shard, version, size) for shard, version, size in zip(self.shards, self.versions, self.sizes)
                 if version]
 
+    @property
+    def streamed(self) -> bool:
+        """Whether samples come over a network (remote shards, read by ranges until a local copy is complete)."""
+        return any(self.versions)
+
     def __len__(self) -> int:
         return len(self.labels)
 
@@ -153,9 +158,14 @@ class PackedIndex:
     def read_ahead(self, samples: Sequence[int]) -> None:
         """Start fetching these samples' bytes together (remote shards only, those not already on their way): a
         part of them then waits about one round trip, not one per sample. `read` hands each over."""
-        if any(self.versions):
-            wanted = [sample for sample in samples if sample not in self._ahead]
-            self._ahead.update(remote.read_ahead(self._read_now, wanted))
+        if self.streamed:
+            for sample in samples:
+                if sample not in self._ahead:
+                    position = self.position(sample)
+                    shard, start, size = (int(v) for v in self._where[position])
+                    if self.versions[shard]:
+                        self._ahead[sample] = remote.read_later(self.shards[shard], self.versions[shard], start,
+                                                                size, self.copies)
 
     def read(self, sample: int) -> bytes:
         ahead = self._ahead.pop(sample, None) if self._ahead else None

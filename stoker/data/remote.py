@@ -6,10 +6,11 @@ trip both are bound by the round trip. It retries with back-off, speaks If-Match
 variables S3 users already set, and needs nothing else installed.
 
 A sample is one ranged GET of its member, asked with If-Match on the (strong) ETag the index was made from: an
-object replaced during the run is named, never read at the old offsets. A read that keeps failing (`RETRIES`
-retries with back-off, 14 s at worst, inside the default producer timeout) makes the sample unreadable, as a local read
-error does: listed, and tried again in a later epoch. Whole objects (a shard indexed or copied) have no deadline
-but one on silence.
+object replaced during the run is named, never read at the old offsets. Those requests go through libcurl
+(`ranges.py`: a fifth of obstore's CPU a request), at URLs the store signs for S3 and GCS; a store that cannot
+sign is read through obstore. A read that keeps failing (retries with back-off, 14 s at worst, inside the default
+producer timeout) makes the sample unreadable, as a local read error does: listed, and tried again in a later
+epoch. Whole objects (a shard indexed or copied) have no deadline but one on silence.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,6 +40,7 @@ from obstore.exceptions import (
 )
 
 from stoker.common import faults
+from stoker.data import ranges
 
 if TYPE_CHECKING:
     from obstore import GetOptions
@@ -48,13 +50,13 @@ log = logging.getLogger(__name__)
 
 # A sample's read, retries included, must end inside the producer timeout (20 s by default): past that the producer
 # is taken for hung and the file for the cause. Then the sample is unreadable this epoch (tried again in the next).
-REQUEST_TIMEOUT = timedelta(seconds=4)
-CONNECT_TIMEOUT = timedelta(seconds=3)
-RETRIES = 3
-# No retry starts after 8 s; the last may take its 4 s and a back-off of at most 2 s before it: 14 s at worst.
-RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=8),
-                                "backoff": {"init_backoff": timedelta(milliseconds=200),
-                                            "max_backoff": timedelta(seconds=2), "base": 2}}
+# The bounds are libcurl's requests' (ranges.py); obstore's, for stores that cannot sign, are the same.
+REQUEST_TIMEOUT = timedelta(seconds=ranges.REQUEST_TIMEOUT_S)
+CONNECT_TIMEOUT = timedelta(seconds=ranges.CONNECT_TIMEOUT_S)
+RETRIES = ranges.RETRIES
+RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=ranges.RETRY_WINDOW_S),
+                                "backoff": {"init_backoff": timedelta(seconds=ranges.FIRST_BACKOFF_S),
+                                            "max_backoff": timedelta(seconds=ranges.LAST_BACKOFF_S), "base": 2}}
 # A whole object (a shard indexed or copied) may take minutes: no deadline on the transfer, only on silence.
 WHOLE_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=5),
                                 "backoff": {"init_backoff": timedelta(milliseconds=500),
@@ -254,13 +256,77 @@ def delete(url: str) -> None:
 
 def read_range(url: str, version: str, start: int, size: int, copies: LocalCopies | None = None) -> bytes:
     """`size` bytes at `start` of the object as it was indexed (If-Match its ETag), from its local copy once one
-    is complete."""
-    faults.simulated_delay(faults.READ_LATENCY_ENV)
+    is complete; an UnusableImage when they cannot be had."""
+    return read_later(url, version, start, size, copies).result()
+
+
+def read_later(url: str, version: str, start: int, size: int, copies: LocalCopies | None = None) -> Future[bytes]:
+    """`read_range`'s bytes as a future, the request sent now: a producer starts a part's reads together, and its
+    samples then wait about one round trip, not one each. A local copy is read at once (it has no round trip)."""
     if size == 0:
-        return b""  # an empty range is no request a server takes
+        return ranges.settled(b"")  # an empty range is no request a server takes
     local = _local_copy(copies, url, version) if copies is not None else None
     if local is not None:
-        return local.read(start, size)
+        try:
+            return ranges.settled(local.read(start, size))
+        except UnusableImage as error:
+            return ranges.settled(error)
+    target = _request_url(url)
+    if target is None:
+        return _store_reads().submit(_read_through_store, url, version, start, size)
+    return ranges.client().submit(url, target, version, start, size)
+
+
+def stop_reading() -> None:
+    """Stop this process's requests, failing those not answered (a producer that stops waits for none of them)."""
+    global _store_pool
+    ranges.stop()
+    if _store_pool is not None and _store_pool[0] == os.getpid():
+        _store_pool[1].shutdown(wait=False, cancel_futures=True)
+    _store_pool = None
+
+
+SIGNED_FOR = timedelta(hours=1)
+SIGN_AGAIN_S = 300.0  # a URL signed with temporary credentials ends with them: signed again well before that
+_signed: dict[str, tuple[float, str]] = {}  # url -> (when to sign it again, the signed URL)
+_unsigned_roots: set[str] = set()  # stores that could not sign (asked once: asking may wait on a metadata service)
+
+
+def _request_url(url: str) -> str | None:
+    """Where a ranged GET of the object goes: an HTTP(S) URL itself, an S3 or GCS object's URL as its store signs
+    it; None for a store that cannot sign (no credentials, AWS_SKIP_SIGNATURE), read through obstore instead."""
+    if url.startswith(("http://", "https://")):
+        return url
+    now = time.monotonic()
+    known = _signed.get(url)
+    if known is not None and now < known[0]:
+        return known[1]
+    root, path = _split(url)
+    if root in _unsigned_roots:
+        return None
+    try:
+        signed = obstore.sign(_store(root), "GET", path, SIGNED_FOR)
+    except Exception as error:  # noqa: BLE001 (any reason not to sign: read through obstore, which says why)
+        log.info("%s: read through obstore, its store does not sign URLs (%s)", root, describe(error))
+        _unsigned_roots.add(root)
+        return None
+    _signed[url] = (now + SIGN_AGAIN_S, signed)
+    return signed
+
+
+_store_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _store_reads() -> ThreadPoolExecutor:
+    """This process's request threads for objects read through obstore (a pool's threads do not survive a fork)."""
+    global _store_pool
+    if _store_pool is None or _store_pool[0] != os.getpid():
+        _store_pool = (os.getpid(), ThreadPoolExecutor(ranges.IN_FLIGHT, thread_name_prefix="stoker-read"))
+    return _store_pool[1]
+
+
+def _read_through_store(url: str, version: str, start: int, size: int) -> bytes:
+    faults.simulated_delay(faults.READ_LATENCY_ENV)
     root, path = _split(url)
     options: GetOptions = {"range": (start, start + size), **_precondition(version)}
     try:
@@ -275,27 +341,6 @@ def read_range(url: str, version: str, start: int, size: int, copies: LocalCopie
     if len(data) != size:
         raise UnusableImage(f"{url} is shorter than its index (changed during the run?)")
     return bytes(data)
-
-
-READ_AHEAD_THREADS = 32  # requests in flight per producer: a part's samples wait one round trip, not one each
-_read_pool: tuple[int, ThreadPoolExecutor] | None = None
-
-
-def stop_reading_ahead() -> None:
-    """Cancel the reads not begun (a producer that stops must not wait for a queue of them at its exit)."""
-    global _read_pool
-    if _read_pool is not None and _read_pool[0] == os.getpid():
-        _read_pool[1].shutdown(wait=False, cancel_futures=True)
-    _read_pool = None
-
-
-def read_ahead(read: Callable[[int], bytes], samples: Sequence[int]) -> dict[int, Future[bytes]]:
-    """`read(sample)` of each sample started now in this process's pool of request threads."""
-    global _read_pool
-    if _read_pool is None or _read_pool[0] != os.getpid():  # a pool's threads do not survive a fork
-        _read_pool = (os.getpid(), ThreadPoolExecutor(READ_AHEAD_THREADS, thread_name_prefix="stoker-read"))
-    pool = _read_pool[1]
-    return {sample: pool.submit(read, sample) for sample in samples}
 
 
 def _precondition(version: str) -> GetOptions:

@@ -119,7 +119,7 @@ def producer_main(producer: int, setup: ProducerSetup, parts, outbox, stop) -> N
     except BaseException as error:  # carried to the controller as a value, never lost
         outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
-        remote.stop_reading_ahead()
+        remote.stop_reading()
         ring.close()
 
 

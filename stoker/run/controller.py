@@ -43,7 +43,7 @@ from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_field
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.parts import most_parts_in_flight
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import check_hang_timeout
+from stoker.pipeline.pool import check_hang_timeout, parts_held
 from stoker.pipeline.scheduler import Scheduler, Unfinished
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
@@ -110,7 +110,7 @@ class Controller:
         # A slot holds a batch of --batch-size, or with --global-batch fixed the largest share a consumer may take.
         self.build = Build(self.data.train, self.data.val, config.augment, config.seed, self._largest_share(),
                            self.image_size, self.num_slots, config.producer_timeout_s, config.max_bad_fraction,
-                           self.val_image_size)
+                           self.val_image_size, max_in_flight=parts_held(self.data.train))
         check_room(self.build, self.counts, "producers" if config.producers != "auto"
                    else "initial_producers (or min_producers)")
         check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, self.cluster.world)

@@ -59,7 +59,7 @@ from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_field
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.parts import parts_per_batch
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import MAX_IN_FLIGHT
+from stoker.pipeline.pool import MAX_IN_FLIGHT, parts_held
 from stoker.pipeline.scheduler import Scheduler
 from stoker.training.feed import DeviceLoader
 from stoker.training.streams import ops_for
@@ -396,8 +396,9 @@ class Loader:
         # The engine's finest split (its ceiling's): a producer holds QUEUED_BATCHES batches' worth at most.
         parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)
         augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
+        held = max(QUEUED_BATCHES * parts, parts_held(self.source))
         build = Build(self.source, None, augment, self.seed, self.batch_size, self.image_size, self.num_slots,
-                      self.producer_timeout_s, self.max_bad_fraction, max_in_flight=QUEUED_BATCHES * parts)
+                      self.producer_timeout_s, self.max_bad_fraction, max_in_flight=held)
         check_room(build, counts)
         self.driver = EngineDriver(build, counts)
         self.events = _Events(self.metrics_file)

@@ -91,6 +91,45 @@ def test_s3_shards_with_a_producer_killed_as_it_reads_train_bitwise_like_local_d
     assert servers.S3_TEST_KEY not in config and "AWS_" not in config  # credentials stay in the environment
 
 
+def test_s3_members_read_signed_or_through_a_store_that_cannot_sign_and_errors_name_the_object(shards, s3, tmp_path,
+                                                                                                 monkeypatch):
+    """Ranged reads of S3 members go to URLs the store signs; a store that cannot sign (AWS_SKIP_SIGNATURE, as for
+    a public bucket) is read through obstore. Both give the bytes of the same members on local disk, and a member
+    whose object is gone is named as the user named it: no signature or key in the message."""
+    from stoker.data import remote
+    from stoker.data.imaging import UnusableImage
+    from stoker.data.sources import load_source
+
+    for name, value in servers.s3_environment(s3.url).items():
+        monkeypatch.setenv(name, value)
+    servers.upload_folder(s3.url, BUCKET, shards / "train", "data/gone/", public=True)
+    local = load_source(str(shards / "train" / SHARDS), cache=tmp_path / "cache")
+    samples = range(0, len(local), 7)
+    for prefix, skip_signature in (("data/train", False), ("data/gone", True)):
+        monkeypatch.setattr(remote, "_stores", {})  # a client made anew, as a new process makes it
+        monkeypatch.setattr(remote, "_unsigned_roots", set())
+        monkeypatch.setenv("AWS_SKIP_SIGNATURE", str(skip_signature).lower())
+        if skip_signature:  # and no keys to sign with
+            monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+            monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+        streamed = load_source(f"s3://{BUCKET}/{prefix}/{SHARDS}", cache=tmp_path / "cache")
+        streamed.read_ahead(list(samples))
+        assert [streamed.read(i) for i in samples] == [local.read(i) for i in samples]
+        assert (f"s3://{BUCKET}" in remote._unsigned_roots) is skip_signature
+    monkeypatch.setenv("AWS_SKIP_SIGNATURE", "false")
+    for name, value in servers.s3_environment(s3.url).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(remote, "_stores", {})
+    monkeypatch.setattr(remote, "_unsigned_roots", set())
+    gone = load_source(f"s3://{BUCKET}/data/gone/{SHARDS}", cache=tmp_path / "cache")
+    servers.delete_prefix(s3.url, BUCKET, "data/gone/")
+    with pytest.raises(UnusableImage) as error:
+        gone.read(0)
+    message = str(error.value)
+    assert f"s3://{BUCKET}/data/gone/shard-000000.tar no longer exists" in message
+    assert "X-Amz" not in message and servers.S3_TEST_KEY not in message
+
+
 def test_three_ranks_over_eight_remote_shards_get_equal_batch_counts(shards, web, tmp_path):
     records = launch(tmp_path / "record", "--data", f"{web.url}/train/{SHARDS}", "--epochs", "1", world=3)
     assert records[0]["len"] == records[1]["len"] == records[2]["len"] == [5]  # ceil(120 / 24)
