@@ -158,14 +158,16 @@ class PackedIndex:
     def read_ahead(self, samples: Sequence[int]) -> None:
         """Start fetching these samples' bytes together (remote shards only, those not already on their way): a
         part of them then waits about one round trip, not one per sample. `read` hands each over."""
-        if self.streamed:
-            for sample in samples:
-                if sample not in self._ahead:
-                    position = self.position(sample)
-                    shard, start, size = (int(v) for v in self._where[position])
-                    if self.versions[shard]:
-                        self._ahead[sample] = remote.read_later(self.shards[shard], self.versions[shard], start,
-                                                                size, self.copies)
+        if not self.streamed:
+            return
+        wanted, members = [], []
+        for sample in samples:
+            if sample not in self._ahead:
+                shard, start, size = (int(v) for v in self._where[self.position(sample)])
+                if self.versions[shard]:
+                    wanted.append(sample)
+                    members.append((self.shards[shard], self.versions[shard], start, size))
+        self._ahead.update(zip(wanted, remote.read_all_later(members, self.copies), strict=True))
 
     def read(self, sample: int) -> bytes:
         ahead = self._ahead.pop(sample, None) if self._ahead else None

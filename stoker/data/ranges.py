@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 import os
 import select
 import ssl
@@ -41,7 +42,7 @@ CONNECT_TIMEOUT_S = 3.0
 RETRIES = 3
 RETRY_WINDOW_S = 8.0  # no retry starts later: the last may take its 4 s and a back-off of 2 s before it, 14 s at worst
 FIRST_BACKOFF_S, LAST_BACKOFF_S = 0.2, 2.0
-ACTIVE_POLL_S = 0.05  # the longest wait while requests are out and libcurl names no deadline of its own
+ACTIVE_POLL_S = 0.05  # the longest wait while requests are out (libcurl's sockets past 1024 are not waited on)
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
 
@@ -86,16 +87,22 @@ class RangeClient:
         self._thread.start()
 
     def submit(self, name: str, url: str, etag: str, start: int, size: int) -> Future[bytes]:
-        read = Read(name, url, etag, start, size)
+        return self.submit_all([(name, url, etag, start, size)])[0]
+
+    def submit_all(self, wanted: list[tuple[str, str, str, int, int]]) -> list[Future[bytes]]:
+        """Futures of each (name, url, etag, start, size), sent together: one wake-up of the client's thread."""
+        reads = [Read(*each) for each in wanted]
         # A stand-in for a network's round trip (STOKER_READ_LATENCY_MS): the request waits before it goes out.
         due = time.monotonic() + faults.delay_s(faults.READ_LATENCY_ENV)
         with self._lock:  # never added after the thread's last look: that read would wait for ever
             if self._closed.is_set():
-                read.future.set_exception(UnusableImage(f"{UNREADABLE} {name}: the reads of this process stopped"))
-                return read.future
-            self._submitted.append((due, read))
+                for read in reads:
+                    read.future.set_exception(UnusableImage(f"{UNREADABLE} {read.name}: the reads of this process "
+                                                            f"stopped"))
+                return [read.future for read in reads]
+            self._submitted.extend((due, read) for read in reads)
         self._wake()
-        return read.future
+        return [read.future for read in reads]
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -198,15 +205,26 @@ class RangeClient:
         read.future.set_exception(UnusableImage(_refusal(read, status, transport_error)))
 
     def _wait(self) -> None:
+        """Until a socket of a request is ready, libcurl's own deadline, the next read's due time (when a handle is
+        free to send it) or a wake-up."""
         if self._submitted:
             return
-        timeout = self._due[0][0] - time.monotonic() if self._due else None
+        timeout = self._due[0][0] - time.monotonic() if self._due and self._free else None
         if self._active:
             libcurl_s = self._multi.timeout() / 1000
-            libcurl_s = ACTIVE_POLL_S if libcurl_s < 0 else libcurl_s
+            libcurl_s = ACTIVE_POLL_S if libcurl_s < 0 else min(libcurl_s, ACTIVE_POLL_S)
             timeout = libcurl_s if timeout is None else min(timeout, libcurl_s)
+        wanted = {self._wake_read: select.POLLIN}
         reading, writing, errors = self._multi.fdset()
-        select.select([*reading, self._wake_read], writing, errors, None if timeout is None else max(0.0, timeout))
+        for events, fds in ((select.POLLIN, reading), (select.POLLOUT, writing), (select.POLLPRI, errors)):
+            for fd in fds:
+                wanted[fd] = wanted.get(fd, 0) | events
+        # poll, not select: a wake pipe past descriptor 1024 (a process holding many files) is no error. libcurl's
+        # fdset leaves its sockets past 1024 out; those are driven by its deadline (at most ACTIVE_POLL_S apart).
+        sockets = select.poll()
+        for fd, events in wanted.items():
+            sockets.register(fd, events)
+        sockets.poll(None if timeout is None else max(0, math.ceil(timeout * 1000)))
         try:
             while os.read(self._wake_read, 4096):
                 pass

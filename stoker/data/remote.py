@@ -261,20 +261,33 @@ def read_range(url: str, version: str, start: int, size: int, copies: LocalCopie
 
 
 def read_later(url: str, version: str, start: int, size: int, copies: LocalCopies | None = None) -> Future[bytes]:
-    """`read_range`'s bytes as a future, the request sent now: a producer starts a part's reads together, and its
-    samples then wait about one round trip, not one each. A local copy is read at once (it has no round trip)."""
-    if size == 0:
-        return ranges.settled(b"")  # an empty range is no request a server takes
-    local = _local_copy(copies, url, version) if copies is not None else None
-    if local is not None:
-        try:
-            return ranges.settled(local.read(start, size))
-        except UnusableImage as error:
-            return ranges.settled(error)
-    target = _request_url(url)
-    if target is None:
-        return _store_reads().submit(_read_through_store, url, version, start, size)
-    return ranges.client().submit(url, target, version, start, size)
+    """`read_range`'s bytes as a future, the request sent now."""
+    return read_all_later([(url, version, start, size)], copies)[0]
+
+
+def read_all_later(members: list[tuple[str, str, int, int]], copies: LocalCopies | None = None) -> list[Future[bytes]]:
+    """Each (url, version, start, size) member's bytes as a future, the requests sent together: a producer starts a
+    part's reads at once, and its samples then wait about one round trip, not one each. A local copy is read at
+    once (it has no round trip)."""
+    futures: dict[int, Future[bytes]] = {}
+    curl: list[tuple[int, tuple[str, str, str, int, int]]] = []
+    for i, (url, version, start, size) in enumerate(members):
+        local = _local_copy(copies, url, version) if copies is not None and size else None
+        if size == 0:
+            futures[i] = ranges.settled(b"")  # an empty range is no request a server takes
+        elif local is not None:
+            try:
+                futures[i] = ranges.settled(local.read(start, size))
+            except UnusableImage as error:
+                futures[i] = ranges.settled(error)
+        elif (target := _request_url(url)) is None:
+            futures[i] = _store_reads().submit(_read_through_store, url, version, start, size)
+        else:
+            curl.append((i, (url, target, version, start, size)))
+    if curl:
+        for (i, _), future in zip(curl, ranges.client().submit_all([read for _, read in curl]), strict=True):
+            futures[i] = future
+    return [futures[i] for i in range(len(members))]
 
 
 def stop_reading() -> None:

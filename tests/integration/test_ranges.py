@@ -1,0 +1,105 @@
+"""The ranged reads' client (stoker/data/ranges.py) against a real HTTP server on loopback: Python's own, made to
+answer as a flaky or changed object would. Bytes, retries and refusals are checked against what the server saw."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from stoker.data import ranges
+from stoker.data.imaging import UNREADABLE, UnusableImage
+
+OBJECT = os.urandom(64 << 10)
+ETAG = '"v1"'
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # kept-alive connections, as nginx and S3 give
+    failures_left: dict[str, int] = {}
+    seen: list[tuple[str, str | None, str | None]] = []
+
+    def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+        self.seen.append((self.path, self.headers.get("Range"), self.headers.get("If-Match")))
+        if self.failures_left.get(self.path, 0) > 0:
+            self.failures_left[self.path] -= 1
+            return self._answer(503, b"busy")
+        if self.path == "/gone":
+            return self._answer(404, b"")
+        if self.headers.get("If-Match") not in (None, ETAG):
+            return self._answer(412, b"")
+        first, last = (int(v) for v in self.headers["Range"].removeprefix("bytes=").split("-"))
+        self._answer(206, OBJECT[first:last + 1])
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    _Handler.failures_left, _Handler.seen = {}, []
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        ranges.stop()
+
+
+def test_more_reads_than_requests_in_flight_all_get_their_bytes(server):
+    """Three times as many reads as the client sends at once, each its own range, If-Match the ETag."""
+    client = ranges.client()
+    wanted = [(start, 1 + start % 700) for start in range(0, 3 * ranges.IN_FLIGHT * 97, 97)]
+    futures = [client.submit(f"{server}/object", f"{server}/object", ETAG, start, size) for start, size in wanted]
+    assert [future.result(timeout=60) for future in futures] == [OBJECT[s:s + n] for s, n in wanted]
+    assert {(r, m) for _, r, m in _Handler.seen} == {(f"bytes={s}-{s + n - 1}", ETAG) for s, n in wanted}
+
+
+def test_a_busy_server_is_asked_again_and_a_refusal_is_not(server):
+    """503 twice, then the bytes; a 404 is final at once and a 412 names the change; the name given is the one
+    errors use."""
+    _Handler.failures_left["/object"] = 2
+    client = ranges.client()
+    assert client.submit("s3://bucket/object", f"{server}/object", ETAG, 10, 20).result(timeout=60) == OBJECT[10:30]
+    assert [path for path, _, _ in _Handler.seen] == ["/object"] * 3
+    with pytest.raises(UnusableImage, match=f"{UNREADABLE} s3://bucket/gone no longer exists"):
+        client.submit("s3://bucket/gone", f"{server}/gone", ETAG, 0, 10).result(timeout=60)
+    assert [path for path, _, _ in _Handler.seen].count("/gone") == 1
+    with pytest.raises(UnusableImage, match=r"s3://bucket/object changed during the run"):
+        client.submit("s3://bucket/object", f"{server}/object", '"v0"', 0, 10).result(timeout=60)
+
+
+def test_a_server_busy_for_ever_makes_the_read_unreadable_after_the_retries(server):
+    _Handler.failures_left["/object"] = 100
+    with pytest.raises(UnusableImage, match=rf"{UNREADABLE} .*HTTP status 503 \(after {ranges.RETRIES} retries\)"):
+        ranges.client().submit(f"{server}/object", f"{server}/object", ETAG, 0, 10).result(timeout=60)
+    assert len(_Handler.seen) == ranges.RETRIES + 1
+
+
+def test_reads_still_out_when_the_client_stops_fail_instead_of_waiting(server):
+    """A producer that stops waits for none of its reads: those not answered fail, and a read submitted after the
+    stop fails at once."""
+    os.environ["STOKER_READ_LATENCY_MS"] = "60000"  # each request waits a minute before it goes out
+    try:
+        client = ranges.client()
+        pending = client.submit(f"{server}/object", f"{server}/object", ETAG, 0, 10)
+    finally:
+        del os.environ["STOKER_READ_LATENCY_MS"]
+    ranges.stop()
+    with pytest.raises(UnusableImage, match="stopped"):
+        pending.result(timeout=30)
+    with pytest.raises(UnusableImage, match="stopped"):
+        client.submit(f"{server}/object", f"{server}/object", ETAG, 0, 10).result(timeout=30)
+    assert _Handler.seen == []
