@@ -38,7 +38,7 @@ timed() {  # timed NAME LOG SECONDS COMMAND...: the command under a time limit, 
 
 missing=$("$PYTHON" - <<'EOF'
 import importlib
-names = "torch numpy PIL simplejpeg cv2 pydantic rich matplotlib setproctitle pytest pytest_timeout sklearn"
+names = "torch numpy PIL simplejpeg cv2 pydantic rich matplotlib setproctitle obstore pycurl pytest pytest_timeout sklearn"
 missing = []
 for name in names.split():
     try:

@@ -5,8 +5,8 @@ The built-in texture set is packed into 8 shards and served by nginx on loopback
 added by one of two stand-ins for a network (this kernel has no netem), each run as its own row:
 - `proxy`: a proxy in front of nginx holds every request for the round trip. It is a Python process on the cores
   training uses: its CPU is a cost a real network does not put on the training machine;
-- `reader`: every request waits the round trip in the thread that sends it (`STOKER_READ_LATENCY_MS`), then goes
-  to nginx directly: no CPU but the requests' own.
+- `reader`: every request waits the round trip before it is sent (`STOKER_READ_LATENCY_MS`, a timer in the
+  producer's request client), then goes to nginx directly: no CPU but the requests' own.
 A row of plain HTTP (no latency added, no stand-in) shows what the requests themselves cost. Each repeat runs
 `stoker train` once per row, in turn (each repeat starting one row later), with the producer count auto picks; the
 table shows the median throughput from the first step on (summary.json's, validation excluded), streamed / local,
