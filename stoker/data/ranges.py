@@ -4,16 +4,19 @@ A sample in a remote shard is one ranged GET of a few KB, and a producer keeps d
 the round trip. What each one costs in CPU is taken from the cores that decode images. Measured here on 3,000
 reads of 2.5 KB from nginx on loopback, 32 in flight: obstore's `get` from 32 threads 107-123 us of CPU a read,
 libcurl's easy handles from 32 threads 123 us, obstore's `get_async` under asyncio 190-213 us, and libcurl's multi
-interface from one thread 20-23 us. The threads' hand-offs cost more than the requests.
+interface from one thread 20-23 us: one thread driving all of a process's requests, with no hand-off per request.
+(Submitted a part at a time, with its futures, a read costs 33-37 us here.)
 
-S3 and GCS objects are read through URLs their store signs (obstore's `sign`, an hour at a time, signed again ten
-minutes before that ends); the signature sits in the query string, so a range and an If-Match header can be added.
-A store that cannot sign (no credentials to sign with, or a kind obstore does not sign for) is read through obstore
-as before (`remote.read_range`). Errors name the object as the user gave it, never a signed URL.
+S3 and GCS objects are read through URLs their store signs (`remote.py`); the signature sits in the query string,
+so a range and an If-Match header can be added. A URL refused with 400 or 403 is signed again and asked once more
+(temporary credentials end). Errors name the object as the user gave it, never a signed URL.
 
 Every request asks If-Match on the ETag the index was made from; 412 means the object changed. A request that
-fails (no answer within REQUEST_TIMEOUT_S, a dropped connection, 5xx, 408, 429) is tried again after a back-off, at
-most RETRIES times and none starting after RETRY_WINDOW_S: at worst 14 s, inside the default producer timeout.
+fails (no answer within REQUEST_TIMEOUT_S, a dropped connection, 500, 502, 503, 504, 408, 429) is tried again after
+a back-off, at most RETRIES times. Whatever happens, queued behind other reads or retried, a read is settled within
+READ_DEADLINE_S (and a sweep's interval) of its submission: inside the default producer timeout of 20 s, so a
+producer waiting for a sample is never taken for hung. A server that answers a range with the whole object (it
+ignores Range) is refused at once: stoker's reads need ranges.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -40,26 +44,36 @@ IN_FLIGHT = 64  # requests at once per process: a part's samples wait one round 
 REQUEST_TIMEOUT_S = 4.0
 CONNECT_TIMEOUT_S = 3.0
 RETRIES = 3
-RETRY_WINDOW_S = 8.0  # no retry starts later: the last may take its 4 s and a back-off of 2 s before it, 14 s at worst
 FIRST_BACKOFF_S, LAST_BACKOFF_S = 0.2, 2.0
+READ_DEADLINE_S = 14.0  # from submission to an answer or a refusal, queueing and retries included
+SWEEP_S = 0.5  # how often reads still queued are checked against their deadline
 ACTIVE_POLL_S = 0.05  # the longest wait while requests are out (libcurl's sockets past 1024 are not waited on)
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+RESIGN_STATUS = frozenset({400, 403})  # a signed URL whose credentials ended (S3 answers 400 or 403)
+TOO_LARGE = pycurl.E_FILESIZE_EXCEEDED if hasattr(pycurl, "E_FILESIZE_EXCEEDED") else 63
+SignAgain = Callable[[str], "str | None"]  # an object's name -> a freshly signed URL of it (None: cannot)
 
 
 @dataclass
 class Read:
     """One member's bytes: `size` at `start` of `name` (the object as the user named it), asked at `url` (the same,
-    or a signed URL of it) with If-Match `etag` where that is a strong ETag."""
+    or a signed URL of it, which `sign_again` renews) with If-Match `etag` where that is a strong ETag."""
 
     name: str
     url: str
     etag: str
     start: int
     size: int
+    deadline: float
+    sign_again: SignAgain | None = None
     future: Future[bytes] = field(default_factory=Future)
     tries: int = 0
-    first_sent: float = 0.0
+    signed_again: bool = False
     body: bytearray = field(default_factory=bytearray)
+
+    def fail(self, message: str) -> None:
+        if not self.future.done():
+            self.future.set_exception(UnusableImage(message))
 
 
 class RangeClient:
@@ -77,6 +91,7 @@ class RangeClient:
         self._submitted: deque[tuple[float, Read]] = deque()  # appended by any thread, taken by the client's
         self._due: list[tuple[float, int, Read]] = []  # (when, tiebreak, read): the wait a retry or latency adds
         self._order = itertools.count()
+        self._next_sweep = 0.0
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -86,19 +101,21 @@ class RangeClient:
         self._thread = threading.Thread(target=self._run, name="stoker-ranges", daemon=True)
         self._thread.start()
 
-    def submit(self, name: str, url: str, etag: str, start: int, size: int) -> Future[bytes]:
-        return self.submit_all([(name, url, etag, start, size)])[0]
+    def submit(self, name: str, url: str, etag: str, start: int, size: int,
+               sign_again: SignAgain | None = None) -> Future[bytes]:
+        return self.submit_all([(name, url, etag, start, size, sign_again)])[0]
 
-    def submit_all(self, wanted: list[tuple[str, str, str, int, int]]) -> list[Future[bytes]]:
-        """Futures of each (name, url, etag, start, size), sent together: one wake-up of the client's thread."""
-        reads = [Read(*each) for each in wanted]
+    def submit_all(self, wanted: list[tuple[str, str, str, int, int, SignAgain | None]]) -> list[Future[bytes]]:
+        """Futures of each (name, url, etag, start, size, sign_again), sent together: one wake-up of the client's
+        thread."""
+        now = time.monotonic()
+        reads = [Read(*each[:5], deadline=now + READ_DEADLINE_S, sign_again=each[5]) for each in wanted]
         # A stand-in for a network's round trip (STOKER_READ_LATENCY_MS): the request waits before it goes out.
-        due = time.monotonic() + faults.delay_s(faults.READ_LATENCY_ENV)
+        due = now + faults.delay_s(faults.READ_LATENCY_ENV)
         with self._lock:  # never added after the thread's last look: that read would wait for ever
             if self._closed.is_set():
                 for read in reads:
-                    read.future.set_exception(UnusableImage(f"{UNREADABLE} {read.name}: the reads of this process "
-                                                            f"stopped"))
+                    read.fail(f"{UNREADABLE} {read.name}: the reads of this process stopped")
                 return [read.future for read in reads]
             self._submitted.extend((due, read) for read in reads)
         self._wake()
@@ -127,6 +144,7 @@ class RangeClient:
         try:
             while not self._closed.is_set():
                 self._take_submitted()
+                self._expire_queued()
                 self._send_due()
                 self._drive()
                 self._wait()
@@ -152,21 +170,35 @@ class RangeClient:
             when, read = self._submitted.popleft()
             heapq.heappush(self._due, (when, next(self._order), read))
 
+    def _expire_queued(self) -> None:
+        """Fail the queued reads past their deadline (every SWEEP_S: those waiting for a free handle too)."""
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + SWEEP_S
+        expired = [entry for entry in self._due if entry[2].deadline <= now]
+        if expired:
+            for _, _, read in expired:
+                read.fail(_late(read))
+            self._due = [entry for entry in self._due if entry[2].deadline > now]
+            heapq.heapify(self._due)
+
     def _send_due(self) -> None:
         now = time.monotonic()
         while self._free and self._due and self._due[0][0] <= now:
             read = heapq.heappop(self._due)[2]
-            if read.future.cancelled():
+            if read.future.done():  # cancelled
                 continue
-            if read.tries == 0:
-                read.first_sent = now
-            read.tries += 1
-            read.body = bytearray()
+            if read.deadline <= now:
+                read.fail(_late(read))
+                continue
             handle = self._free.pop()
-            handle.setopt(pycurl.URL, read.url)
-            handle.setopt(pycurl.RANGE, f"{read.start}-{read.start + read.size - 1}")
-            handle.setopt(pycurl.HTTPHEADER, [f"If-Match: {read.etag}"] if read.etag.startswith('"') else [])
-            handle.setopt(pycurl.WRITEFUNCTION, read.body.extend)
+            try:
+                _prepare(handle, read, read.deadline - now)
+            except Exception as error:  # noqa: BLE001 (libcurl refused this read's options: this read alone fails)
+                self._free.append(handle)
+                read.fail(f"{UNREADABLE} {read.name}: cannot be requested ({type(error).__name__})")
+                continue
             self._active[handle] = read
             self._multi.add_handle(handle)
 
@@ -177,32 +209,41 @@ class RangeClient:
             queued, done, failed = self._multi.info_read()
             for handle in done:
                 self._finish(handle, None)
-            for handle, _code, message in failed:
-                self._finish(handle, message)
+            for handle, code, message in failed:
+                self._finish(handle, (code, message))
             if not queued:
                 return
 
-    def _finish(self, handle: pycurl.Curl, transport_error: str | None) -> None:
+    def _finish(self, handle: pycurl.Curl, transport_error: tuple[int, str] | None) -> None:
         self._multi.remove_handle(handle)
         read = self._active.pop(handle)
-        status = handle.getinfo(pycurl.RESPONSE_CODE) if transport_error is None else 0
+        status = handle.getinfo(pycurl.RESPONSE_CODE)  # 0 when no answer came
         self._free.append(handle)
-        if read.future.cancelled():
+        if read.future.done():
             return
+        if transport_error is not None and transport_error[0] == TOO_LARGE and status not in (200, 206):
+            transport_error = None  # an error's body longer than the range: the status says what happened
+        elif transport_error is not None:
+            status = 0
         if status in (200, 206):
-            data = bytes(read.body if status == 206 else read.body[read.start:read.start + read.size])
-            if len(data) == read.size:
-                read.future.set_result(data)
+            if len(read.body) == read.size:
+                read.future.set_result(bytes(read.body))
             else:
-                read.future.set_exception(UnusableImage(f"{read.name} is shorter than its index (changed during the "
-                                                        f"run?)"))
+                read.fail(f"{read.name} is shorter than its index (changed during the run?)")
             return
-        retry_at = time.monotonic() + min(LAST_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (read.tries - 1))
-        retryable = transport_error is not None or status in RETRYABLE_STATUS
-        if retryable and read.tries <= RETRIES and retry_at - read.first_sent <= RETRY_WINDOW_S:
+        now = time.monotonic()
+        if status in RESIGN_STATUS and read.sign_again is not None and not read.signed_again:
+            signed, read.signed_again = read.sign_again(read.name), True
+            if signed is not None:
+                read.url = signed
+                heapq.heappush(self._due, (now, next(self._order), read))
+                return
+        retry_at = now + min(LAST_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (read.tries - 1))
+        retryable = status in RETRYABLE_STATUS or (transport_error is not None and transport_error[0] != TOO_LARGE)
+        if retryable and read.tries <= RETRIES and retry_at < read.deadline:
             heapq.heappush(self._due, (retry_at, next(self._order), read))
             return
-        read.future.set_exception(UnusableImage(_refusal(read, status, transport_error)))
+        read.fail(_refusal(read, status, transport_error))
 
     def _wait(self) -> None:
         """Until a socket of a request is ready, libcurl's own deadline, the next read's due time (when a handle is
@@ -210,6 +251,8 @@ class RangeClient:
         if self._submitted:
             return
         timeout = self._due[0][0] - time.monotonic() if self._due and self._free else None
+        if self._due:  # reads queued: their deadline is checked every SWEEP_S
+            timeout = SWEEP_S if timeout is None else min(timeout, SWEEP_S)
         if self._active:
             libcurl_s = self._multi.timeout() / 1000
             libcurl_s = ACTIVE_POLL_S if libcurl_s < 0 else min(libcurl_s, ACTIVE_POLL_S)
@@ -233,15 +276,35 @@ class RangeClient:
 
     def _fail_unsettled(self) -> None:
         self._take_submitted()
-        reason = f"the reads of this process stopped ({self.failure!r})" if self.failure else \
-            "the reads of this process stopped"
+        reason = "the reads of this process stopped"
+        if self.failure is not None:
+            reason += f" ({type(self.failure).__name__})"  # not its text: it may hold a signed URL
         for read in [*self._active.values(), *(entry[2] for entry in self._due)]:
-            if not read.future.done():
-                read.future.set_exception(UnusableImage(f"{UNREADABLE} {read.name}: {reason}"))
+            read.fail(f"{UNREADABLE} {read.name}: {reason}")
         self._due.clear()
 
 
-def _refusal(read: Read, status: int, transport_error: str | None) -> str:
+def _prepare(handle: pycurl.Curl, read: Read, time_left: float) -> None:
+    read.tries += 1
+    read.body = bytearray()
+    handle.setopt(pycurl.URL, read.url)
+    handle.setopt(pycurl.RANGE, f"{read.start}-{read.start + read.size - 1}")
+    if read.etag.startswith('"'):
+        handle.setopt(pycurl.HTTPHEADER, [f"If-Match: {read.etag}"])
+    else:
+        handle.unsetopt(pycurl.HTTPHEADER)  # setopt with [] keeps a reused handle's last headers
+    handle.setopt(pycurl.WRITEFUNCTION, read.body.extend)
+    # A server that ignores Range answers with the whole object: refused before its body comes, not buffered.
+    handle.setopt(pycurl.MAXFILESIZE_LARGE, read.size)
+    handle.setopt(pycurl.TIMEOUT_MS, max(1, int(1000 * min(REQUEST_TIMEOUT_S, time_left))))
+
+
+def _late(read: Read) -> str:
+    tried = f" (tried {read.tries} times)" if read.tries else " (still queued behind other reads)"
+    return f"{UNREADABLE} {read.name}: no answer within {READ_DEADLINE_S:g} s{tried}"
+
+
+def _refusal(read: Read, status: int, transport_error: tuple[int, str] | None) -> str:
     if status == 412:
         return (f"{read.name} changed during the run (its ETag is no longer {read.etag}): the index no longer "
                 f"describes it; start again to index it anew")
@@ -249,7 +312,12 @@ def _refusal(read: Read, status: int, transport_error: str | None) -> str:
         return f"{UNREADABLE} {read.name} no longer exists"
     if status == 416:
         return f"{read.name} is shorter than its index (changed during the run?)"
-    reason = transport_error or f"HTTP status {status}"
+    if transport_error is not None and transport_error[0] == TOO_LARGE:
+        return f"{UNREADABLE} {read.name}: the server answered a range with more bytes (does it ignore Range?)"
+    if transport_error is not None:
+        reason = transport_error[1].replace(read.url, read.name).split("?X-")[0]  # never a signature
+    else:
+        reason = f"HTTP status {status}" + (" (signed again, still refused)" if read.signed_again else "")
     retries = f" (after {read.tries - 1} retries)" if read.tries > 1 else ""
     return f"{UNREADABLE} {read.name}: {reason}{retries}"
 
@@ -257,10 +325,11 @@ def _refusal(read: Read, status: int, transport_error: str | None) -> str:
 def _new_handle() -> pycurl.Curl:
     handle = pycurl.Curl()
     handle.setopt(pycurl.NOSIGNAL, 1)  # threads: no SIGALRM for timeouts
-    handle.setopt(pycurl.TIMEOUT_MS, int(REQUEST_TIMEOUT_S * 1000))
     handle.setopt(pycurl.CONNECTTIMEOUT_MS, int(CONNECT_TIMEOUT_S * 1000))
     handle.setopt(pycurl.FOLLOWLOCATION, 1)
     handle.setopt(pycurl.MAXREDIRS, 5)
+    handle.setopt(pycurl.PROTOCOLS, pycurl.PROTO_HTTP | pycurl.PROTO_HTTPS)  # a redirect never leaves HTTP(S)
+    handle.setopt(pycurl.REDIR_PROTOCOLS, pycurl.PROTO_HTTP | pycurl.PROTO_HTTPS)
     ca_file, ca_folder = _trusted_roots()
     if ca_file:
         handle.setopt(pycurl.CAINFO, ca_file)
@@ -282,13 +351,27 @@ def _trusted_roots() -> tuple[str | None, str | None]:
 
 _client: tuple[int, RangeClient] | None = None
 _client_lock = threading.Lock()
+_inherited: list[RangeClient] = []  # a parent's clients in a forked child: never freed there (see below)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child keeps its parent's client object, never freeing it: freeing its handles would close
+    connections it shares with the parent (a TLS close written into the parent's stream). Its lock is new: the
+    parent may have held it as it forked."""
+    global _client, _client_lock
+    if _client is not None:
+        _inherited.append(_client[1])
+    _client, _client_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def client() -> RangeClient:
     """This process's client (a fork's child makes its own: the parent's thread does not survive the fork)."""
     global _client
     with _client_lock:
-        if _client is None or _client[0] != os.getpid() or _client[1].closed:
+        if _client is None or _client[1].closed:
             _client = (os.getpid(), RangeClient())
         return _client[1]
 

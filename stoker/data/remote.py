@@ -7,10 +7,10 @@ variables S3 users already set, and needs nothing else installed.
 
 A sample is one ranged GET of its member, asked with If-Match on the (strong) ETag the index was made from: an
 object replaced during the run is named, never read at the old offsets. Those requests go through libcurl
-(`ranges.py`: a fifth of obstore's CPU a request), at URLs the store signs for S3 and GCS; a store that cannot
-sign is read through obstore. A read that keeps failing (retries with back-off, 14 s at worst, inside the default
-producer timeout) makes the sample unreadable, as a local read error does: listed, and tried again in a later
-epoch. Whole objects (a shard indexed or copied) have no deadline but one on silence.
+(`ranges.py`: a fifth of obstore's CPU a request), at URLs the store signs for S3 and GCS; a store that does not
+sign is read through obstore. A read that keeps failing (retried with back-off, settled within 14 s of being
+asked, inside the default producer timeout) makes the sample unreadable, as a local read error does: listed, and
+tried again in a later epoch. Whole objects (a shard indexed or copied) have no deadline but one on silence.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import obstore
 from obstore.exceptions import (
@@ -50,11 +50,13 @@ log = logging.getLogger(__name__)
 
 # A sample's read, retries included, must end inside the producer timeout (20 s by default): past that the producer
 # is taken for hung and the file for the cause. Then the sample is unreadable this epoch (tried again in the next).
-# The bounds are libcurl's requests' (ranges.py); obstore's, for stores that cannot sign, are the same.
+# libcurl's requests (ranges.py) settle each read within ranges.READ_DEADLINE_S; obstore's, for stores that cannot
+# sign, take the same bounds a request, and start no retry after 8 s: the last may take its 4 s and a back-off of
+# at most 2 s before it, 14 s at worst.
 REQUEST_TIMEOUT = timedelta(seconds=ranges.REQUEST_TIMEOUT_S)
 CONNECT_TIMEOUT = timedelta(seconds=ranges.CONNECT_TIMEOUT_S)
 RETRIES = ranges.RETRIES
-RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=ranges.RETRY_WINDOW_S),
+RETRY_CONFIG: dict[str, Any] = {"max_retries": RETRIES, "retry_timeout": timedelta(seconds=8),
                                 "backoff": {"init_backoff": timedelta(seconds=ranges.FIRST_BACKOFF_S),
                                             "max_backoff": timedelta(seconds=ranges.LAST_BACKOFF_S), "base": 2}}
 # A whole object (a shard indexed or copied) may take minutes: no deadline on the transfer, only on silence.
@@ -270,7 +272,7 @@ def read_all_later(members: list[tuple[str, str, int, int]], copies: LocalCopies
     part's reads at once, and its samples then wait about one round trip, not one each. A local copy is read at
     once (it has no round trip)."""
     futures: dict[int, Future[bytes]] = {}
-    curl: list[tuple[int, tuple[str, str, str, int, int]]] = []
+    curl: list[tuple[int, tuple[str, str, str, int, int, ranges.SignAgain | None]]] = []
     for i, (url, version, start, size) in enumerate(members):
         local = _local_copy(copies, url, version) if copies is not None and size else None
         if size == 0:
@@ -283,7 +285,8 @@ def read_all_later(members: list[tuple[str, str, int, int]], copies: LocalCopies
         elif (target := _request_url(url)) is None:
             futures[i] = _store_reads().submit(_read_through_store, url, version, start, size)
         else:
-            curl.append((i, (url, target, version, start, size)))
+            signed = not url.startswith(("http://", "https://"))
+            curl.append((i, (url, target, version, start, size, _sign if signed else None)))
     if curl:
         for (i, _), future in zip(curl, ranges.client().submit_all([read for _, read in curl]), strict=True):
             futures[i] = future
@@ -300,42 +303,60 @@ def stop_reading() -> None:
 
 
 SIGNED_FOR = timedelta(hours=1)
-SIGN_AGAIN_S = 300.0  # a URL signed with temporary credentials ends with them: signed again well before that
+# Temporary credentials are renewed by obstore when 5 minutes or less are left: a URL signed with them is used for
+# at most 2 minutes, well inside what they have left (and one refused with 400 or 403 is signed again at once).
+SIGN_AGAIN_S = 120.0
 _signed: dict[str, tuple[float, str]] = {}  # url -> (when to sign it again, the signed URL)
-_unsigned_roots: set[str] = set()  # stores that could not sign (asked once: asking may wait on a metadata service)
+_unsigned_roots: set[str] = set()  # stores that could not sign: read through obstore from then on
+SKIP_SIGNATURE_ENV = {"s3://": "AWS_SKIP_SIGNATURE", "gs://": "GOOGLE_SKIP_SIGNATURE"}
+HTTP_URL_SAFE = ":/?#[]@!$&'()*+,;=%~"  # kept as written: a URL's delimiters and its escapes
 
 
 def _request_url(url: str) -> str | None:
-    """Where a ranged GET of the object goes: an HTTP(S) URL itself, an S3 or GCS object's URL as its store signs
-    it; None for a store that cannot sign (no credentials, AWS_SKIP_SIGNATURE), read through obstore instead."""
+    """Where a ranged GET of the object goes: an HTTP(S) URL itself (spaces and other characters escaped), an S3 or
+    GCS object's URL as its store signs it; None for a store that does not sign (AWS_SKIP_SIGNATURE, or signing
+    failed), read through obstore instead."""
     if url.startswith(("http://", "https://")):
-        return url
-    now = time.monotonic()
+        return _escaped(url)
     known = _signed.get(url)
-    if known is not None and now < known[0]:
+    if known is not None and time.monotonic() < known[0]:
         return known[1]
+    return _sign(url)
+
+
+@functools.lru_cache(maxsize=4096)
+def _escaped(url: str) -> str:
+    return quote(url, safe=HTTP_URL_SAFE)
+
+
+def _sign(url: str) -> str | None:
+    """The object's URL signed now (and kept for SIGN_AGAIN_S), or None for a store that does not sign. A store set
+    to skip signatures is never asked: asking goes to the instance metadata service, which may be far."""
     root, path = _split(url)
-    if root in _unsigned_roots:
+    skip = next((env for scheme, env in SKIP_SIGNATURE_ENV.items() if root.startswith(scheme)), None)
+    if root in _unsigned_roots or (skip and os.environ.get(skip, "").lower() in ("true", "1")):
         return None
     try:
         signed = obstore.sign(_store(root), "GET", path, SIGNED_FOR)
     except Exception as error:  # noqa: BLE001 (any reason not to sign: read through obstore, which says why)
-        log.info("%s: read through obstore, its store does not sign URLs (%s)", root, describe(error))
+        log.warning("%s: read through obstore, URLs of this store cannot be signed (%s)", root, describe(error))
         _unsigned_roots.add(root)
         return None
-    _signed[url] = (now + SIGN_AGAIN_S, signed)
+    _signed[url] = (time.monotonic() + SIGN_AGAIN_S, signed)
     return signed
 
 
 _store_pool: tuple[int, ThreadPoolExecutor] | None = None
+_store_pool_lock = threading.Lock()
 
 
 def _store_reads() -> ThreadPoolExecutor:
     """This process's request threads for objects read through obstore (a pool's threads do not survive a fork)."""
     global _store_pool
-    if _store_pool is None or _store_pool[0] != os.getpid():
-        _store_pool = (os.getpid(), ThreadPoolExecutor(ranges.IN_FLIGHT, thread_name_prefix="stoker-read"))
-    return _store_pool[1]
+    with _store_pool_lock:
+        if _store_pool is None or _store_pool[0] != os.getpid():
+            _store_pool = (os.getpid(), ThreadPoolExecutor(ranges.IN_FLIGHT, thread_name_prefix="stoker-read"))
+        return _store_pool[1]
 
 
 def _read_through_store(url: str, version: str, start: int, size: int) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -27,10 +28,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.failures_left.get(self.path, 0) > 0:
             self.failures_left[self.path] -= 1
             return self._answer(503, b"busy")
-        if self.path == "/gone":
-            return self._answer(404, b"")
+        if self.path == "/gone":  # errors come with bodies longer than the ranges asked, as S3's do
+            return self._answer(404, b"<Error><Code>NoSuchKey</Code>" + b" " * 300 + b"</Error>")
+        if self.path == "/expired":  # a signed URL whose credentials ended
+            return self._answer(403, b"<Error><Code>ExpiredToken</Code></Error>")
+        if self.path == "/whole":  # a server that ignores Range
+            return self._answer(200, OBJECT)
         if self.headers.get("If-Match") not in (None, ETAG):
-            return self._answer(412, b"")
+            return self._answer(412, b"<Error><Code>PreconditionFailed</Code>" + b" " * 300 + b"</Error>")
         first, last = (int(v) for v in self.headers["Range"].removeprefix("bytes=").split("-"))
         self._answer(206, OBJECT[first:last + 1])
 
@@ -103,3 +108,76 @@ def test_reads_still_out_when_the_client_stops_fail_instead_of_waiting(server):
     with pytest.raises(UnusableImage, match="stopped"):
         client.submit(f"{server}/object", f"{server}/object", ETAG, 0, 10).result(timeout=30)
     assert _Handler.seen == []
+
+
+def test_a_handle_used_again_sends_no_stale_if_match(server):
+    """A read of an object without a strong ETag (a weak one, or size and date) after one with: no If-Match."""
+    client = ranges.client()
+    assert client.submit("a", f"{server}/object", ETAG, 0, 10).result(timeout=60) == OBJECT[:10]
+    assert client.submit("b", f"{server}/object", 'W/"v9"', 5, 10).result(timeout=60) == OBJECT[5:15]
+    assert client.submit("c", f"{server}/object", "65536@2026", 7, 10).result(timeout=60) == OBJECT[7:17]
+    assert [match for _, _, match in _Handler.seen] == [ETAG, None, None]
+
+
+def test_a_server_that_ignores_range_is_refused_not_buffered(server):
+    with pytest.raises(UnusableImage, match="ignore Range"):
+        ranges.client().submit("whole", f"{server}/whole", ETAG, 0, 10).result(timeout=60)
+    assert len(_Handler.seen) == 1
+
+
+def test_a_refused_signed_url_is_signed_again_once(server):
+    """403 from a signed URL: signed again and asked once more; refused again, it is not signed a third time."""
+    signed: list[str] = []
+
+    def sign_again(name: str) -> str:
+        signed.append(name)
+        return f"{server}/object?signature=new"
+
+    data = ranges.client().submit("s3://b/object", f"{server}/expired", ETAG, 3, 9, sign_again).result(timeout=60)
+    assert data == OBJECT[3:12] and signed == ["s3://b/object"]
+    with pytest.raises(UnusableImage, match=r"s3://b/object: HTTP status 403 \(signed again, still refused\)"):
+        ranges.client().submit("s3://b/object", f"{server}/expired", ETAG, 3, 9,
+                               lambda name: f"{server}/expired").result(timeout=60)
+
+
+def test_a_url_with_spaces_and_accents_is_escaped_once(server):
+    from stoker.data import remote
+
+    assert remote.read_range(f"{server}/a folder/données%2B.tar", ETAG, 4, 6) == OBJECT[4:10]
+    assert _Handler.seen[0][0] == "/a%20folder/donn%C3%A9es%2B.tar"
+
+
+def test_reads_queued_behind_a_server_that_never_answers_fail_at_their_deadline(monkeypatch):
+    """Three times the requests a client sends at once, to a server that takes connections and never answers: every
+    read fails by its deadline (shortened here), those still queued too, instead of waiting for rounds of timeouts."""
+    monkeypatch.setattr(ranges, "READ_DEADLINE_S", 1.5)
+    listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def take_and_hold() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    taker = threading.Thread(target=take_and_hold, daemon=True)
+    taker.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/object"
+    try:
+        futures = [ranges.client().submit(url, url, ETAG, i, 10) for i in range(3 * ranges.IN_FLIGHT)]
+        messages = []
+        for future in futures:
+            with pytest.raises(UnusableImage, match=f"{UNREADABLE} .*(no answer within 1.5 s|timed out)") as error:
+                future.result(timeout=60)
+            messages.append(str(error.value))
+        assert any("still queued" in message for message in messages)
+    finally:
+        ranges.stop()
+        stop.set()
+        taker.join()
+        for connection in held:
+            connection.close()
+        listener.close()
