@@ -11,7 +11,7 @@ S3 and GCS objects are read through URLs their store signs (`remote.py`); the si
 so a range and an If-Match header can be added. A URL refused with 400 or 403 is signed again and asked once more
 (temporary credentials end). Errors name the object as the user gave it, never a signed URL.
 
-Every request asks If-Match on the ETag the index was made from; 412 means the object changed. A request that
+Every request asks If-Match on the (strong) ETag the index was made from; 412 means the object changed. A request that
 fails (no answer within REQUEST_TIMEOUT_S, a dropped connection, 500, 502, 503, 504, 408, 429) is tried again after
 a back-off, at most RETRIES times. Whatever happens, queued behind other reads or retried, a read is settled within
 READ_DEADLINE_S (and a sweep's interval) of its submission: inside the default producer timeout of 20 s, so a
@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import logging
 import math
 import os
 import select
@@ -40,6 +41,8 @@ import pycurl
 from stoker.common import faults
 from stoker.data.imaging import UNREADABLE, UnusableImage
 
+log = logging.getLogger(__name__)
+
 IN_FLIGHT = 64  # requests at once per process: a part's samples wait one round trip, not one each
 REQUEST_TIMEOUT_S = 4.0
 CONNECT_TIMEOUT_S = 3.0
@@ -47,6 +50,7 @@ RETRIES = 3
 FIRST_BACKOFF_S, LAST_BACKOFF_S = 0.2, 2.0
 READ_DEADLINE_S = 14.0  # from submission to an answer or a refusal, queueing and retries included
 SWEEP_S = 0.5  # how often reads still queued are checked against their deadline
+DEADLINE_MARGIN_S = 0.05  # a request that fails this close to its read's deadline ran out of it
 ACTIVE_POLL_S = 0.05  # the longest wait while requests are out (libcurl's sockets past 1024 are not waited on)
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 RESIGN_STATUS = frozenset({400, 403})  # a signed URL whose credentials ended (S3 answers 400 or 403)
@@ -54,7 +58,7 @@ TOO_LARGE = pycurl.E_FILESIZE_EXCEEDED if hasattr(pycurl, "E_FILESIZE_EXCEEDED")
 SignAgain = Callable[[str], "str | None"]  # an object's name -> a freshly signed URL of it (None: cannot)
 
 
-@dataclass
+@dataclass(eq=False)  # each read is itself: kept in a set while its URL is signed again
 class Read:
     """One member's bytes: `size` at `start` of `name` (the object as the user named it), asked at `url` (the same,
     or a signed URL of it, which `sign_again` renews) with If-Match `etag` where that is a strong ETag."""
@@ -92,6 +96,7 @@ class RangeClient:
         self._due: list[tuple[float, int, Read]] = []  # (when, tiebreak, read): the wait a retry or latency adds
         self._order = itertools.count()
         self._next_sweep = 0.0
+        self._signing: set[Read] = set()  # reads whose URL is being signed again (in threads of their own)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -150,6 +155,7 @@ class RangeClient:
                 self._wait()
         except BaseException as error:  # noqa: BLE001 (carried to every read still waiting, never lost)
             self.failure = error
+            log.exception("the ranged reads' thread stopped: the reads it held fail, a new client takes the next")
         finally:
             with self._lock:
                 self._closed.set()
@@ -176,6 +182,10 @@ class RangeClient:
         if now < self._next_sweep:
             return
         self._next_sweep = now + SWEEP_S
+        with self._lock:
+            for read in [read for read in self._signing if read.deadline <= now]:
+                read.fail(_late(read))
+                self._signing.discard(read)
         expired = [entry for entry in self._due if entry[2].deadline <= now]
         if expired:
             for _, _, read in expired:
@@ -233,17 +243,37 @@ class RangeClient:
             return
         now = time.monotonic()
         if status in RESIGN_STATUS and read.sign_again is not None and not read.signed_again:
-            signed, read.signed_again = read.sign_again(read.name), True
-            if signed is not None:
-                read.url = signed
-                heapq.heappush(self._due, (now, next(self._order), read))
-                return
+            read.signed_again = True
+            with self._lock:
+                self._signing.add(read)  # the sweep fails it at its deadline, should signing take longer
+            threading.Thread(target=self._sign_again, args=(read, status), name="stoker-sign", daemon=True).start()
+            return
+        if transport_error is not None and now >= read.deadline - DEADLINE_MARGIN_S:
+            read.fail(_late(read))  # its timeout was what was left of the deadline
+            return
         retry_at = now + min(LAST_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (read.tries - 1))
         retryable = status in RETRYABLE_STATUS or (transport_error is not None and transport_error[0] != TOO_LARGE)
         if retryable and read.tries <= RETRIES and retry_at < read.deadline:
             heapq.heappush(self._due, (retry_at, next(self._order), read))
             return
         read.fail(_refusal(read, status, transport_error))
+
+    def _sign_again(self, read: Read, status: int) -> None:
+        """In a thread of its own: signing may wait on a credentials service, and the client's thread serves every
+        other read meanwhile."""
+        assert read.sign_again is not None
+        try:
+            signed = read.sign_again(read.name)
+        except Exception:  # noqa: BLE001 (the read fails with the refusal it had)
+            signed = None
+        with self._lock:
+            self._signing.discard(read)
+            if signed is None or self._closed.is_set():
+                read.fail(f"{UNREADABLE} {read.name}: HTTP status {status}, and its URL could not be signed again")
+                return
+            read.url = signed
+            self._submitted.append((time.monotonic(), read))
+        self._wake()
 
     def _wait(self) -> None:
         """Until a socket of a request is ready, libcurl's own deadline, the next read's due time (when a handle is
@@ -279,7 +309,9 @@ class RangeClient:
         reason = "the reads of this process stopped"
         if self.failure is not None:
             reason += f" ({type(self.failure).__name__})"  # not its text: it may hold a signed URL
-        for read in [*self._active.values(), *(entry[2] for entry in self._due)]:
+        with self._lock:
+            signing, self._signing = list(self._signing), set()
+        for read in [*self._active.values(), *(entry[2] for entry in self._due), *signing]:
             read.fail(f"{UNREADABLE} {read.name}: {reason}")
         self._due.clear()
 

@@ -7,7 +7,7 @@ variables S3 users already set, and needs nothing else installed.
 
 A sample is one ranged GET of its member, asked with If-Match on the (strong) ETag the index was made from: an
 object replaced during the run is named, never read at the old offsets. Those requests go through libcurl
-(`ranges.py`: a fifth of obstore's CPU a request), at URLs the store signs for S3 and GCS; a store that does not
+(`ranges.py`: a third of obstore's CPU a request), at URLs the store signs for S3 and GCS; a store that does not
 sign is read through obstore. A read that keeps failing (retried with back-off, settled within 14 s of being
 asked, inside the default producer timeout) makes the sample unreadable, as a local read error does: listed, and
 tried again in a later epoch. Whole objects (a shard indexed or copied) have no deadline but one on silence.
@@ -307,15 +307,18 @@ SIGNED_FOR = timedelta(hours=1)
 # at most 2 minutes, well inside what they have left (and one refused with 400 or 403 is signed again at once).
 SIGN_AGAIN_S = 120.0
 _signed: dict[str, tuple[float, str]] = {}  # url -> (when to sign it again, the signed URL)
-_unsigned_roots: set[str] = set()  # stores that could not sign: read through obstore from then on
-SKIP_SIGNATURE_ENV = {"s3://": "AWS_SKIP_SIGNATURE", "gs://": "GOOGLE_SKIP_SIGNATURE"}
-HTTP_URL_SAFE = ":/?#[]@!$&'()*+,;=%~"  # kept as written: a URL's delimiters and its escapes
+_unsigned_roots: dict[str, float] = {}  # stores that could not sign -> when to try again (read through obstore)
+# Stores set to skip signing, or whose requests carry headers a signed URL does not (requester pays, a customer's
+# encryption key): read through obstore, which sends them. Never asked to sign: asking may go to the metadata service.
+THROUGH_STORE_ENV = {"s3://": ("AWS_SKIP_SIGNATURE", "AWS_REQUEST_PAYER", "AWS_SSE_CUSTOMER_KEY_BASE64"),
+                     "gs://": ("GOOGLE_SKIP_SIGNATURE",)}
+HTTP_PATH_SAFE = "/%:@!$&'()*+,;=~"  # kept as written: a path's delimiters and its escapes
+HTTP_QUERY_SAFE = HTTP_PATH_SAFE + "?"
 
 
 def _request_url(url: str) -> str | None:
-    """Where a ranged GET of the object goes: an HTTP(S) URL itself (spaces and other characters escaped), an S3 or
-    GCS object's URL as its store signs it; None for a store that does not sign (AWS_SKIP_SIGNATURE, or signing
-    failed), read through obstore instead."""
+    """Where a ranged GET of the object goes: an HTTP(S) URL itself (spaces and other characters of its path and
+    query escaped), an S3 or GCS object's URL as its store signs it; None for a store read through obstore."""
     if url.startswith(("http://", "https://")):
         return _escaped(url)
     known = _signed.get(url)
@@ -326,23 +329,30 @@ def _request_url(url: str) -> str | None:
 
 @functools.lru_cache(maxsize=4096)
 def _escaped(url: str) -> str:
-    return quote(url, safe=HTTP_URL_SAFE)
+    parts = urlsplit(url)  # the host as written: libcurl takes international names itself
+    return parts._replace(path=quote(parts.path, safe=HTTP_PATH_SAFE),
+                          query=quote(parts.query, safe=HTTP_QUERY_SAFE)).geturl()
 
 
 def _sign(url: str) -> str | None:
-    """The object's URL signed now (and kept for SIGN_AGAIN_S), or None for a store that does not sign. A store set
-    to skip signatures is never asked: asking goes to the instance metadata service, which may be far."""
+    """The object's URL signed now (and kept for SIGN_AGAIN_S), or None for a store read through obstore. Called
+    by producers and, for a URL refused with 400 or 403, by the ranged reads' client in a thread of its own."""
     root, path = _split(url)
-    skip = next((env for scheme, env in SKIP_SIGNATURE_ENV.items() if root.startswith(scheme)), None)
-    if root in _unsigned_roots or (skip and os.environ.get(skip, "").lower() in ("true", "1")):
+    settings = next((names for scheme, names in THROUGH_STORE_ENV.items() if root.startswith(scheme)), ())
+    if any(os.environ.get(name, "").lower() not in ("", "false", "0") for name in settings):
+        return None
+    now = time.monotonic()
+    if now < _unsigned_roots.get(root, 0.0):
         return None
     try:
         signed = obstore.sign(_store(root), "GET", path, SIGNED_FOR)
     except Exception as error:  # noqa: BLE001 (any reason not to sign: read through obstore, which says why)
-        log.warning("%s: read through obstore, URLs of this store cannot be signed (%s)", root, describe(error))
-        _unsigned_roots.add(root)
+        if root not in _unsigned_roots:
+            log.warning("%s: read through obstore for now, URLs of this store cannot be signed (%s)", root,
+                        describe(error))
+        _unsigned_roots[root] = now + SIGN_AGAIN_S  # a passing failure (a credentials service) is asked again
         return None
-    _signed[url] = (time.monotonic() + SIGN_AGAIN_S, signed)
+    _signed[url] = (now + SIGN_AGAIN_S, signed)
     return signed
 
 

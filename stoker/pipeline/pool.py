@@ -33,15 +33,10 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 2
 # Where samples come over a network, a producer holds this many: their reads go out together when it takes them
 # (`producer._take_ahead`), so a part waits one round trip while the parts before it decode. With 2, one producer
-# reading 25 ms away trained at 0.82-0.88 of local disk (the consumers waited 10-24% until auto forked a second, 4-6
-# s into a 5 s run); with 6, one producer kept them fed (0.1% waiting) at 0.93-0.96 (`stoker bench remote` shards).
+# reading 25 ms away kept two CPU consumers waiting 12-24% until auto forked a second, 4.4-6.3 s into a run of 5 s
+# of training (0.79-0.91 of local disk); with 6 they waited 0.1% (0.90-0.95): docs/benchmarks.md, remote shards.
 NETWORK_IN_FLIGHT = 6
 StartMethod = Literal["zygote", "spawn"]
-
-
-def parts_held(source: object) -> int:
-    """The parts a producer of `source` may hold: deeper where its samples come over a network."""
-    return NETWORK_IN_FLIGHT if getattr(source, "streamed", False) else MAX_IN_FLIGHT
 RETIRED_REPORTS_GRACE_S = 5.0
 # A crash loop (every new producer dies at once) ends the run; losses spread over a long run never do.
 MAX_LOSSES_WITHOUT_PROGRESS = 8
@@ -52,6 +47,11 @@ OUTSIDE_KILLS_TO_SKIP = 2
 # A producer not yet ready this long after its fork (its imports, its user dataset's unpickling) is stuck, not slow:
 # the slowest start seen, a dataset unpickled with torch's imports on a loaded 2-core machine, took over 20 s.
 STARTUP_TIMEOUT_S = 300.0
+
+
+def parts_held(source: object) -> int:
+    """The parts a producer of `source` may hold: deeper where its samples come over a network."""
+    return NETWORK_IN_FLIGHT if getattr(source, "streamed", False) else MAX_IN_FLIGHT
 
 
 @dataclass

@@ -393,7 +393,8 @@ class Loader:
                                               static_budget(trains_on, cores), cores, None,
                                               memory // max(1, local_world) if memory is not None else None)
         self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
-        # The engine's finest split (its ceiling's): a producer holds QUEUED_BATCHES batches' worth at most.
+        # The engine's finest split (its ceiling's): a producer holds QUEUED_BATCHES batches' worth at most (or, of
+        # streamed samples, NETWORK_IN_FLIGHT parts where that is more: their reads wait a round trip together).
         parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)
         augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
         held = max(QUEUED_BATCHES * parts, parts_held(self.source))

@@ -108,7 +108,7 @@ def test_s3_members_read_signed_or_unsigned_give_local_bytes_and_errors_name_the
     samples = range(0, len(local), 7)
     for prefix, skip_signature in (("data/train", False), ("data/gone", True)):
         monkeypatch.setattr(remote, "_stores", {})  # a client made anew, as a new process makes it
-        monkeypatch.setattr(remote, "_unsigned_roots", set())
+        monkeypatch.setattr(remote, "_unsigned_roots", {})
         monkeypatch.setenv("AWS_SKIP_SIGNATURE", str(skip_signature).lower())
         if skip_signature:  # and no keys to sign with
             monkeypatch.delenv("AWS_ACCESS_KEY_ID")
@@ -122,7 +122,7 @@ def test_s3_members_read_signed_or_unsigned_give_local_bytes_and_errors_name_the
     for name, value in servers.s3_environment(s3.url).items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(remote, "_stores", {})
-    monkeypatch.setattr(remote, "_unsigned_roots", set())
+    monkeypatch.setattr(remote, "_unsigned_roots", {})
     gone = load_source(f"s3://{BUCKET}/data/gone/{SHARDS}", cache=tmp_path / "cache")
     servers.delete_prefix(s3.url, BUCKET, "data/gone/")
     with pytest.raises(UnusableImage) as error:
