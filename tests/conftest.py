@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
@@ -10,8 +11,10 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,6 +72,33 @@ def live_segments() -> list[str]:
 
 def _alive(pid: int) -> bool:
     return os.path.exists(f"/proc/{pid}")
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[int]:
+    """The port of a server on loopback that takes every connection and never answers: a hung server."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+    listener.settimeout(0.2)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def take_and_hold() -> None:
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+
+    taker = threading.Thread(target=take_and_hold, daemon=True)
+    taker.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        taker.join()
+        for connection in held:
+            connection.close()
+        listener.close()
 
 
 def free_port() -> int:

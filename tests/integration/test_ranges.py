@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -13,6 +12,7 @@ import pytest
 
 from stoker.data import ranges
 from stoker.data.imaging import UNREADABLE, UnusableImage
+from tests.conftest import silent_server
 
 OBJECT = os.urandom(64 << 10)
 ETAG = '"v1"'
@@ -153,33 +153,15 @@ def test_reads_queued_behind_a_server_that_never_answers_fail_at_their_deadline(
     still queued too, instead of waiting for a request's timeout or rounds of them."""
     monkeypatch.setattr(ranges, "READ_DEADLINE_S", 1.5)
     monkeypatch.setattr(ranges, "REQUEST_TIMEOUT_S", 600.0)
-    listener = socket.create_server(("127.0.0.1", 0), backlog=256)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def take_and_hold() -> None:
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                held.append(listener.accept()[0])
-            except TimeoutError:
-                continue
-
-    taker = threading.Thread(target=take_and_hold, daemon=True)
-    taker.start()
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}/object"
-    try:
-        futures = [ranges.client().submit(url, url, ETAG, i, 10) for i in range(3 * ranges.IN_FLIGHT)]
-        messages, ended = [], f"{UNREADABLE} .*(no answer within 1.5 s|timed out|timeout)"
-        for future in futures:
-            with pytest.raises(UnusableImage, match=ended) as error:
-                future.result(timeout=120)  # a fifth of the request's timeout: only the deadline ends it sooner
-            messages.append(str(error.value))
-        assert any("still queued" in message for message in messages)
-    finally:
-        ranges.stop()
-        stop.set()
-        taker.join()
-        for connection in held:
-            connection.close()
-        listener.close()
+    with silent_server() as port:
+        url = f"http://127.0.0.1:{port}/object"
+        try:
+            futures = [ranges.client().submit(url, url, ETAG, i, 10) for i in range(3 * ranges.IN_FLIGHT)]
+            messages, ended = [], f"{UNREADABLE} .*(no answer within 1.5 s|timed out|timeout)"
+            for future in futures:
+                with pytest.raises(UnusableImage, match=ended) as error:
+                    future.result(timeout=120)  # a fifth of the request's timeout: only the deadline ends it sooner
+                messages.append(str(error.value))
+            assert any("still queued" in message for message in messages)
+        finally:
+            ranges.stop()
