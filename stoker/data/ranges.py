@@ -239,7 +239,7 @@ class RangeClient:
             if len(read.body) == read.size:
                 read.future.set_result(bytes(read.body))
             else:
-                read.fail(f"{read.name} is shorter than its index (changed during the run?)")
+                read.fail(shorter(read.name))
             return
         now = time.monotonic()
         if status in RESIGN_STATUS and read.sign_again is not None and not read.signed_again:
@@ -336,14 +336,27 @@ def _late(read: Read) -> str:
     return f"{UNREADABLE} {read.name}: no answer within {READ_DEADLINE_S:g} s{tried}"
 
 
+def changed(name: str, etag: str) -> str:
+    """Why a member of an object replaced since it was indexed is not read (obstore's reads say it too)."""
+    return f"{name} changed during the run (its ETag is no longer {etag}): the index no longer describes it; start " \
+           "again to index it anew"
+
+
+def gone(name: str) -> str:
+    return f"{UNREADABLE} {name} no longer exists"
+
+
+def shorter(name: str) -> str:
+    return f"{name} is shorter than its index (changed during the run?)"
+
+
 def _refusal(read: Read, status: int, transport_error: tuple[int, str] | None) -> str:
     if status == 412:
-        return (f"{read.name} changed during the run (its ETag is no longer {read.etag}): the index no longer "
-                f"describes it; start again to index it anew")
+        return changed(read.name, read.etag)
     if status in (404, 410):
-        return f"{UNREADABLE} {read.name} no longer exists"
+        return gone(read.name)
     if status == 416:
-        return f"{read.name} is shorter than its index (changed during the run?)"
+        return shorter(read.name)
     if transport_error is not None and transport_error[0] == TOO_LARGE:
         return f"{UNREADABLE} {read.name}: the server answered a range with more bytes (does it ignore Range?)"
     if transport_error is not None:
@@ -381,7 +394,7 @@ def _trusted_roots() -> tuple[str | None, str | None]:
             next((d for d in folders if d and os.path.isdir(d)), None))
 
 
-_client: tuple[int, RangeClient] | None = None
+_client: RangeClient | None = None  # this process's (a forked child starts with none: see below)
 _client_lock = threading.Lock()
 _inherited: list[RangeClient] = []  # a parent's clients in a forked child: never freed there (see below)
 
@@ -392,7 +405,7 @@ def _after_fork_in_child() -> None:
     parent may have held it as it forked."""
     global _client, _client_lock
     if _client is not None:
-        _inherited.append(_client[1])
+        _inherited.append(_client)
     _client, _client_lock = None, threading.Lock()
 
 
@@ -403,9 +416,9 @@ def client() -> RangeClient:
     """This process's client (a fork's child makes its own: the parent's thread does not survive the fork)."""
     global _client
     with _client_lock:
-        if _client is None or _client[1].closed:
-            _client = (os.getpid(), RangeClient())
-        return _client[1]
+        if _client is None or _client.closed:
+            _client = RangeClient()
+        return _client
 
 
 def stop() -> None:
@@ -413,8 +426,8 @@ def stop() -> None:
     global _client
     with _client_lock:
         held, _client = _client, None
-    if held is not None and held[0] == os.getpid():
-        held[1].close()
+    if held is not None:
+        held.close()
 
 
 def settled(data: bytes | BaseException) -> Future[bytes]:

@@ -376,14 +376,13 @@ def _read_through_store(url: str, version: str, start: int, size: int) -> bytes:
     try:
         data = obstore.get(_store(root), path, options=options).bytes()
     except PreconditionError:
-        raise UnusableImage(f"{url} changed during the run (its ETag is no longer {version}): the index no longer "
-                            f"describes it; start again to index it anew") from None
+        raise UnusableImage(ranges.changed(url, version)) from None
     except NotFoundError:
-        raise UnusableImage(f"{UNREADABLE} {url} no longer exists") from None
+        raise UnusableImage(ranges.gone(url)) from None
     except (BaseError, OSError) as error:
         raise UnusableImage(f"{UNREADABLE} {url}: {describe(error)}") from None
     if len(data) != size:
-        raise UnusableImage(f"{url} is shorter than its index (changed during the run?)")
+        raise UnusableImage(ranges.shorter(url))
     return bytes(data)
 
 
