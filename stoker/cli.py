@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, help="where the PNG goes (default RUN_DIR/report.png, or "
                         "report-compare.png for two runs)")
     from stoker.bench import add_bench_parser
-    from stoker.data.pack import add_parser as add_pack_parser
+    from stoker.data.formats.pack import add_parser as add_pack_parser
     from stoker.use.model_commands import add_parsers as add_model_parsers
     add_pack_parser(commands)
     add_model_parsers(commands)  # eval, predict

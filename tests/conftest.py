@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from stoker.common import procs
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from stoker.pipeline import ring
 
 ROOT = Path(__file__).resolve().parent.parent

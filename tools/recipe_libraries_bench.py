@@ -15,7 +15,7 @@ import kornia
 import kornia.augmentation as K
 from kornia.augmentation.auto import TrivialAugment as KTrivial
 
-from stoker.data.policies import apply_policy
+from stoker.data.pixels.policies import apply_policy
 from stoker.training.recipe import Mix, apply_mix, cutmix_box, erase, erasing_boxes
 
 torch.set_num_threads(1)

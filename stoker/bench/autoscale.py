@@ -32,7 +32,7 @@ from typing import Any
 
 from stoker.common import faults
 from stoker.common.waiting import waiting
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from stoker.observe.metrics import read_events
 
 WORKLOADS = ("a", "b", "c", "d", "e", "f", "g", "h")

@@ -193,8 +193,8 @@ def _rollup(pid: int) -> dict[str, float]:
 def measure_throughput(scratch: Path, sources: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     """Producers decoding the same images from files and from shards, interleaved runs, medians."""
     from stoker.bench.pipeline import time_stoker
-    from stoker.data.pack import pack
-    from stoker.data.shards import load_shards
+    from stoker.data.formats.pack import pack
+    from stoker.data.formats.shards import load_shards
 
     root = scratch / "throughput"
     build_folder(root, sources, args.throughput_files)

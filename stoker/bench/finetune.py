@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 def split_tasks(root: Path, pretrain_per_class: int, finetune_per_class: int,
                 val_per_class: int) -> tuple[Path, Path]:
     """Two ImageFolders under `root` (`pretrain/`, `finetune/`, each with train and val), disjoint classes."""
-    from stoker.data.builtin_data import generate
+    from stoker.data.formats.builtin_data import generate
 
     generated = root / "generated"
     generate(generated, max(pretrain_per_class, finetune_per_class), val_per_class)

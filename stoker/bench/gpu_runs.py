@@ -220,7 +220,7 @@ def time_dataloader(folder: Path, model: str, args: argparse.Namespace, decoder:
     recipe) or with stoker's own decoder, so the ratio separates pipeline design from decoder speed."""
     from torch.utils.data import DataLoader, RandomSampler
 
-    from stoker.data.dataset import scan_image_folder
+    from stoker.data.formats.folders import scan_image_folder
 
     index = scan_image_folder(folder)
     trainer = _Step(model, args, num_classes=len(index.classes))
@@ -282,7 +282,7 @@ class _StokerDecoded:
         return len(self.paths)
 
     def __getitem__(self, index: int):
-        from stoker.data.imaging import load_into
+        from stoker.data.pixels.imaging import load_into
 
         image = np.empty((self.image_size, self.image_size, 3), np.uint8)
         load_into(Path(self.paths[index]).read_bytes(), image, "standard", self.rng)

@@ -111,7 +111,7 @@ def _shape(args: argparse.Namespace) -> str:
 
 
 def _count_images(folder: Path) -> int:
-    from stoker.data.dataset import scan_image_folder
+    from stoker.data.formats.folders import scan_image_folder
 
     return len(scan_image_folder(folder).paths)
 
@@ -161,7 +161,7 @@ class StokerDecodeDataset:
     def __getitem__(self, index: int) -> tuple[Any, int]:
         import torch
 
-        from stoker.data.imaging import load_into
+        from stoker.data.pixels.imaging import load_into
 
         out = np.empty((self.size, self.size, 3), np.uint8)
         load_into(Path(self.paths[index]).read_bytes(), out, "standard", self.rng)
@@ -236,7 +236,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
         return _epochs(loader, epochs=args.epochs), loader.close
     from torch.utils.data import DataLoader, DistributedSampler
 
-    from stoker.data.dataset import scan_image_folder
+    from stoker.data.formats.folders import scan_image_folder
     from stoker.training.feed import MEAN, STD, normalize_pixels
 
     index = scan_image_folder(args.data)

@@ -35,8 +35,8 @@ from PIL import Image
 
 from stoker.common.procs import CONTEXT, Mailbox
 from stoker.common.waiting import waiting
-from stoker.data.dataset import scan_image_folder
-from stoker.data.imaging import random_resized_crop_box
+from stoker.data.formats.folders import scan_image_folder
+from stoker.data.pixels.imaging import random_resized_crop_box
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
 from stoker.pipeline.producer import Part, PartDone, ProducerSetup, SampleSource, Source

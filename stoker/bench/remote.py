@@ -29,7 +29,7 @@ from typing import Any
 
 from stoker.bench import servers
 from stoker.common import faults
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 
 SHARDS = 8
 STAND_INS = ("proxy", "reader")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from stoker.bench.group import run_group
 from stoker.common import faults
 from stoker.common.waiting import waiting
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from stoker.observe.metrics import read_events
 
 if TYPE_CHECKING:  # torch is imported where it runs: `stoker bench scaling --help` need not wait for it

@@ -31,7 +31,7 @@ from typing import Any
 
 from stoker.common.procs import descendants, parent_of, stoker_processes
 from stoker.common.waiting import waiting
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from stoker.observe.metrics import read_events
 from stoker.pipeline.ring import SHM_DIR, live_segments
 

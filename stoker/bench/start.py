@@ -22,7 +22,7 @@ import numpy as np
 
 from stoker.common import zygote
 from stoker.common.procs import CONTEXT, Mailbox
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from stoker.data.index import load_image_folder
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.pool import ProducerPool, StartMethod

@@ -29,8 +29,8 @@ from PIL import Image
 
 from stoker.bench.autoscale import steady_rate
 from stoker.bench.group import run_group
-from stoker.data.imaging import load_into
 from stoker.data.index import read_file
+from stoker.data.pixels.imaging import load_into
 
 WORLD = 2
 STOKER_RUNS = {"stoker": True, "stoker_after_step": False}  # name: average_in_backward
@@ -119,7 +119,7 @@ def _ddp_train(rank: int, world: int, train: str, val: str, folder: str, batch_s
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data.distributed import DistributedSampler
 
-    from stoker.data.dataset import scan_image_folder
+    from stoker.data.formats.folders import scan_image_folder
     from stoker.training.models import build_model
 
     train_index = scan_image_folder(Path(train))

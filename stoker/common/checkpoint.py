@@ -19,50 +19,29 @@ import shutil
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stoker.common import faults
+from stoker.common.positions import (  # noqa: F401 (checkpoint.X stays the one name for these)
+    META_CHECKSUM,
+    META_FILE,
+    MODEL_FILE,
+    PREFIX,
+    TMP_PREFIX,
+    Position,
+    checkpoint_dir,
+    rank_file,
+    step_of,
+)
 
 log = logging.getLogger(__name__)
-
-MODEL_FILE = "model.pt"
-META_FILE = "meta.json"
-META_CHECKSUM = "meta_sha256"  # of meta.json's other keys, canonically serialized
-PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
 
 
 class CheckpointError(Exception):
     """A checkpoint is missing, truncated, tampered with, or not loadable as plain weights."""
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where training resumes: the next train step to run, the global step count so far, and the samples of the
-    epoch before that step (None in checkpoints written before the consumers could change mid-run: `step` steps of
-    the run's own size)."""
-
-    epoch: int
-    step: int
-    global_step: int
-    offset: int | None = None
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank}.pt"
-
-
-def step_of(folder: Path) -> int:
-    return int(folder.name.rsplit("_", 1)[1])
-
-
-def checkpoint_dir(run_dir: Path, global_step: int, temporary: bool = False) -> Path:
-    name = f"{PREFIX}{global_step:08d}"
-    return run_dir / "checkpoints" / (TMP_PREFIX + name if temporary else name)
 
 
 def write_atomic(path: Path, payload: bytes) -> str:

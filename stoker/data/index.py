@@ -36,10 +36,10 @@ import numpy as np
 from stoker.common import faults
 from stoker.common.files import replace_durably, write_durably
 from stoker.common.urls import is_remote
-from stoker.data import remote
-from stoker.data.builtin_data import cache_root
-from stoker.data.dataset import Skipped, list_image_folder
-from stoker.data.imaging import UNREADABLE, UnusableImage
+from stoker.data.formats.builtin_data import cache_root
+from stoker.data.formats.folders import Skipped, list_image_folder
+from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
+from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ INDEX_VERSION = 3  # 2: stamps with size, ctime and inode; checksums; labels rea
 MTIME_GUARD_NS = 2_000_000_000
 STALE_ENTRY_S = 24 * 3600  # superseded entries are removed after a day: a running job's new producers map them
 MAX_OPEN_SHARDS = 128
-SHARDS_FOLDER = "shards"  # each shard's members, kept by `stoker.data.shards` (small; kept until removed by hand)
+SHARDS_FOLDER = "shards"  # each shard's members, kept by `data.formats.shards` (small; kept until removed by hand)
 UNSTABLE_REFUSALS = ("unreadable folder", "broken symlink")
 ABSENT = "absent"  # the stamp of an input that did not exist: it must still not exist
 _warned: set[str] = set()  # one warning per problem and process, not one per shard or split
@@ -77,7 +77,7 @@ class PackedIndex:
     `read(i)` its bytes. Read-only, memory-mapped; pickles as the entry's folder."""
 
     def __init__(self, folder: Path | None, part: str | None = None, memory: dict | None = None,
-                 copies: remote.LocalCopies | None = None) -> None:
+                 copies: object_store.LocalCopies | None = None) -> None:
         """From the entry `folder`, or (`folder` None) from `memory`: the arrays and meta of an entry the cache
         could not hold, which then travel to producers whole. Remote shards are read from `copies` once there."""
         self.folder, self.part, self._memory = (Path(folder) if folder is not None else None), part, memory
@@ -123,7 +123,7 @@ class PackedIndex:
     def __reduce__(self):
         return PackedIndex, (self.folder, self.part, self._memory, self.copies)
 
-    def reading_copies(self, copies: remote.LocalCopies) -> PackedIndex:
+    def reading_copies(self, copies: object_store.LocalCopies) -> PackedIndex:
         return PackedIndex(self.folder, self.part, self._memory, copies)
 
     def remote_shards(self) -> list[tuple[str, str, int]]:
@@ -167,7 +167,7 @@ class PackedIndex:
                 if self.versions[shard]:
                     wanted.append(sample)
                     members.append((self.shards[shard], self.versions[shard], start, size))
-        self._ahead.update(zip(wanted, remote.read_all_later(members, self.copies), strict=True))
+        self._ahead.update(zip(wanted, object_store.read_all_later(members, self.copies), strict=True))
 
     def read(self, sample: int) -> bytes:
         ahead = self._ahead.pop(sample, None) if self._ahead else None
@@ -181,7 +181,7 @@ class PackedIndex:
             return read_file(self.name(position))
         shard, start, size = (int(v) for v in self._where[position])
         if self.versions[shard]:
-            return remote.read_range(self.shards[shard], self.versions[shard], start, size, self.copies)
+            return object_store.read_range(self.shards[shard], self.versions[shard], start, size, self.copies)
         return read_member(self.shards[shard], start, size)
 
     def subset(self, name: str, ids: np.ndarray) -> PackedIndex:
@@ -331,9 +331,10 @@ def file_stamp(path: str) -> list | str | None:
 
 def _object_stamp(url: str) -> list | str | None:
     try:
-        version = remote.stat(url)
+        version = object_store.stat(url)
     except ValueError as error:
-        refused = remote.NO_SUCH_OBJECT in str(error) or remote.ACCESS_REFUSED in str(error)  # S3: 403 for absent
+        # S3 answers 403 for an absent object
+        refused = object_store.NO_SUCH_OBJECT in str(error) or object_store.ACCESS_REFUSED in str(error)
         return ABSENT if refused else None
     return [version.size, version.etag]
 

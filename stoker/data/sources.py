@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 from stoker.common.sizes import parse_size
 from stoker.common.waiting import waiting
-from stoker.data.builtin_data import builtin_dataset
-from stoker.data.dataset import Skipped, validation_ids
+from stoker.data.formats.builtin_data import builtin_dataset
+from stoker.data.formats.folders import Skipped, validation_ids
+from stoker.data.formats.parquet import DEFAULT_COLUMNS, Columns, load_parquet, parquet_files
+from stoker.data.formats.shards import load_shards, shard_paths
 from stoker.data.index import PackedIndex, load_image_folder
-from stoker.data.parquet import DEFAULT_COLUMNS, Columns, load_parquet, parquet_files
-from stoker.data.remote import LocalCopies
-from stoker.data.shards import load_shards, shard_paths
+from stoker.data.transports.object_store import LocalCopies
 
 if TYPE_CHECKING:  # `stoker pack` reads sources and needs no config (pydantic)
     from stoker.common.config import TrainConfig

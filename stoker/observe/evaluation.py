@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from stoker.pipeline.messages import ValReport
-from stoker.training.evaluation import per_class_accuracy as class_recall
+from stoker.training.val_totals import per_class_accuracy as class_recall
 
 MATRIX_MAX_CLASSES = 50
 TOP_PAIRS = 20

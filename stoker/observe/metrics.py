@@ -11,8 +11,8 @@ from typing import IO, TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from stoker.data.dataset import Skipped
-from stoker.pipeline.autoscale import StepStamp
+from stoker.data.formats.folders import Skipped
+from stoker.pipeline.autoscaler import StepStamp
 
 if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
     from stoker.pipeline.messages import StepReport
@@ -283,7 +283,7 @@ class RunStats:
         return len(set(check.values())) == 1 if len(check) >= self.members else None
 
     def export(self) -> dict[str, Any]:
-        """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.common.wire`)."""
+        """What another machine's stats need from this one to merge it, as tensors and JSON (`stoker.training.wire`)."""
         import torch  # only the controllers of several machines call this; `stoker report` and `--help` need not
 
         return {"consumers": [asdict(times) for times in self.consumers],

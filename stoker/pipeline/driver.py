@@ -20,7 +20,7 @@ from stoker.common.procs import (
     check_memory_for_producers,
     start_resource_tracker,
 )
-from stoker.pipeline.autoscale import StepStamp, Window
+from stoker.pipeline.autoscaler import StepStamp, Window
 from stoker.pipeline.engine import Accounting, Build, Engine, ProducerCounts, check_ring_space
 from stoker.pipeline.gauges import EventLog
 from stoker.pipeline.scheduler import Scheduler

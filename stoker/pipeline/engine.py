@@ -21,10 +21,10 @@ import numpy as np
 
 from stoker.common.memory import available_memory
 from stoker.common.procs import PRODUCER_MEMORY, Mailbox, StokerRunError
-from stoker.data.dataset import Skipped
+from stoker.data.formats.folders import Skipped
 from stoker.data.index import PackedIndex
-from stoker.data.remote import CopyFiller
-from stoker.pipeline.autoscale import (
+from stoker.data.transports.object_store import CopyFiller
+from stoker.pipeline.autoscaler import (
     JUMP_MAX,
     MEMORY_SHARE,
     OVERSUBSCRIBE,

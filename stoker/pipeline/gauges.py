@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from stoker.pipeline.autoscale import Window, plain_need
+from stoker.pipeline.autoscaler import Window, plain_need
 
 
 class EventLog(Protocol):

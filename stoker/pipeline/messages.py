@@ -12,7 +12,7 @@ from stoker.common.procs import ChildError
 from stoker.pipeline.plan import Kind
 
 if TYPE_CHECKING:
-    from stoker.common.checkpoint import Position  # torch: never in a producer
+    from stoker.common.positions import Position
 
 
 # Controller -> consumer, in the order they must be handled.

@@ -22,7 +22,7 @@ from typing import Literal
 from stoker.common import zygote
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
-from stoker.data.imaging import UNREADABLE
+from stoker.data.pixels.imaging import UNREADABLE
 from stoker.pipeline.producer import STATUS_IDLE, Part, PartDone, ProducerSetup, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
 

@@ -20,11 +20,11 @@ import numpy as np
 
 from stoker.common import faults
 from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
-from stoker.data import remote
-from stoker.data.dataset import Skipped
-from stoker.data.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
+from stoker.data.formats.folders import Skipped
+from stoker.data.formats.user_dataset import DatasetSource
 from stoker.data.index import PackedIndex, read_file
-from stoker.data.user_dataset import DatasetSource
+from stoker.data.pixels.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
+from stoker.data.transports import object_store
 from stoker.pipeline.plan import BatchPlan, sample_rng
 from stoker.pipeline.ring import RingSpec, SlotRing
 
@@ -119,7 +119,7 @@ def producer_main(producer: int, setup: ProducerSetup, parts, outbox, stop) -> N
     except BaseException as error:  # carried to the controller as a value, never lost
         outbox.send(ProducerFailed(producer, ChildError.capture(f"producer {producer}", "building batches", error)))
     finally:
-        remote.stop_reading()
+        object_store.stop_reading()
         ring.close()
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoker.common.checkpoint import Position, checkpoint_dir
+from stoker.common.positions import Position, checkpoint_dir
 from stoker.pipeline.messages import Batch, Save, ValEnd
 from stoker.pipeline.plan import BatchPlan, EpochPlan
 

@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 from stoker.common import checkpoint
-from stoker.common.checkpoint import Position
 from stoker.common.config import TrainConfig
+from stoker.common.positions import Position
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger
 from stoker.pipeline.messages import Saved

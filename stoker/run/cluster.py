@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stoker.common import wire
+from stoker.training import wire
 from stoker.training.rendezvous import StoreAddress
 
 log = logging.getLogger(__name__)

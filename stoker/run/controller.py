@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from stoker.common import checkpoint, faults, zygote
-from stoker.common.checkpoint import Position
 from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where, takes
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
 from stoker.common.files import write_json
 from stoker.common.memory import available_memory
+from stoker.common.positions import Position
 from stoker.common.procs import (
     CONTEXT,
     POLL_S,
@@ -37,7 +37,7 @@ from stoker.observe.evaluation import val_line
 from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
-from stoker.pipeline.autoscale import StepStamp, static_budget
+from stoker.pipeline.autoscaler import StepStamp, static_budget
 from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
@@ -54,12 +54,12 @@ from stoker.run.membership import Membership, check_membership_settings, with_lo
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
 from stoker.training.consumer import ConsumerSetup, consumer_main
-from stoker.training.elastic import Joining, Regroup, Stranded
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
 from stoker.training.model_file import BEST_MODEL_FILE
 from stoker.training.models import build_model, check_model
+from stoker.training.recovery import Joining, Regroup, Stranded
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
 if TYPE_CHECKING:

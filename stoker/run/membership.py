@@ -3,7 +3,7 @@
 The controller sees a consumer's death (its process is gone) and moves the shared `generation` on: every survivor
 stops what it does (its collective fails at once, a wait sees the generation), leaves the group and reports
 `Stranded` with the newest state it holds that all replicas agreed on. Once every survivor has, the controller
-takes the oldest of those (each survivor holds it: `training/elastic.py`), takes back what was counted after it,
+takes the oldest of those (each survivor holds it: `training/recovery.py`), takes back what was counted after it,
 plans the rest of the run again for the survivors from there (`EpochPlan.regrouped`) and sends each its `Regroup`.
 So a step in progress when the consumer died is trained again whole, by the survivors, and every sample of every
 epoch is still trained exactly once.
@@ -20,7 +20,7 @@ from stoker.common.procs import StokerRunError
 from stoker.observe.diagnosis import Verdict
 from stoker.pipeline.messages import StepReport
 from stoker.run.failures import STUCK_GRACE_S
-from stoker.training.elastic import Stranded
+from stoker.training.recovery import Stranded
 
 # Reports kept to be taken back: those after the oldest state a survivor may go back to (two averagings back).
 KEEP_WINDOWS = 2

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stoker.training import elastic
+from stoker.training import recovery
 from stoker.training.backward_average import GROUP_BYTES, BackwardAverage
 
 GPU_GROUP_BYTES = 25 << 20  # DDP's bucket size: the largest group on a GPU
@@ -146,14 +146,14 @@ class Averager:
         for bucket in self.float_buckets:
             if weight != 1.0:
                 bucket.mul_(weight)
-            elastic.all_reduce(bucket)
+            recovery.all_reduce(bucket)
             bucket.div_(self.world_size)
         self._reconcile_counters()
 
     def _reconcile_counters(self) -> None:
         if self.pending[2]:  # a replica without samples skipped its forward pass: counters (BatchNorm's) may differ
             for tensor in self.int_tensors:
-                elastic.all_reduce(tensor, op=dist.ReduceOp.MAX)
+                recovery.all_reduce(tensor, op=dist.ReduceOp.MAX)
 
     def digest(self) -> str:
         """A hash of every state byte: replicas are compared by it, not assumed equal."""

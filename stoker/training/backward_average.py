@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stoker.training import elastic
+from stoker.training import recovery
 
 GROUP_BYTES = 256 * 1024  # small enough that a small model still has groups to overlap, large enough to batch
 
@@ -73,7 +73,7 @@ class BackwardAverage:
         for flat in self.rest:
             self._send(flat)
         for work in self.works:
-            elastic.done(work)
+            recovery.done(work)
         for flat in [*(g.flat for g in self.groups), *self.rest]:
             flat.div_(self.world_size)
         self.optimizer, self.works = None, []

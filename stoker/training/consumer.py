@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stoker.common import checkpoint, faults, wire
+from stoker.common import checkpoint, faults
 from stoker.common.config import (
     AveragingSettings,
     DeviceSettings,
@@ -47,20 +47,20 @@ from stoker.pipeline.messages import (
     ValReport,
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.training import accel, elastic, exchange, model_file, warmup
+from stoker.training import accel, exchange, model_file, recovery, warmup, wire
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
-from stoker.training.elastic import AgreedStates, GroupLost, Joining, Regroup, Stranded, is_group_error
 from stoker.training.ema import ModelEma
-from stoker.training.evaluation import ValTotals
 from stoker.training.feed import DeviceLoader
 from stoker.training.groups import optimizer_groups
 from stoker.training.models import build_model
 from stoker.training.recipe import Recipe, RecipeSpec
+from stoker.training.recovery import AgreedStates, GroupLost, Joining, Regroup, Stranded, is_group_error
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.training.schedule import LearningRate
 from stoker.training.streams import ops_for
 from stoker.training.timing import StepClock, StepMarks
+from stoker.training.val_totals import ValTotals
 
 # On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
 REPORT_EVERY_ASYNC = 16
@@ -245,7 +245,7 @@ class Replica:
         if self.agreed is not None:  # (elastic runs are CPU runs: `continues_after_failure`)
             if self.averager.holds_average and not setup.joining:  # resumed between two averagings: none yet
                 self.agreed.keep(setup.start_step - 1)  # every replica starts from the same state
-            elastic.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
+            recovery.watch_group(self._check_alive, setup.averaging.collective_timeout_s)
 
     def serve(self, ready) -> None:
         """Train on what the controller sends until `Finish`. With `--on-consumer-failure continue`, a group that
@@ -356,7 +356,7 @@ class Replica:
         """A consumer started again gets the agreed state from `regroup.source`: the weights (the same on every
         survivor) and that peer's optimizer, RNG and EMA state, as a resume hands out a checkpoint's."""
         for tensor in [*self.averager.float_buckets, *self.averager.int_tensors]:
-            elastic.done(dist.broadcast(tensor, src=regroup.source, async_op=True))
+            recovery.done(dist.broadcast(tensor, src=regroup.source, async_op=True))
         mine = checkpoint.to_cpu(self._rank_state()) if regroup.rank == regroup.source else None
         state = wire.broadcast(mine, regroup.source, torch.device("cpu"))
         if fresh:

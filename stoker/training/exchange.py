@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stoker.common import checkpoint, wire
+from stoker.common import checkpoint
+from stoker.training import wire
 
 # Polls start fast (a checkpoint of a small model is over in milliseconds, and each poll here delays the next
 # step) and back off to POLL_S for a slow disk.

@@ -1,6 +1,6 @@
 """`--init`: start from pretrained weights (a torchvision or timm state_dict, or an earlier stoker model.pt).
 
-The file must be the zip archive torch.save writes (whole: its CRCs are checked, stoker.common.archive), and is
+The file must be the zip archive torch.save writes (whole: its CRCs are checked, stoker.training.archive), and is
 loaded with `torch.load(weights_only=True)` (a pickle cannot run code), plain or under a
 `state_dict` or `model` key. Keys are matched by name after removing the wrapper prefix that makes the most of
 them match (`module.` of DDP, `_orig_mod.` of torch.compile, `model.` of Lightning). A classifier head of another
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stoker.common.archive import ArchiveError, check_torch_archive
 from stoker.common.checkpoint import describe_load_error
+from stoker.training.archive import ArchiveError, check_torch_archive
 from stoker.training.groups import head_parameter_names
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 import torch
 
-from stoker.common.archive import ArchiveError, check_torch_archive
 from stoker.common.checkpoint import describe_load_error, save_tensors
-from stoker.data.imaging import CENTER_CROP_FRACTION
+from stoker.data.pixels.imaging import CENTER_CROP_FRACTION
+from stoker.training.archive import ArchiveError, check_torch_archive
 from stoker.training.feed import MEAN, STD
 from stoker.training.model_source import locate_module
 

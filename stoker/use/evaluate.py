@@ -24,11 +24,11 @@ from torch import nn
 from stoker.common.config import check_data_path
 from stoker.common.devices import available_cores, resolve_devices
 from stoker.common.terminal import printable
-from stoker.data.image_list import list_images
+from stoker.data.formats.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
 from stoker.observe.evaluation import per_class_accuracy, whole_confusion
-from stoker.training.evaluation import ValTotals
+from stoker.training.val_totals import ValTotals
 from stoker.use.feed_settings import Feed
 from stoker.use.inference import LoadedModel, load, normalize
 from stoker.use.loader import Loader

@@ -28,7 +28,7 @@ from PIL import Image
 from torch import nn
 
 from stoker.common.checkpoint import describe_load_error
-from stoker.data.imaging import (
+from stoker.data.pixels.imaging import (
     CENTER_CROP_FRACTION,
     UnusableImage,
     center_crop_box,

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from stoker.common.checkpoint import Position
 from stoker.common.config import (
     BUILTIN_IMAGE_SIZE,
     DEFAULT_IMAGE_SIZE,
@@ -42,18 +41,19 @@ from stoker.common.config import (
 from stoker.common.devices import available_cores
 from stoker.common.main_guard import check_main_guard
 from stoker.common.memory import available_memory
+from stoker.common.positions import Position
 from stoker.common.procs import POLL_S, StokerRunError
 from stoker.common.urls import data_location
-from stoker.data.builtin_data import builtin_dataset
-from stoker.data.dataset import Skipped
+from stoker.data.formats.builtin_data import builtin_dataset
+from stoker.data.formats.folders import Skipped
+from stoker.data.formats.parquet import DEFAULT_COLUMNS, Columns
+from stoker.data.formats.user_dataset import DatasetSource, check_dataset, unpack_item
 from stoker.data.index import PackedIndex
-from stoker.data.parquet import DEFAULT_COLUMNS, Columns
-from stoker.data.remote import LocalCopies
 from stoker.data.sources import load_source, local_copies, log_refused
-from stoker.data.user_dataset import DatasetSource, check_dataset, unpack_item
+from stoker.data.transports.object_store import LocalCopies
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
-from stoker.pipeline.autoscale import static_budget
+from stoker.pipeline.autoscaler import static_budget
 from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import Batch, StepReport

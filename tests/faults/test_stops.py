@@ -271,7 +271,7 @@ def test_a_hung_producer_with_two_consumers_at_default_timeouts_is_recovered(tex
     rank 1's step 4, so rank 0 is already in that step's collective (at step 0 both would still wait for input),
     and two slots per consumer keep rank 0 from being far behind the hang."""
     from stoker.common.config import TrainConfig
-    from stoker.data.dataset import scan_image_folder
+    from stoker.data.formats.folders import scan_image_folder
     from stoker.pipeline.plan import EpochPlan
 
     train, val = textures

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import stoker
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from tests.conftest import free_port
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"

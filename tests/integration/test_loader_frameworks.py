@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import stoker
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 
 HELPERS = Path(__file__).resolve().parent.parent / "helpers"
 

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from stoker.data.shards import load_shards
+from stoker.data.formats.shards import load_shards
 from tests.conftest import HELPERS, run_cli
 
 SLOW_READS = {"STOKER_READ_LATENCY_MS": "40"}  # 120 files, 2 workers: a pack of about 2.5 s

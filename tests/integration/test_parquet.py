@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from stoker.bench import servers
-from stoker.data import parquet
-from stoker.data.dataset import list_image_folder
-from stoker.data.parquet import Columns, parquet_files
+from stoker.data.formats import parquet
+from stoker.data.formats.folders import list_image_folder
+from stoker.data.formats.parquet import Columns, parquet_files
 from stoker.data.sources import load_source
 from tests.conftest import assert_same_weights, read_summary, run_cli
 

@@ -1,5 +1,6 @@
-"""The ranged reads' client (stoker/data/ranges.py) against a real HTTP server on loopback: Python's own, made to
-answer as a flaky or changed object would. Bytes, retries and refusals are checked against what the server saw."""
+"""The ranged reads' client (stoker/data/transports/ranges.py) against a real HTTP server on loopback: Python's
+own, made to answer as a flaky or changed object would. Bytes, retries and refusals are checked against what the
+server saw."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from stoker.data import ranges
-from stoker.data.imaging import UNREADABLE, UnusableImage
+from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
+from stoker.data.transports import ranges
 from tests.conftest import silent_server
 
 OBJECT = os.urandom(64 << 10)
@@ -141,9 +142,9 @@ def test_a_refused_signed_url_is_signed_again_once(server):
 
 
 def test_a_url_with_spaces_and_accents_is_escaped_once(server):
-    from stoker.data import remote
+    from stoker.data.transports import object_store
 
-    assert remote.read_range(f"{server}/a folder/données%2B.tar", ETAG, 4, 6) == OBJECT[4:10]
+    assert object_store.read_range(f"{server}/a folder/données%2B.tar", ETAG, 4, 6) == OBJECT[4:10]
     assert _Handler.seen[0][0] == "/a%20folder/donn%C3%A9es%2B.tar"
 
 

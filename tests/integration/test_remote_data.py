@@ -97,9 +97,9 @@ def test_s3_members_read_signed_or_unsigned_give_local_bytes_and_errors_name_the
     public bucket, here with no keys at all) is read through obstore. Both give the bytes of the same members on
     local disk, and a member whose object is gone is named as the user named it: no signature or key in the
     message."""
-    from stoker.data import remote
-    from stoker.data.imaging import UnusableImage
+    from stoker.data.pixels.imaging import UnusableImage
     from stoker.data.sources import load_source
+    from stoker.data.transports import object_store
 
     for name, value in servers.s3_environment(s3.url).items():
         monkeypatch.setenv(name, value)
@@ -107,8 +107,8 @@ def test_s3_members_read_signed_or_unsigned_give_local_bytes_and_errors_name_the
     local = load_source(str(shards / "train" / SHARDS), cache=tmp_path / "cache")
     samples = range(0, len(local), 7)
     for prefix, skip_signature in (("data/train", False), ("data/gone", True)):
-        monkeypatch.setattr(remote, "_stores", {})  # a client made anew, as a new process makes it
-        monkeypatch.setattr(remote, "_unsigned_roots", {})
+        monkeypatch.setattr(object_store, "_stores", {})  # a client made anew, as a new process makes it
+        monkeypatch.setattr(object_store, "_unsigned_roots", {})
         monkeypatch.setenv("AWS_SKIP_SIGNATURE", str(skip_signature).lower())
         if skip_signature:  # and no keys to sign with
             monkeypatch.delenv("AWS_ACCESS_KEY_ID")
@@ -116,13 +116,13 @@ def test_s3_members_read_signed_or_unsigned_give_local_bytes_and_errors_name_the
         streamed = load_source(f"s3://{BUCKET}/{prefix}/{SHARDS}", cache=tmp_path / "cache")
         streamed.read_ahead(list(samples))
         assert [streamed.read(i) for i in samples] == [local.read(i) for i in samples]
-        routed = remote._request_url(f"s3://{BUCKET}/{prefix}/shard-000000.tar")  # where a read of it goes
+        routed = object_store._request_url(f"s3://{BUCKET}/{prefix}/shard-000000.tar")  # where a read of it goes
         assert routed is None if skip_signature else routed.startswith(f"{s3.url}/{BUCKET}/{prefix}/shard-000000.tar?")
     monkeypatch.setenv("AWS_SKIP_SIGNATURE", "false")
     for name, value in servers.s3_environment(s3.url).items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(remote, "_stores", {})
-    monkeypatch.setattr(remote, "_unsigned_roots", {})
+    monkeypatch.setattr(object_store, "_stores", {})
+    monkeypatch.setattr(object_store, "_unsigned_roots", {})
     gone = load_source(f"s3://{BUCKET}/data/gone/{SHARDS}", cache=tmp_path / "cache")
     servers.delete_prefix(s3.url, BUCKET, "data/gone/")
     with pytest.raises(UnusableImage) as error:
@@ -149,7 +149,7 @@ def test_a_missing_shard_is_named_before_any_process_starts(shards, web, tmp_pat
 
 
 def test_a_shard_replaced_during_the_run_is_named_not_read_at_old_offsets(shards, tmp_path):
-    from stoker.data.imaging import UnusableImage
+    from stoker.data.pixels.imaging import UnusableImage
     from stoker.data.sources import load_source
 
     served = tmp_path / "served"
@@ -166,7 +166,7 @@ def test_a_shard_replaced_during_the_run_is_named_not_read_at_old_offsets(shards
 
 
 def test_a_server_that_stops_answering_makes_samples_unreadable_not_a_hang(shards, tmp_path):
-    from stoker.data.imaging import UNREADABLE, UnusableImage
+    from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
     from stoker.data.sources import load_source
 
     with servers.nginx(shards / "train") as server:
@@ -178,8 +178,8 @@ def test_a_server_that_stops_answering_makes_samples_unreadable_not_a_hang(shard
 
 
 def test_the_cache_folder_holds_copies_within_its_size_and_serves_without_the_server(shards, tmp_path):
-    from stoker.data.remote import LocalCopies
     from stoker.data.sources import load_source
+    from stoker.data.transports.object_store import LocalCopies
 
     sizes = sorted(p.stat().st_size for p in (shards / "train").glob("*.tar"))
     limit = sum(sizes[:5])
@@ -197,14 +197,14 @@ def test_the_cache_folder_holds_copies_within_its_size_and_serves_without_the_se
 
 
 def test_a_run_reads_the_pack_index_instead_of_fetching_every_shard(shards, web, tmp_path, monkeypatch):
-    from stoker.data import remote
     from stoker.data.sources import load_source
+    from stoker.data.transports import object_store
 
     def fetch_whole(*args, **kwargs):
         raise AssertionError("a shard was fetched whole to index it")
 
     local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
-    monkeypatch.setattr(remote, "download", fetch_whole)
+    monkeypatch.setattr(object_store, "download", fetch_whole)
     index = load_source(f"{web.url}/train/{SHARDS}", cache=tmp_path / "cache")
     assert index.labels.tolist() == local.labels.tolist() and len(index) == 120
     assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
@@ -213,13 +213,13 @@ def test_a_run_reads_the_pack_index_instead_of_fetching_every_shard(shards, web,
 def test_a_server_that_hangs_makes_a_read_unreadable_within_the_producer_timeout():
     """A server that takes the connection and never answers: the read gives up (retries included) well inside
     the producer timeout's default of 20 s, so the producer is never taken for hung and the file never blamed."""
-    from stoker.data import remote
-    from stoker.data.imaging import UNREADABLE, UnusableImage
+    from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
+    from stoker.data.transports import object_store
 
     with silent_server() as port:
         started = time.monotonic()
         with pytest.raises(UnusableImage, match=UNREADABLE):
-            remote.read_range(f"http://127.0.0.1:{port}/shard.tar", '"v1"', 0, 100)
+            object_store.read_range(f"http://127.0.0.1:{port}/shard.tar", '"v1"', 0, 100)
         assert time.monotonic() - started < 20  # bounded by the client's deadline (14 s), not by this machine
 
 
@@ -228,8 +228,8 @@ def test_pack_index_entries_that_do_not_describe_the_object_are_not_trusted(shar
     those three shards are fetched whole and indexed; the others come from index.json. Same samples either way."""
     import json
 
-    from stoker.data import remote
     from stoker.data.sources import load_source
+    from stoker.data.transports import object_store
 
     served = tmp_path / "served"
     shutil.copytree(shards / "train", served)
@@ -241,13 +241,13 @@ def test_pack_index_entries_that_do_not_describe_the_object_are_not_trusted(shar
     entries["shard-000002.tar"]["starts"][0] = 10**12
     index_file.write_text(json.dumps(pack_index))
     fetched: list[str] = []
-    download = remote.download
+    download = object_store.download
 
     def counted(url, *args, **kwargs):
         fetched.append(url.rsplit("/", 1)[1])
         return download(url, *args, **kwargs)
 
-    monkeypatch.setattr(remote, "download", counted)
+    monkeypatch.setattr(object_store, "download", counted)
     local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
     with servers.nginx(served) as server:
         index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
@@ -299,8 +299,8 @@ def test_two_runs_filling_one_cache_folder_stay_within_its_size(shards, tmp_path
     shards: every copy is whole, nothing is left half-written, and the folder never ends over its size."""
     import threading
 
-    from stoker.data.remote import LocalCopies
     from stoker.data.sources import load_source
+    from stoker.data.transports.object_store import LocalCopies
 
     sizes = sorted(p.stat().st_size for p in (shards / "train").glob("*.tar"))
     originals = {p.read_bytes() for p in (shards / "train").glob("*.tar")}

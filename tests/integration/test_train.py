@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stoker
-from stoker.data.imaging import make_decode_warnings_errors
+from stoker.data.pixels.imaging import make_decode_warnings_errors
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import SlotRing
@@ -99,7 +99,7 @@ def test_averaging_equals_training_on_the_concatenated_batches(textures, tmp_pat
 
 def _concatenated_batch(train, plan, step, seed, size):
     """Both ranks' batches of `step`, built by the producer's own code into a local ring."""
-    from stoker.data.dataset import scan_image_folder
+    from stoker.data.formats.folders import scan_image_folder
 
     make_decode_warnings_errors()
     index = scan_image_folder(train)

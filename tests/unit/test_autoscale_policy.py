@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stoker.pipeline.autoscale import (
+from stoker.pipeline.autoscaler import (
     NOISE_SIGMAS,
     RETRY_WINDOWS,
     Autoscaler,
@@ -386,7 +386,7 @@ def test_the_input_wait_is_judged_in_lockstep_by_the_consumer_that_waited():
     """Two consumers averaging every step: consumer 0 waits 10 ms for its batch and computes 20; consumer 1 has
     its batch, computes 20 and waits 10 in the averaging for consumer 0. Without the wait a step would take 20 ms
     of 30: the input held up a third of the time (the mean over consumers said a sixth)."""
-    from stoker.pipeline.autoscale import lockstep_stall
+    from stoker.pipeline.autoscaler import lockstep_stall
 
     steps = [StepStamp(0.030 * k + 0.030, 8, 0.030, wait, consumer) for k in range(10)
              for consumer, wait in ((0, 0.010), (1, 0.0))]

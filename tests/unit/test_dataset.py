@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from stoker.data.dataset import scan_image_folder, split_validation
+from stoker.data.formats.folders import scan_image_folder, split_validation
 from tests.helpers.trees import make_unreadable_folder
 
 

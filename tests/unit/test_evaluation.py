@@ -10,7 +10,7 @@ import torch
 from sklearn.metrics import confusion_matrix, top_k_accuracy_score
 
 from stoker.observe.evaluation import confusion_summary, per_class_accuracy
-from stoker.training.evaluation import ValTotals
+from stoker.training.val_totals import ValTotals
 
 
 def test_totals_match_scikit_learn() -> None:

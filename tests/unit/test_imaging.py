@@ -19,7 +19,7 @@ import simplejpeg
 from PIL import Image
 from scipy import stats
 
-from stoker.data.imaging import (
+from stoker.data.pixels.imaging import (
     MAX_IMAGE_PIXELS,
     Box,
     UnusableImage,
@@ -89,7 +89,7 @@ PEAK_RSS_OF_ONE_DECODE = """
 import resource, sys
 import numpy as np
 from PIL import Image
-from stoker.data.imaging import decode_bytes, load_into
+from stoker.data.pixels.imaging import decode_bytes, load_into
 data = open(sys.argv[1], "rb").read()
 out = np.zeros((32, 32, 3), np.uint8)
 with Image.open(sys.argv[1]) as image:
@@ -449,7 +449,7 @@ def jpeg_claiming(width: int, height: int, mode: str) -> bytes:
 PEAK_PROBE = """
 import resource, sys
 import numpy as np
-from stoker.data.imaging import UnusableImage, load_into, make_decode_warnings_errors
+from stoker.data.pixels.imaging import UnusableImage, load_into, make_decode_warnings_errors
 make_decode_warnings_errors()
 data = sys.stdin.buffer.read()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -15,7 +15,7 @@ import pytest
 
 from stoker.common.procs import CONTEXT
 from stoker.data import index as stoker_index
-from stoker.data.dataset import scan_image_folder, split_validation
+from stoker.data.formats.folders import scan_image_folder, split_validation
 from stoker.data.index import PackedIndex, load_image_folder
 from stoker.data.sources import split_source
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import stoker
-from stoker.data.user_dataset import DatasetSource
+from stoker.data.formats.user_dataset import DatasetSource
 
 
 class Squares:

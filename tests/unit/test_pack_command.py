@@ -8,7 +8,7 @@ import io
 import shlex
 
 from stoker.cli import main
-from stoker.data.dataset import scan_image_folder
+from stoker.data.formats.folders import scan_image_folder
 from stoker.data.sources import load_source
 
 

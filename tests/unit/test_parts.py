@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from stoker.data.imaging import make_decode_warnings_errors
+from stoker.data.pixels.imaging import make_decode_warnings_errors
 from stoker.pipeline.parts import Assembler, most_parts_in_flight, part_bounds, parts_per_batch
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch, compact_slot

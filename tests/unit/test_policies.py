@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image, ImageEnhance, ImageOps
 
-from stoker.data import policies
-from stoker.data.imaging import load_into
+from stoker.data.pixels import policies
+from stoker.data.pixels.imaging import load_into
 from stoker.pipeline.plan import sample_rng
 
 

@@ -14,9 +14,9 @@ import tarfile
 import pytest
 
 from stoker.common.sizes import parse_size
-from stoker.data.dataset import scan_image_folder
-from stoker.data.pack import pack
-from stoker.data.shards import expand_braces, load_shards, shard_paths
+from stoker.data.formats.folders import scan_image_folder
+from stoker.data.formats.pack import pack
+from stoker.data.formats.shards import expand_braces, load_shards, shard_paths
 
 
 def write_tar(path, members: list[tuple[str, bytes]], format: int = tarfile.DEFAULT_FORMAT) -> None:
@@ -186,7 +186,7 @@ def test_a_changed_shard_is_read_again_alone(tmp_path):
 INDEX_ONE_SHARD = """
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # a runaway index fails here, not the machine
-from stoker.data.shards import index_one_shard
+from stoker.data.formats.shards import index_one_shard
 members = index_one_shard(sys.argv[1])
 print(len(members.keys), "|".join(s.reason for s in members.skipped))
 """

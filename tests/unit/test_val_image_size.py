@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from stoker.common.config import ConfigError, make_config
-from stoker.data.imaging import make_decode_warnings_errors
+from stoker.data.pixels.imaging import make_decode_warnings_errors
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import RingSpec, SlotRing

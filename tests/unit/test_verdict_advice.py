@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
-from stoker.pipeline.autoscale import Autoscaler
+from stoker.pipeline.autoscaler import Autoscaler
 from stoker.pipeline.gauges import ProducerGauges
 from stoker.pipeline.messages import StepReport
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from stoker.common import waiting
-from stoker.data import builtin_data
+from stoker.data.formats import builtin_data
 from tests.helpers.terminal import run_in_terminal
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from stoker.bench.group import run_group
-from stoker.common import checkpoint, wire
+from stoker.common import checkpoint
 from stoker.run import cluster
-from stoker.training import exchange
+from stoker.training import exchange, wire
 
 CPU = torch.device("cpu")
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import pycurl
 
 from stoker.common import faults
-from stoker.data.imaging import UNREADABLE, UnusableImage
+from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
 
 log = logging.getLogger(__name__)
 

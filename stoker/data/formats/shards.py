@@ -32,8 +32,7 @@ import numpy as np
 from stoker.common.files import replace_durably
 from stoker.common.urls import check_url, is_remote
 from stoker.common.waiting import waiting
-from stoker.data import remote
-from stoker.data.dataset import IMAGE_EXTENSIONS, Skipped
+from stoker.data.formats.folders import IMAGE_EXTENSIONS, Skipped
 from stoker.data.index import (
     MTIME_GUARD_NS,
     SHARDS_FOLDER,
@@ -47,6 +46,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
+from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
@@ -128,16 +128,16 @@ def _remote_shards(spec: str) -> list[str]:
     elif spec.lower().endswith(".tar"):
         urls = [spec]
     elif spec.endswith("/"):
-        urls = remote.list_tars(spec)
+        urls = object_store.list_tars(spec)
         if not urls:
             raise ValueError(f"data={spec!r}: no .tar object under this prefix")
     else:
         _refuse_compressed(spec, [spec.rsplit("/", 1)[-1]])
         raise ValueError(f"data={spec!r}: expected .tar shards (train-{{0000..0127}}.tar), one .tar, or an S3 "
                          f"prefix ending in /")
-    remote.forget_versions(urls + [_beside(urls[0], PACK_INDEX_FILE), _beside(urls[0], CLASSES_FILE)])
+    object_store.forget_versions(urls + [_beside(urls[0], PACK_INDEX_FILE), _beside(urls[0], CLASSES_FILE)])
     _pack_indexes.clear()  # each load asks again: objects may have been replaced since this process last asked
-    remote.stat_all(urls)
+    object_store.stat_all(urls)
     return urls
 
 
@@ -165,7 +165,7 @@ def _read_list_file(spec: Path) -> list[str]:
 
 
 def load_shards(paths: list[str], classes: tuple[str, ...] | None = None, cache: Path | None = None,
-                copies: remote.LocalCopies | None = None) -> PackedIndex:
+                copies: object_store.LocalCopies | None = None) -> PackedIndex:
     """The packed index of these shards, from the cache while every shard keeps its modification time (a remote
     one its ETag); remote shards are read from `copies` once copied there."""
     cache = cache or index_cache_dir()
@@ -211,7 +211,7 @@ MAX_CLASSES_FILE_BYTES = 64 << 20  # a million long class names; a file past thi
 def _read_small(path: str, limit: int) -> bytes | None:
     """A small file beside the shards, local or remote; None when it does not exist."""
     if is_remote(path):
-        return remote.fetch(path, limit)
+        return object_store.fetch(path, limit)
     try:
         size = os.path.getsize(path)
         if size > limit:
@@ -223,7 +223,7 @@ def _read_small(path: str, limit: int) -> bytes | None:
 
 
 def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path | None = None,
-                 copies: remote.LocalCopies | None = None) -> Packed:
+                 copies: object_store.LocalCopies | None = None) -> Packed:
     """Every shard's samples in order; without class names, classes are '0'..'max label'. With `cache`, each
     shard's members are kept there, so a set with one shard added or changed reads only that shard again."""
     members = ShardMembers()
@@ -255,7 +255,7 @@ def index_shards(paths: list[str], classes: tuple[str, ...] | None, cache: Path 
         classes = tuple(str(i) for i in range(int(labels.max(initial=-1)) + 1))
     if not members.keys:
         raise ValueError(f"data={paths[0]!r}...: no sample (KEY.jpg|png|... with KEY.cls) in {len(paths)} shard(s)")
-    remote_versions = {p: remote.stat(p) for p in paths if is_remote(p)}  # as asked at this load
+    remote_versions = {p: object_store.stat(p) for p in paths if is_remote(p)}  # as asked at this load
     versions = [remote_versions[p].etag if p in remote_versions else "" for p in paths]
     sizes = [remote_versions[p].size if p in remote_versions else 0 for p in paths]
     return Packed("", members.keys, labels, classes, members.skipped, paths, np.asarray(members.shard_ids),
@@ -306,7 +306,7 @@ class ShardMembers:
 Member = tuple[str, int, int]  # (name, offset of its data, size)
 
 
-def _one_shard_cached(path: str, cache: Path, copies: remote.LocalCopies | None = None,
+def _one_shard_cached(path: str, cache: Path, copies: object_store.LocalCopies | None = None,
                       stop: threading.Event | None = None) -> ShardMembers:
     """A shard's members from the cache while its stamp (size, mtime, ctime, inode; a remote one's size, ETag and
     its pack index's version, which may have been corrected since) holds and the kept file its checksum, else read
@@ -348,14 +348,14 @@ def _read_kept(saved: Path) -> ShardMembers | None:
         return None
 
 
-def index_one_shard(path: str, copies: remote.LocalCopies | None = None, stop: threading.Event | None = None
+def index_one_shard(path: str, copies: object_store.LocalCopies | None = None, stop: threading.Event | None = None
                     ) -> ShardMembers:
     """The shard's samples (as shard 0); members that do not make a sample are listed, and a truncated shard is
     indexed up to its last whole member. A remote shard's come from its pack index, or from a local copy already
     in `copies`, else from the shard fetched whole into a temporary file (copies are the `CopyFiller`'s to make)."""
     if not is_remote(path):
         return _index_local(path, path)
-    version = remote.stat(path)
+    version = object_store.stat(path)
     packed = pack_index_members(path, version)
     if packed is not None:
         return packed
@@ -364,7 +364,7 @@ def index_one_shard(path: str, copies: remote.LocalCopies | None = None, stop: t
             return _index_local(str(copies.path(path, version.etag)), path)
     with tempfile.TemporaryDirectory(prefix=".shard-", dir=_fetch_folder()) as scratch:
         target = Path(scratch) / "shard.tar"
-        if not remote.download(path, version, target, lambda: stop is None or not stop.is_set()):
+        if not object_store.download(path, version, target, lambda: stop is None or not stop.is_set()):
             raise ValueError(f"{path}: indexing stopped")
         return _index_local(str(target), path)
 
@@ -411,7 +411,7 @@ _pack_indexes: dict[str, dict | None] = {}  # per folder URL, read once per load
 _pack_indexes_lock = threading.Lock()
 
 
-def pack_index_members(url: str, version: remote.Version) -> ShardMembers | None:
+def pack_index_members(url: str, version: object_store.Version) -> ShardMembers | None:
     """The shard's members from the pack index beside it, when there is one that describes this very object (its
     size, and its MD5 where the ETag is one, as S3's is for an object uploaded in one part); else None."""
     folder, name = url.rsplit("/", 1)
@@ -434,7 +434,7 @@ def pack_index_members(url: str, version: remote.Version) -> ShardMembers | None
 
 def _read_pack_index(url: str) -> dict | None:
     try:
-        text = remote.fetch(url, MAX_PACK_INDEX_BYTES)
+        text = object_store.fetch(url, MAX_PACK_INDEX_BYTES)
         if text is None:
             return None
         found = json.loads(text)

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from stoker.data.dataset import IMAGE_EXTENSIONS, Listing, _walk_files
+from stoker.data.formats.folders import IMAGE_EXTENSIONS, Listing, _walk_files
 from stoker.data.index import Packed, PackedIndex, cache_key, index_cache_dir, input_stamps, load_cached, write_entry
 
 HERE = "."  # the walk's top folder, relative to the root: names come out as "./sub/x.jpg"

@@ -24,7 +24,7 @@ import simplejpeg
 from PIL import Image
 
 from stoker.common.choices import Augment
-from stoker.data.policies import POLICIES, apply_policy
+from stoker.data.pixels.policies import POLICIES, apply_policy
 
 FLIPPED = ("standard", "trivial", "randaug")  # the augmentations with a random horizontal flip
 

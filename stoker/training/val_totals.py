@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from stoker.training import elastic
+from stoker.training import recovery
 
 TOP_K = 5
 
@@ -54,8 +54,8 @@ class ValTotals:
         """All replicas' totals (a collective: every rank calls it); None when validation held no sample."""
         sums, confusion = self.sums.clone(), self.confusion.clone()
         if dist.is_initialized():
-            elastic.all_reduce(sums)
-            elastic.all_reduce(confusion)
+            recovery.all_reduce(sums)
+            recovery.all_reduce(confusion)
         self.sums.zero_()
         self.confusion.zero_()
         loss_sum, top5, count = sums.tolist()

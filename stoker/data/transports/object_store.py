@@ -40,11 +40,11 @@ from obstore.exceptions import (
 )
 
 from stoker.common import faults
-from stoker.data import ranges
+from stoker.data.transports import ranges
 
 if TYPE_CHECKING:
     from obstore import GetOptions
-from stoker.data.imaging import UNREADABLE, UnusableImage
+from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
 
 log = logging.getLogger(__name__)
 

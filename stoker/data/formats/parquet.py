@@ -37,8 +37,8 @@ import numpy as np
 from stoker.common.files import replace_durably
 from stoker.common.urls import check_url, is_remote
 from stoker.common.waiting import waiting
-from stoker.data import remote
-from stoker.data.dataset import Skipped
+from stoker.data.formats.folders import Skipped
+from stoker.data.formats.shards import MAX_CLASSES_WITHOUT_LIST, ShardMembers, expand_braces
 from stoker.data.index import (
     ABSENT,
     MTIME_GUARD_NS,
@@ -53,7 +53,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
-from stoker.data.shards import MAX_CLASSES_WITHOUT_LIST, ShardMembers, expand_braces
+from stoker.data.transports import object_store
 
 IMAGE_COLUMNS = ("image", "img")  # tried in turn, then the only column that can hold images
 LABEL_COLUMNS = ("label", "labels")
@@ -112,7 +112,7 @@ def _remote_files(spec: str) -> list[str] | None:
     any process starts."""
     check_url("data", spec)
     if spec.endswith("/") and not spec.lower().startswith("http"):  # an S3 or GCS prefix (HTTP has no listing)
-        urls = sorted(u for u in remote.objects_under(spec)  # those right under it: a split's sub-folder is not
+        urls = sorted(u for u in object_store.objects_under(spec)  # those right under it: a split's sub-folder is not
                       if u.lower().endswith(PARQUET_SUFFIX) and "/" not in u[len(spec):])  # this split's
         if not urls:
             return None  # shards, perhaps: shards.py says what the prefix lacks
@@ -120,8 +120,8 @@ def _remote_files(spec: str) -> list[str] | None:
         urls = expand_braces(spec)
     if not all(url.lower().endswith(PARQUET_SUFFIX) for url in urls):
         return None
-    remote.forget_versions(urls)  # each load asks again: objects may have been replaced since
-    remote.stat_all(urls)
+    object_store.forget_versions(urls)  # each load asks again: objects may have been replaced since
+    object_store.stat_all(urls)
     return urls
 
 
@@ -363,11 +363,11 @@ def _readable(source: str, folder: Path) -> Iterator[str]:
     if not is_remote(source):
         yield source
         return
-    version = remote.stat(source)
+    version = object_store.stat(source)
     _make_folder(folder, source)
     with tempfile.TemporaryDirectory(prefix=".download-", dir=folder) as scratch:
         target = Path(scratch) / "object"
-        remote.download(source, version, target)
+        object_store.download(source, version, target)
         yield str(target)
 
 
@@ -556,7 +556,7 @@ def _open_parquet(file: str, source: str) -> Iterator[_Opened]:
     try:
         handle = pa.parquet.ParquetFile(file, pre_buffer=False, buffer_size=READ_BUFFER_BYTES)
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{source}: not a readable Parquet file ({remote.describe(error)})") from None
+        raise ValueError(f"{source}: not a readable Parquet file ({object_store.describe(error)})") from None
     with closing(handle):
         def batches(names: list[str]) -> Iterator[Any]:
             _check_claims(handle.metadata, source, size, names)
@@ -621,7 +621,7 @@ def _open_arrow(file: str, source: str) -> Iterator[_Opened]:
     try:
         mapped = pa.memory_map(file)
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{source}: cannot be read ({remote.describe(error)})") from None
+        raise ValueError(f"{source}: cannot be read ({object_store.describe(error)})") from None
     with closing(mapped):
         try:
             is_file = mapped.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC
@@ -629,7 +629,7 @@ def _open_arrow(file: str, source: str) -> Iterator[_Opened]:
             reader = pa.ipc.open_file(mapped) if is_file else pa.ipc.open_stream(mapped)
         except (pa.ArrowException, OSError) as error:
             raise ValueError(f"{source}: not an Arrow stream as datasets' save_to_disk writes "
-                             f"({remote.describe(error)})") from None
+                             f"({object_store.describe(error)})") from None
 
         def batches(names: list[str]) -> Iterator[Any]:
             every = (reader.get_batch(i) for i in range(reader.num_record_batches)) if is_file else iter(reader)
@@ -643,7 +643,7 @@ def _guarded(batches: Iterator[Any], source: str) -> Iterator[Any]:
     try:
         yield from batches
     except (pa.ArrowException, OSError) as error:
-        raise ValueError(f"{source}: damaged, cannot be read past its start ({remote.describe(error)})") from None
+        raise ValueError(f"{source}: damaged, cannot be read past its start ({object_store.describe(error)})") from None
 
 
 # ---- columns and class names ------------------------------------------------------------------------------------

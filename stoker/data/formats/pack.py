@@ -38,10 +38,10 @@ from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_c
 from stoker.common.sizes import parse_size
 from stoker.common.urls import check_url, data_location, is_remote
 from stoker.common.waiting import waiting
-from stoker.data import remote
-from stoker.data.dataset import list_image_folder
-from stoker.data.shards import CLASSES_FILE, PACK_INDEX_FILE, write_pack_index
+from stoker.data.formats.folders import list_image_folder
+from stoker.data.formats.shards import CLASSES_FILE, PACK_INDEX_FILE, write_pack_index
 from stoker.data.sources import log_refused
+from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def _pack_to_store(args: argparse.Namespace, shard_size: int) -> tuple[str, list
     check_url("out", out)
     if out.startswith(("http://", "https://")):
         raise ValueError(f"out={out!r}: HTTP servers take no uploads; pack into a folder and serve it")
-    held = set(remote.objects_under(out + "/"))
+    held = set(object_store.objects_under(out + "/"))
     if held and not args.overwrite:
         raise ValueError(f"out={out!r}: the prefix holds {len(held)} object(s) already (old shards would train beside "
                          f"the new ones); give an empty prefix, or --overwrite to replace what it holds")
@@ -272,10 +272,10 @@ def _pack_to_store(args: argparse.Namespace, shard_size: int) -> tuple[str, list
         with waiting(f"uploading to {out}", total=len(files), unit="files") as progress:
             for file in [f for f in files if f.name not in last] + [f for f in files if f.name in last]:
                 written.append(f"{out}/{file.relative_to(local).as_posix()}")
-                remote.upload(file, written[-1])
+                object_store.upload(file, written[-1])
                 progress.advance()
     for stale in held - set(written):
-        remote.delete(stale)
+        object_store.delete(stale)
     return out, shards, val_shards
 
 

@@ -1,0 +1,1 @@
+"""Pixels: decoding one image into its place in a batch, and the augmentations applied to it there."""

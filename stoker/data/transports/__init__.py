@@ -1,0 +1,1 @@
+"""How bytes of remote objects reach a producer: ranged reads over libcurl, and object stores through obstore."""
