@@ -129,10 +129,10 @@ class DataSettings:
         "share of each class held out for validation when --val is not given", "F")] = Field(
         default=0.1, ge=0.0, lt=1.0)
     image_size: Annotated[MaybeCount, Setting("training resolution (default 32 on the built-in data, else 224)",
-                                              "PX")] = Field(default=None, ge=MIN_IMAGE_SIZE, le=2048)
+                                              "PX", loader=True)] = Field(default=None, ge=MIN_IMAGE_SIZE, le=2048)
     augment: Annotated[Augment, Setting(
         "standard (random resized crop + flip) | noflip | none | trivial (standard + TrivialAugment) | randaug "
-        "(standard + RandAugment, 2 ops at magnitude 9)", "MODE", group=RECIPE)] = "standard"
+        "(standard + RandAugment, 2 ops at magnitude 9)", "MODE", group=RECIPE, loader=True)] = "standard"
     max_bad_fraction: Annotated[Real, Setting(
         "stop when more than this share of files is unusable", "F", may_change_on_resume=True, loader=True)] = Field(
         default=0.1, ge=0.0, le=1.0)
@@ -173,13 +173,14 @@ class FeedSettings:
 
     GROUP: ClassVar[str] = DEVICES
 
-    batch_size: Annotated[Count, Setting("samples per consumer per step", "B", group=RECIPE)] = Field(
+    batch_size: Annotated[Count, Setting("samples per consumer per step", "B", group=RECIPE,
+                                         loader=True)] = Field(
         default=64, ge=1, le=65536)
     # As DataLoader's drop_last (a Loader's argument of that name): a last step of a few samples trains BatchNorm
     # on their statistics alone, and its running averages follow them.
     drop_last: Annotated[bool, Setting(
         "true | false: leave out each epoch's short last step (its samples wait for another epoch's order)", "BOOL",
-        group=RECIPE)] = False
+        group=RECIPE, loader=True)] = False
     producers: Annotated[int | Literal["auto"], BeforeValidator(_not_a_bool), Setting(
         "auto (fork more when consumers wait) or a fixed count", "M", may_change_on_resume=True,
         machine_local=True, loader=True)] = "auto"
@@ -388,8 +389,9 @@ class RunSettings:
 
     GROUP: ClassVar[str] = RUN
 
-    seed: Annotated[Count, Setting("seed for initialization, sampling and augmentation", "S", group=RECIPE)] = Field(
-        default=0, ge=0, le=2**64 - 1)  # torch.manual_seed takes no more
+    seed: Annotated[Count, Setting("seed for initialization, sampling and augmentation", "S", group=RECIPE,
+                                   loader=True)] = Field(default=0, ge=0,
+                                                         le=2**64 - 1)  # torch.manual_seed takes no more
     out: Annotated[Path | None, Setting(
         "run folder for summary.json, metrics.jsonl and checkpoints (default runs/<time>)", "RUN_DIR",
         may_change_on_resume=True, machine_local=True, per_run=True)] = None

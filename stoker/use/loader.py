@@ -10,7 +10,6 @@ process group exists. The producers start at the first `iter()` and live until `
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import sys
@@ -20,7 +19,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -35,6 +34,7 @@ from stoker.common.config import (
     RunSettings,
     check_data_path,
     check_section,
+    default_of,
     names_where,
     setting_names,
 )
@@ -224,14 +224,20 @@ class Loader:
 
     def __init__(self, data: str | Path | Any | None, batch_size: int, image_size: int | None = None,
                  augment: Augment = "standard", seed: int = 0, device: str | torch.device | None = "auto",
-                 drop_last: bool = False, **settings: Any) -> None:
-        """`settings`: any of LOADER_SETTINGS, named and checked as `stoker train`'s flags of the same name (the
-        same sections validate them), and `metrics_file`: where the engine's events go as JSON lines."""
-        own = {"metrics_file": settings.pop("metrics_file", None)}
-        sections = _check_settings(data, dict(batch_size=batch_size, image_size=image_size, augment=augment,
-                                              seed=seed, **settings))
+                 drop_last: bool = False, *, producers: int | Literal["auto"] = default_of("producers"),
+                 min_producers: int = default_of("min_producers"), max_producers: int | None = None,
+                 producer_timeout_s: float = default_of("producer_timeout_s"),
+                 max_bad_fraction: float = default_of("max_bad_fraction"),
+                 channels_last: bool = default_of("channels_last"), image_column: str | None = None,
+                 label_column: str | None = None, cache_dir: str | Path | None = None, cache_size: str | None = None,
+                 metrics_file: str | Path | None = None) -> None:
+        """Every argument but `data`, `device` and `metrics_file` is `stoker train`'s setting of the same name, with
+        its default, checked by the same section (the same value gets the same message). `device`: None, 'auto',
+        'cpu', 'cuda' or 'cuda:N'. `metrics_file`: where the engine's events go as JSON lines."""
+        # The arguments that are settings, by name: LOADER_SETTINGS are the fields that declare `loader=True`.
+        sections = _check_settings(data, {name: value for name, value in locals().items() if name in LOADER_SETTINGS})
         feed, data_settings = sections[FeedSettings], sections[DataSettings]
-        _check_own(drop_last=drop_last, **own)
+        _check_metrics_file(metrics_file)
         self.batch_size = feed.batch_size
         self.augment: Augment = data_settings.augment
         self.seed = sections[RunSettings].seed
@@ -239,11 +245,11 @@ class Loader:
         self.min_producers = feed.min_producers
         self.max_producers = feed.max_producers
         self.device_setting = _check_device(device)
-        self.drop_last = drop_last
+        self.drop_last = feed.drop_last
         self.channels_last = sections[DeviceSettings].channels_last
         self.producer_timeout_s = feed.producer_timeout_s
         self.max_bad_fraction = data_settings.max_bad_fraction
-        self.metrics_file = Path(own["metrics_file"]) if own["metrics_file"] is not None else None
+        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
         copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
         columns = Columns(data_settings.image_column, data_settings.label_column)
         self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies,
@@ -710,18 +716,13 @@ def _first_item_size(dataset: Any) -> int:
     return int(shape[0])
 
 
-# The keywords a Loader takes beyond its own arguments: the settings that declare `loader=True`.
+# The Loader's arguments that are `stoker train`'s settings: the fields that declare `loader=True`.
 LOADER_SETTINGS = names_where("loader")
 
 
 def _check_settings(data: Any, values: dict[str, Any]) -> dict[type, Any]:
     """Every setting before anything starts, by the sections `stoker train` checks them with: the same error for
-    the same value. `values`: the arguments named as train's settings, and the keywords."""
-    signature = inspect.signature(Loader.__init__).parameters
-    unknown = sorted(set(values) - LOADER_SETTINGS - (set(signature) - {"self", "settings"}))
-    if unknown:
-        raise TypeError(f"stoker.Loader got unexpected setting(s) {', '.join(unknown)}; it takes "
-                        f"{', '.join(sorted(LOADER_SETTINGS))} and metrics_file")
+    the same value. `values`: the Loader's arguments that are settings."""
     if isinstance(data, (str, Path)):
         check_data_path("data", data_location(data))
     return {section: check_section(section, {name: value for name, value in values.items()
@@ -729,10 +730,8 @@ def _check_settings(data: Any, values: dict[str, Any]) -> dict[type, Any]:
             for section in (FeedSettings, DataSettings, DeviceSettings, RunSettings)}
 
 
-def _check_own(drop_last: Any, metrics_file: Any) -> None:
-    """The Loader's own arguments, which no command of stoker's shares."""
-    if not isinstance(drop_last, bool):
-        raise ValueError(f"drop_last={drop_last!r}: expected True or False")
+def _check_metrics_file(metrics_file: Any) -> None:
+    """The Loader's own argument, which no command of stoker's shares."""
     if metrics_file is not None and not (isinstance(metrics_file, (str, Path)) and Path(metrics_file).parent.is_dir()):
         raise ValueError(f"metrics_file={metrics_file!r}: expected None or a file in an existing folder")
 

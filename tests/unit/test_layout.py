@@ -96,15 +96,32 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert _stoker_imports(module) == [(1, "run"), (1, "run"), (2, "common")]
 
 
-def test_the_engine_and_the_loader_take_at_most_eight_parameters():
+def test_the_engine_takes_at_most_eight_parameters_and_the_loader_eight_positionals():
     import inspect
 
     from stoker.pipeline.engine import Engine
     from stoker.use.loader import Loader
 
-    for cls in (Engine, Loader):
-        parameters = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        assert len(parameters) <= 8, (cls.__name__, parameters)
+    engine = [p for p in inspect.signature(Engine.__init__).parameters if p != "self"]
+    assert len(engine) <= 8, engine
+    positional = [p.name for p in inspect.signature(Loader).parameters.values()
+                  if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    assert len(positional) <= 8, positional
+
+
+def test_the_loader_s_signature_names_every_setting_it_takes_with_its_default():
+    """`help(stoker.Loader)` and an IDE show every keyword: none hides behind **settings, and each setting's
+    default is the one `stoker train` has."""
+    import inspect
+
+    from stoker.common.config import default_of
+    from stoker.use.loader import LOADER_SETTINGS, Loader
+
+    parameters = inspect.signature(Loader).parameters
+    assert not [p for p in parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD]
+    assert set(parameters) == {*LOADER_SETTINGS, "data", "device", "metrics_file"}
+    defaults = {name: parameters[name].default for name in LOADER_SETTINGS if name != "batch_size"}
+    assert defaults == {name: default_of(name) for name in defaults}
 
 
 def test_no_module_imports_one_that_imports_it():

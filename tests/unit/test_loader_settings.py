@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import stoker
+from stoker.common.config import make_config
 from stoker.data.formats.user_dataset import DatasetSource
 
 
@@ -25,7 +26,7 @@ class Squares:
 @pytest.mark.parametrize("setting,value", [
     ("batch_size", 0), ("augment", "flip"), ("producers", 0), ("image_size", 4), ("seed", -1), ("device", "tpu:0"),
     ("batch_size", True), ("producers", True), ("producer_timeout_s", "soon"), ("max_bad_fraction", None),
-    ("drop_last", "yes"), ("channels_last", None), ("device", "mps"), ("device", "meta"),
+    ("drop_last", "sometimes"), ("channels_last", None), ("device", "mps"), ("device", "meta"),
     ("metrics_file", "/no/such/folder/metrics.jsonl")])
 def test_a_bad_setting_is_named_before_anything_starts(textures, setting, value):
     with pytest.raises(ValueError, match=f"^{setting}="):
@@ -114,8 +115,21 @@ def test_the_loader_keeps_the_values_its_settings_were_checked_as(textures):
 
 
 def test_an_unknown_keyword_is_refused_naming_it(textures):
-    with pytest.raises(TypeError, match="unexpected setting.*settings"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'settings'"):
         stoker.Loader(textures[0], batch_size=8, settings=3)
+
+
+@pytest.mark.parametrize("value,expected", [("true", True), ("0", False), (True, True)])
+def test_drop_last_is_read_as_stoker_train_reads_it(textures, value, expected):
+    """One check: the value `stoker train --drop-last` takes, the Loader takes (a bad one: the same message)."""
+    assert stoker.Loader(textures[0], batch_size=8, drop_last=value).drop_last is expected
+    assert make_config({"drop_last": value}).drop_last is expected
+
+
+def test_a_bad_drop_last_gets_stoker_train_s_message(textures):
+    with pytest.raises(ValueError) as refused:
+        stoker.Loader(textures[0], batch_size=8, drop_last="sometimes")
+    assert str(refused.value) == str(pytest.raises(ValueError, make_config, {"drop_last": "sometimes"}).value)
 
 
 @pytest.mark.parametrize("key,value,expected", [
