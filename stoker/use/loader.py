@@ -42,7 +42,7 @@ from stoker.common.devices import available_cores
 from stoker.common.main_guard import check_main_guard
 from stoker.common.memory import available_memory
 from stoker.common.positions import Position
-from stoker.common.procs import POLL_S, StokerRunError
+from stoker.common.procs import POLL_S
 from stoker.common.urls import data_location
 from stoker.data.formats.builtin_data import builtin_dataset
 from stoker.data.formats.folders import Skipped
@@ -58,11 +58,12 @@ from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
 from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.parts import parts_per_batch
-from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import MAX_IN_FLIGHT, parts_held
 from stoker.pipeline.scheduler import Scheduler
 from stoker.training.feed import DeviceLoader
 from stoker.training.streams import ops_for
+from stoker.use.lent_batches import LentBatches
+from stoker.use.resume_position import ResumePosition
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,6 @@ MIN_SLOTS = 4  # the trainer's slots_per_consumer
 # runs dry; DataLoader's workers keep 2 batches each queued whatever the loop does.
 QUEUED_BATCHES = 2
 OPEN_ENDED = 1 << 40  # the scheduler's last epoch: the ring, not the epoch, bounds what is built ahead
-STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -199,23 +199,6 @@ class _Window:
     fill: float = 0.0
 
 
-@dataclass(frozen=True)
-class _Pool:
-    """Samples of this rank's batches pulled from the ring and not yet handed out. A step none of whose own files
-    was usable takes its one sample from the next batch, so `through` (the last batch pulled) may be ahead of the
-    step handed out next; `lent` of batch `through`'s samples went to earlier steps."""
-
-    images: torch.Tensor
-    labels: torch.Tensor
-    ids: np.ndarray
-    through: int
-    lent: int = 0
-
-    def split(self, count: int) -> tuple[tuple[torch.Tensor, torch.Tensor, np.ndarray], _Pool]:
-        rest = _Pool(self.images[count:], self.labels[count:], self.ids[count:], self.through, self.lent + count)
-        return (self.images[:count], self.labels[:count], self.ids[:count]), rest
-
-
 class Loader:
     """Batches of (images, labels) for one rank: on `device` as normalized float NCHW (channels_last), or with
     `device=None` as uint8 NCHW on the host (pinned when CUDA is there). `data`: what `stoker train --data` takes
@@ -236,41 +219,23 @@ class Loader:
         'cpu', 'cuda' or 'cuda:N'. `metrics_file`: where the engine's events go as JSON lines."""
         # The arguments that are settings, by name: LOADER_SETTINGS are the fields that declare `loader=True`.
         sections = _check_settings(data, {name: value for name, value in locals().items() if name in LOADER_SETTINGS})
-        feed, data_settings = sections[FeedSettings], sections[DataSettings]
         _check_metrics_file(metrics_file)
-        self.batch_size = feed.batch_size
-        self.augment: Augment = data_settings.augment
-        self.seed = sections[RunSettings].seed
-        self.producers = feed.producers
-        self.min_producers = feed.min_producers
-        self.max_producers = feed.max_producers
-        self.device_setting = _check_device(device)
-        self.drop_last = feed.drop_last
-        self.channels_last = sections[DeviceSettings].channels_last
-        self.producer_timeout_s = feed.producer_timeout_s
-        self.max_bad_fraction = data_settings.max_bad_fraction
-        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
+        self._keep_settings(sections, _check_device(device), metrics_file)
+        data_settings = sections[DataSettings]
         copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
         columns = Columns(data_settings.image_column, data_settings.label_column)
         self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies,
                                                                                columns)
+        self.paths: Sequence[str] = self.source.paths  # what names position i: a file, SHARD.tar:KEY, Dataset[i]
         self.sampler = EpochSampler(self)
         self.epoch = 0
-        self._position = Position(0, 0, 0)  # the next batch to hand out
-        self._resume: Position | None = None  # from load_state_dict, used by the next iter() of that epoch
-        self._resume_lent: tuple[int, int] | None = None  # (batch, samples of it handed out before the save)
-        # From load_state_dict: (epoch, step, samples of the epoch before that step), which the plan is made again
-        # from when the state was saved at another world size (or by a loader that itself was).
-        self._resumed_at: tuple[int, int, int] | None = None
-        self._pool: _Pool | None = None
-        self._last_out: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None  # a sample handed out
-        self.repeated_samples = 0  # handed out twice to keep a batch from being empty (`summary()`)
+        self.position = ResumePosition(len(self.paths), self.batch_size, self.seed, self.drop_last)
+        self._lent = LentBatches()
         self.info: RankInfo | None = None
         self._engine: Engine | None = None
         self._finalizer: weakref.finalize | None = None
         self.batch_ids = np.zeros(0, dtype=np.int64)  # dataset positions of the last batch handed out
-        self.paths: Sequence[str] = self.source.paths  # what names position i: a file, SHARD.tar:KEY, Dataset[i]
-        self.stats = RunStats(1, len(self.source.paths), 0)  # this rank's books: steps, time split, exactly once
+        self.stats = RunStats(1, len(self.paths), 0)  # this rank's books: steps, time split, exactly once
         for item in self.refused:
             self.stats.skipped.setdefault(item.path, item.reason)
         self._iterating = False
@@ -282,6 +247,22 @@ class Loader:
         self._compute_s: float | None = None  # and the loop's time before it, read at its first wait
         self.closed = False
 
+    def _keep_settings(self, sections: dict[type, Any], device: str | None, metrics_file: str | Path | None) -> None:
+        """The checked settings, as the sections read them ("8" is 8)."""
+        feed, data_settings = sections[FeedSettings], sections[DataSettings]
+        self.batch_size = feed.batch_size
+        self.augment: Augment = data_settings.augment
+        self.seed = sections[RunSettings].seed
+        self.producers = feed.producers
+        self.min_producers = feed.min_producers
+        self.max_producers = feed.max_producers
+        self.device_setting = device
+        self.drop_last = feed.drop_last
+        self.channels_last = sections[DeviceSettings].channels_last
+        self.producer_timeout_s = feed.producer_timeout_s
+        self.max_bad_fraction = data_settings.max_bad_fraction
+        self.metrics_file = Path(metrics_file) if metrics_file is not None else None
+
     # ---- what DataLoader users call ------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
@@ -292,8 +273,7 @@ class Loader:
     def __len__(self) -> int:
         """Batches per epoch on every rank: the same on each, whatever files turn out unusable (the epoch a state of
         another world size resumed counts its batches before the resume as this world's plan numbers them)."""
-        world = self.info.world_size if self.info is not None else read_rank()[1]
-        return self._resume_plan(world).steps_in(self.epoch)
+        return self.position.resume_plan(self._world()).steps_in(self.epoch)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if self.closed:
@@ -308,33 +288,24 @@ class Loader:
         """The files (or shard members, or dataset items) of the last batch handed out, in its order."""
         return [self.paths[int(i)] for i in self.batch_ids]
 
+    @property
+    def repeated_samples(self) -> int:
+        """Samples handed out twice to keep a batch from being empty."""
+        return self._lent.repeated_samples
+
     def state_dict(self) -> dict[str, Any]:
         """Where the next batch is (epoch, step), what it is a function of, and the files skipped so far."""
-        pool = self._pool if self._pool is not None and self._pool.through >= self._position.step else None
-        world = self.info.world_size if self.info is not None else read_rank()[1]
-        epoch, step = self._position.epoch, self._position.step
-        offset = self._resume_plan(world).offset(epoch, step)  # recorded where it is not `step` whole steps
-        moved = {"offset": offset} if offset != self._plan(world).offset(epoch, step) else {}
-        return {"version": STATE_VERSION, "epoch": epoch, "step": step, **moved,
-                "lent": [pool.through, pool.lent] if pool is not None else None,
-                "seed": self.seed, "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "world_size": self.info.world_size if self.info is not None else read_rank()[1],
-                "num_samples": len(self.source.paths),
+        return {**self.position.state(self._world()), "lent": self._lent.saved(self.position.next.step),
                 "skipped": [{"path": p, "reason": r} for p, r in self.stats.skipped.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved batch: the next `iter()` of the saved epoch starts there (exact resume)."""
-        self._check_state(state)
-        self.epoch = int(state["epoch"])
-        self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
-        saved_world = int(state.get("world_size", read_rank()[1] if self.info is None else self.info.world_size))
-        offset = state.get("offset")
-        offset = self._plan(saved_world).offset(self.epoch, self._resume.step) if offset is None else int(offset)
-        self._resumed_at = (self.epoch, self._resume.step, offset)
+        self.position.check(state, self._world())
+        self.epoch = self.position.load(state, self._world())
         if self.info is not None:
-            self.plan = self._resume_plan(self.info.world_size)
+            self.plan = self.position.resume_plan(self.info.world_size)
         lent = state.get("lent")
-        self._resume_lent = (int(lent[0]), int(lent[1])) if lent is not None else None
+        self._lent.restored = (int(lent[0]), int(lent[1])) if lent is not None else None
         self._built_ahead = None
         for item in state.get("skipped", []):
             self.stats.skipped.setdefault(item["path"], item["reason"])
@@ -372,14 +343,9 @@ class Loader:
 
     # ---- starting -----------------------------------------------------------------------------------------------
 
-    def _plan(self, world: int) -> EpochPlan:
-        return EpochPlan(len(self.source.paths), 0, self.batch_size, world, self.seed, self.drop_last)
-
-    def _resume_plan(self, world: int) -> EpochPlan:
-        """The plan for `world` ranks, made again from where a loaded state stood when that is not where this
-        world's own plan would be (another world size saved it): the rest of its epoch, every sample once."""
-        plan = self._plan(world)
-        return plan if self._resumed_at is None else plan.continuing(*self._resumed_at)
+    def _world(self) -> int:
+        """The world size: read at the first iter(), before it from torch.distributed or the environment."""
+        return self.info.world_size if self.info is not None else read_rank()[1]
 
     def _start(self) -> None:
         """At the first iter(): rank, world size and device, then the ring and the producers."""
@@ -388,7 +354,7 @@ class Loader:
         rank, world = read_rank()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         self.info = RankInfo(rank, world, local_world, resolve_device(self.device_setting))
-        self.plan = self._resume_plan(world)
+        self.plan = self.position.resume_plan(world)
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"batch_size={self.batch_size} x {world} ranks is more than the {len(self.source.paths)}"
                              " samples, with drop_last=True: no batch at all")
@@ -432,49 +398,6 @@ class Loader:
         device = self.info.device if self.info is not None else None
         return (device is not None and device.type == "cuda") or (device is None and torch.cuda.is_available())
 
-    def _check_state(self, state: dict[str, Any]) -> None:
-        for key in ("epoch", "step", "seed", "batch_size", "num_samples"):
-            if key not in state:
-                raise ValueError(f"load_state_dict: the state has no {key!r} (expected a Loader.state_dict())")
-        mine = {"seed": self.seed, "batch_size": self.batch_size, "num_samples": len(self.source.paths),
-                "drop_last": self.drop_last}
-        for key, value in mine.items():
-            if key in state and state[key] != value:
-                raise ValueError(f"load_state_dict: the state was saved with {key}={state[key]!r}, this loader has "
-                                 f"{key}={value!r}; batches would differ, resume with the same settings")
-        world = read_rank()[1] if self.info is None else self.info.world_size
-        saved_world = state.get("world_size", world)
-        if isinstance(saved_world, bool) or not isinstance(saved_world, (int, np.integer)) or not \
-                1 <= saved_world <= 1 << 20:
-            raise ValueError(f"load_state_dict: the state's world_size is {saved_world!r}; expected an integer from "
-                             "1 to 2^20")
-        if saved_world != world and state.get("lent") is not None:
-            raise ValueError(f"load_state_dict: the state was saved with world_size={saved_world} while a batch whose "
-                             f"files were unusable borrowed from the next (lent); this job has {world} ranks: resume "
-                             f"it with {saved_world}")
-        offset, samples = state.get("offset"), len(self.source.paths)
-        if offset is not None and (isinstance(offset, bool) or not isinstance(offset, (int, np.integer))
-                                   or not 0 <= offset <= samples):
-            raise ValueError(f"load_state_dict: the state's offset is {offset!r}; expected an integer from 0 to "
-                             f"{samples} (the samples of its epoch before its step)")
-        steps = self._plan(int(saved_world)).steps_per_epoch
-        if offset is not None and isinstance(state["step"], int) and offset != self._plan(int(saved_world)).offset(
-                0, state["step"]):
-            steps = samples + 1  # saved by a loader that resumed at another world size: its steps are its own
-        for key, below in (("epoch", None), ("step", steps)):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0 or (
-                    below is not None and value >= below):
-                bound = f"from 0 to {below - 1} (this loader has {below} batches per epoch)" if below else ">= 0"
-                raise ValueError(f"load_state_dict: the state's {key} is {value!r}; expected an integer {bound}")
-        lent = state.get("lent")
-        if lent is not None and not (isinstance(lent, (list, tuple)) and len(lent) == 2 and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in lent) and state["step"] <= lent[0] < steps
-                and 0 <= lent[1] <= self.batch_size):
-            raise ValueError(f"load_state_dict: the state's lent is {lent!r}; expected None or [batch, samples] "
-                             f"with batch from the state's step to {steps - 1} and samples from 0 to "
-                             f"{self.batch_size}")
-
     # ---- an epoch -----------------------------------------------------------------------------------------------
 
     def _begin_epoch(self, epoch: int, first_step: int) -> None:
@@ -493,8 +416,8 @@ class Loader:
                                     self.info.rank, 1))
             self._ready: deque[Batch] = deque()
         self._books.enter(epoch, built_ahead, first_step == 0)
-        self._pool, self._last_out = None, None
-        self._position = start
+        self._lent.begin_epoch()
+        self.position.next = start
         self._generation += 1
         self._carry_window()
         self._last_return: float | None = None
@@ -504,34 +427,34 @@ class Loader:
         """The epoch is the one set when the first batch is asked for, not when iter() was called: Lightning
         takes its iterator first and calls sampler.set_epoch after."""
         epoch = self.epoch
-        resume, self._resume = self._resume, None
-        resumed = resume is not None and resume.epoch == epoch
-        first_step = resume.step if resume is not None and resumed else 0
-        if not resumed:  # the loan a saved state recorded belongs to the saved epoch's next step, not to this one
-            self._resume_lent = None
+        resumed = self.position.take_resume(epoch)
+        if resumed is None:  # the loan a saved state recorded belongs to the saved epoch's next step, not to this one
+            self._lent.restored = None
+        first_step = resumed or 0
         self._begin_epoch(epoch, first_step)
         generation = self._generation
         self._iterating = True
         try:
             steps = self.plan.steps_in(epoch)
             if first_step >= steps:  # a state of another world size that leaves this epoch no whole step (drop_last)
-                self._position, self.epoch = Position(epoch + 1, 0, 0), epoch + 1
+                self.position.next, self.epoch = Position(epoch + 1, 0, 0), epoch + 1
                 return
             for step in range(first_step, steps):
                 if generation != self._generation:
                     raise RuntimeError("this iterator was left for a newer iter() of the same stoker.Loader, which "
                                        "began its epoch again: a Loader feeds one iteration at a time (as a "
                                        "DataLoader with persistent workers); take batches from the newest iterator")
-                images, labels, ids = self._serve(epoch, step, steps)
+                images, labels, ids = self._lent.serve(epoch, step, steps, self._take_step,
+                                                       self.info.rank if self.info else 0)
                 self.batch_ids = ids
                 self._record(epoch, step, ids)
-                self._position = Position(epoch, step + 1, 0)
+                self.position.next = Position(epoch, step + 1, 0)
                 if step + 1 == steps:
                     # Handed out the epoch's last batch: a loop that stops on len() (Lightning) never asks for the
                     # end, and a checkpoint taken now must resume at the next epoch. The next iter() is that epoch
                     # unless set_epoch says otherwise.
-                    self._position = Position(epoch + 1, 0, 0)
-                    self._pool = None  # nothing of this epoch is lent to the next
+                    self.position.next = Position(epoch + 1, 0, 0)
+                    self._lent.end_epoch()
                     self.epoch = epoch + 1
                     self._built_ahead = Position(epoch + 1, 0, (epoch + 1) * self.plan.steps_per_epoch)
                 self._last_return = time.perf_counter()
@@ -539,52 +462,11 @@ class Loader:
         finally:
             self._iterating = False
 
-    def _serve(self, epoch: int, step: int, steps: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """This rank's batch `step`, never empty: a step none of whose files was usable (or a short last step with
-        no sample for this rank) takes one sample from the next batch, whose rest is the next step's. Every
-        sample is still handed out once, and every rank hands out len() batches. Only where no later batch has a
-        sample left does a step repeat one already handed out this epoch (counted in `repeated_samples`)."""
-        pool = self._pool
-        if pool is None and self._resume_lent is not None:
-            (through, lent), self._resume_lent = self._resume_lent, None
-            pool = self._pull_lent(step, through, lent)
-        elif pool is None or pool.through < step:
-            pool = self._pull(step)
-        borrowed = False
-        while not len(pool.ids) and pool.through + 1 < steps:
-            pool, borrowed = self._pull(pool.through + 1), True
-        self._pool = pool  # pulled through `pool.through`, even when nothing of it is left to hand out
-        if not len(pool.ids):
-            return self._repeat_last(epoch, step)
-        out, self._pool = pool.split(1 if borrowed else len(pool.ids))
-        # A copy: a view would keep the whole batch alive, and the loop's in-place changes would reach the repeat.
-        self._last_out = (out[0][-1:].clone(), out[1][-1:].clone(), out[2][-1:].copy())
-        return out
-
-    def _pull(self, step: int, drop: int = 0) -> _Pool:
-        """This rank's batch `step` out of the ring, less its first `drop` samples (handed out before a save)."""
+    def _take_step(self, step: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+        """This rank's batch `step` out of the ring, as tensors of its own."""
         batch = self._next_batch()
         assert batch.step == step, (batch, step)
-        images, labels, ids = self._take(batch)
-        return _Pool(images[drop:], labels[drop:], ids[drop:], step, drop)
-
-    def _pull_lent(self, step: int, through: int, lent: int) -> _Pool:
-        """After a resume whose save fell while batch `through` had lent `lent` samples to earlier steps: the
-        batches up to it (empty, or their samples would not have been lent), less what was handed out, as the
-        saved run held it."""
-        for empty in range(step, through):
-            self._pull(empty)
-        return self._pull(through, lent)
-
-    def _repeat_last(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        if self._last_out is None:
-            raise StokerRunError(f"rank {self.info.rank if self.info else 0}: no file of epoch {epoch} up to its "
-                                 f"last step was usable on this rank: there is no sample to hand out")
-        self.repeated_samples += 1
-        log.warning("epoch %d step %d: no file left that this rank could use; repeating sample %d (trained twice "
-                    "this epoch, counted in summary()['repeated_samples']) so that no batch is empty", epoch, step,
-                    int(self._last_out[2][0]))
-        return self._last_out
+        return self._take(batch)
 
     def _next_batch(self) -> Batch:
         """Wait for this rank's next batch, pumping the engine; the wait is what autoscaling reads."""
