@@ -1,6 +1,7 @@
 """The package's folders are its architecture: each role's modules import only their own role and the roles below."""
 
 import ast
+import os
 from pathlib import Path
 
 import stoker
@@ -124,15 +125,139 @@ def test_the_loader_s_signature_names_every_setting_it_takes_with_its_default():
     assert defaults == {name: default_of(name) for name in defaults}
 
 
-def test_no_module_imports_one_that_imports_it():
-    """Module-level and TYPE_CHECKING imports between stoker's modules form no cycle."""
-    modules = {".".join(m.relative_to(PACKAGE.parent).with_suffix("").parts): m for m in PACKAGE.rglob("*.py")}
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules(package: Path) -> dict[str, Path]:
+    return {_module_name(path, package): path for path in package.rglob("*.py")}
+
+
+def _module_level(tree: ast.Module) -> list[ast.AST]:
+    """The nodes that run when the module is imported: not inside a function or a class, nor under
+    TYPE_CHECKING."""
+    return [inner for node in tree.body
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test))
+            for inner in ast.walk(node)]
+
+
+def _imports_graph(package: Path, module_level_only: bool) -> dict[str, set[str]]:
+    """Each module of `package` -> the modules of it that it imports (`from a.b import c` names a.b.c where c is
+    a module, else a.b). `module_level_only`: the imports that run as it is imported, and the packages above
+    each, whose __init__ runs first; else every import in the file, also inside functions and TYPE_CHECKING."""
+    modules = _modules(package)
     graph = {}
     for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("stoker."):
-                targets |= {t for t in (node.module, *(f"{node.module}.{a.name}" for a in node.names)) if t in modules}
-        graph[name] = targets - {name}
-    cycles = sorted(f"{a} <-> {b}" for a in graph for b in graph[a] if a in graph.get(b, ()) and a < b)
-    assert cycles == []
+        for node in _module_level(tree) if module_level_only else ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                named = {f"{node.module}.{alias.name}" for alias in node.names}  # a module, or a name in one
+                targets |= {t if t in modules else node.module for t in named}
+            elif isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+        if module_level_only:
+            targets |= {".".join(t.split(".")[:i]) for t in set(targets) for i in range(1, t.count(".") + 1)}
+            targets |= {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}  # its own packages
+        graph[name] = {t for t in targets if t in modules} - {name}
+    return graph
+
+
+def _reached(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for target in graph[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def _torch_reached_from(package: Path, folders: list[str]) -> list[str]:
+    """'module -> importer of torch' for each module of `folders` whose import, followed through every module it
+    imports as it is imported, reaches a module-level `import torch`."""
+    modules = _modules(package)
+    graph = _imports_graph(package, module_level_only=True)
+    importers = {name for name, path in modules.items() if _module_level_torch(path)}
+    return sorted(f"{name} -> {', '.join(sorted(_reached(graph, name) & importers))}"
+                  for name in modules if name.split(".")[1:2] and name.split(".")[1] in folders
+                  and _reached(graph, name) & importers)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each holds a cycle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(found)
+
+
+def test_the_producer_side_never_reaches_torch_through_what_it_imports():
+    """A direct `import torch` is not the only way in: `pipeline/scheduler.py` once imported a checkpoint module
+    that imported torch, and every producer paid 2 s for it."""
+    assert _torch_reached_from(PACKAGE, TORCH_FREE) == []
+
+
+def test_importing_the_driver_leaves_torch_out():
+    """What the layout checker reads, checked by the interpreter itself."""
+    import subprocess
+    import sys
+
+    code = "import sys, stoker.pipeline.driver, stoker.pipeline.producer; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
+    package = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", **files}.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(text)
+    return package
+
+
+def test_the_torch_checker_follows_imports_through_other_modules_and_packages(tmp_path):
+    package = _package(tmp_path, {
+        "low/__init__.py": "", "low/a.py": "from pkg.low import b\n", "low/b.py": "import pkg.mid.c\n",
+        "mid/__init__.py": "import torch\n", "mid/c.py": "def f():\n    import torch\n",
+        "low/lazy.py": "def f():\n    from pkg.low import heavy\n", "low/heavy.py": "import torch\n"})
+    assert _torch_reached_from(package, ["low"]) == ["pkg.low.a -> pkg.mid", "pkg.low.b -> pkg.mid",
+                                                     "pkg.low.heavy -> pkg.low.heavy"]
+
+
+def test_the_cycle_checker_finds_a_cycle_of_any_length(tmp_path):
+    package = _package(tmp_path, {
+        "a.py": "from pkg import b\n", "b.py": "import pkg.c\n", "c.py": "def f():\n    from pkg.a import x\n",
+        "d.py": "from pkg import a\n", "e.py": "import pkg.f\n", "f.py": "import pkg.e\n"})
+    assert _cycles(_imports_graph(package, module_level_only=False)) == [["pkg.a", "pkg.b", "pkg.c"],
+                                                                          ["pkg.e", "pkg.f"]]
+
+
+def test_no_module_imports_one_that_imports_it():
+    """No cycle of any length among stoker's modules, counting every import (in functions and TYPE_CHECKING
+    blocks too: a cycle there is a layering that runs both ways)."""
+    assert _cycles(_imports_graph(PACKAGE, module_level_only=False)) == []
