@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -67,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
@@ -97,15 +97,7 @@ def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]
         stoker_step(images, labels)
         ddp_step(images, labels)
     weights_match, max_difference = _same_parameters(stoker_model, ddp_model)
-    times: dict[str, list[float]] = {"stoker": [], "ddp": []}
-    for _ in range(repeats):  # interleaved, so drift in the machine's speed hits both alike
-        for name, step in (("stoker", stoker_step), ("ddp", ddp_step)):
-            dist.barrier()
-            started = time.perf_counter()
-            for images, labels in batches[:steps]:
-                step(images, labels)
-            dist.barrier()
-            times[name].append((time.perf_counter() - started) / steps)
+    times = _time_steps({"stoker": stoker_step, "ddp": ddp_step}, batches[:steps], repeats)
     stoker_s, ddp_s = statistics.median(times["stoker"]), statistics.median(times["ddp"])
     bucketed, flat, per_tensor, bucketed_over_flat = _averaging_costs(stoker_model)
     return {"model": settings["model"], "optimizer": settings["optimizer"], "processes": WORLD,
@@ -117,6 +109,24 @@ def _compare(rank: int, _world: int, settings: dict[str, Any]) -> dict[str, Any]
             "bucketed_average_ms": round(1000 * bucketed, 3), "flat_allreduce_ms": round(1000 * flat, 3),
             "per_tensor_allreduce_ms": round(1000 * per_tensor, 3), "bucketed_over_flat": round(bucketed_over_flat, 3),
             "all_runs": times}
+
+
+def _time_steps(steps: dict[str, Callable[[Any, Any], None]], batches: list[Any], repeats: int
+                ) -> dict[str, list[float]]:
+    """Seconds per step of each way of stepping, `repeats` times each, interleaved, so drift in the machine's
+    speed hits all alike."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            dist.barrier()
+            started = time.perf_counter()
+            for images, labels in batches:
+                step(images, labels)
+            dist.barrier()
+            times[name].append((time.perf_counter() - started) / len(batches))
+    return times
 
 
 def small_cnn(num_classes: int) -> nn.Module:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,7 +41,6 @@ from stoker.pipeline.messages import (
     Save,
     Saved,
     SlotFree,
-    StepReport,
     ValEnd,
     ValReport,
 )
@@ -58,12 +56,11 @@ from stoker.training.recipe import Recipe, RecipeSpec
 from stoker.training.recovery import AgreedStates, GroupLost, Joining, Regroup, Stranded, is_group_error
 from stoker.training.rendezvous import StoreAddress, bind_to_loopback, group_options
 from stoker.training.schedule import LearningRate
+from stoker.training.step_reports import StepInFlight, StepReports
 from stoker.training.streams import ops_for
-from stoker.training.timing import StepClock, StepMarks
-from stoker.training.val_totals import ValTotals
+from stoker.training.timing import StepClock
+from stoker.training.val_totals import ReplicaTotals
 
-# On a device that runs behind the host, steps are reported in groups: one synchronization reads them all.
-REPORT_EVERY_ASYNC = 16
 EMA_MODEL_FILE = "model_ema.pt"  # beside model.pt, saved the same way
 ABORT_S = 10.0  # an abort of the process group that takes longer is stuck
 
@@ -170,27 +167,40 @@ def abort_group() -> None:
 
 
 class Replica:
+    """One model replica on its device: trains on the batches the controller sends, averages with its peers, saves
+    and validates when told."""
+
     def __init__(self, setup: ConsumerSetup, ring: SlotRing, outbox, stop, generation=None) -> None:
         self.setup = setup
         self.generation = 0  # the group this replica is in (`Regroup`)
         self.shared_generation = generation
         self.ring = ring
         self.outbox = outbox
-        torch.set_num_threads(setup.num_threads)
-        torch.manual_seed(setup.seed)
-        self.device = torch.device(setup.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         self.stop = stop
         self.watch = ParentWatch()
-        accel.configure_backends(setup.hardware.deterministic)
+        self.device = _claim_device(setup)
+        self._join_first_group(setup, generation)
+        self._build_training(setup)
+        self._build_feed(setup, ring)
+        ema = setup.recipe.ema
+        self.ema = ModelEma(build_model(setup.model_settings.model, setup.num_classes).to(self.device), self.model,
+                            ema) if ema else None
+        self._warm_up(setup)
+        self._initial_state(setup)
+        self._build_books(setup)
+
+    def _join_first_group(self, setup: ConsumerSetup, generation) -> None:
+        """The store, and the process group unless this replica joins at the next regroup (`serve`)."""
         self.base_store = _connect_store(setup)
-        if setup.joining:  # the group forms at the next regroup (`serve`)
+        if setup.joining:
             self.store, self.host_group = self.base_store, None
             self.generation = generation.value if generation is not None else 0
         else:
             self.store = _join_group(setup, self.base_store)
             self.host_group = exchange.host_group()
+
+    def _build_training(self, setup: ConsumerSetup) -> None:
+        """The model, its recipe and schedule, the averager, the (compiled) forward, precision and optimizer."""
         self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
         self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
         self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
@@ -204,6 +214,9 @@ class Replica:
         self.forward = accel.compiled(self.model, threads) if setup.hardware.compile else self.model
         self.precision = accel.MixedPrecision(setup.hardware.precision, self.device, agree=setup.world_size > 1)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
+
+    def _build_feed(self, setup: ConsumerSetup, ring: SlotRing) -> None:
+        """The slots' way to the device, the step clock and the reports of steps in flight."""
         ops = ops_for(self.device)
         # The weights stay NCHW in the averager's flat buckets: a channels_last input is enough for convolutions
         # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
@@ -212,33 +225,37 @@ class Replica:
         ahead = setup.hardware.steps_ahead
         self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops, num_staging=ahead)
         self.clock = StepClock(ops, ahead)
-        self.steady_report_every = REPORT_EVERY_ASYNC if ops.asynchronous else 1
-        self.report_every = 1  # the first step is reported at once: the controller times the run from it
-        self.unreported: list[_StepInFlight] = []
-        ema = setup.recipe.ema
-        self.ema = ModelEma(build_model(setup.model_settings.model, setup.num_classes).to(self.device), self.model,
-                            ema) if ema else None
-        # Before the first collective: a peer's compile must not time it out (one started again joins later).
-        if setup.hardware.compile:
-            warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
-                           setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
-            if not setup.joining:
-                warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
+        self.reports = StepReports(self.outbox, self.clock, self.device, setup.local_rank, ops.asynchronous)
+
+    def _warm_up(self, setup: ConsumerSetup) -> None:
+        """Before the first collective: a peer's compile must not time it out (one started again joins later)."""
+        if not setup.hardware.compile:
+            return
+        warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
+                       setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
+        if not setup.joining:
+            warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
+
+    def _initial_state(self, setup: ConsumerSetup) -> None:
+        """A checkpoint's state, or rank 0's initialization on every replica; one started again gets a peer's state
+        at the regroup."""
         if setup.joining:
-            pass  # a peer's state comes at the regroup
-        elif setup.resume_from is not None:
+            return
+        if setup.resume_from is not None:
             self._restore(setup.resume_from)
-        else:
-            if setup.model_settings.init is not None:
-                self._load_init(setup.model_settings.init)
-            _broadcast_initial_state(self.averager)
-            if self.averager.outer is not None:
-                self.averager.outer.reset_anchor()
-            if self.ema is not None:
-                self.ema = ModelEma(self.ema.model, self.model, ema)
+            return
+        if setup.model_settings.init is not None:
+            self._load_init(setup.model_settings.init)
+        _broadcast_initial_state(self.averager)
+        if self.averager.outer is not None:
+            self.averager.outer.reset_anchor()
+        if self.ema is not None:
+            self.ema = ModelEma(self.ema.model, self.model, setup.recipe.ema)
+
+    def _build_books(self, setup: ConsumerSetup) -> None:
+        """Validation totals, the best model (rank 0), and with elastic runs the agreed states."""
         self.first_wait_s: float | None = None
-        self.val_totals = ValTotals(setup.num_classes, self.device)
-        self.ema_val_totals = ValTotals(setup.num_classes, self.device) if self.ema is not None else None
+        self.val_totals = ReplicaTotals(setup.num_classes, self.device, with_ema=self.ema is not None)
         self.best = _BestModel(setup.best_model, setup.model_card, setup.resume_from is not None) \
             if setup.rank == 0 and not setup.joining else None  # one started again: at its regroup, as rank 0
         self.agreed = AgreedStates(self._agreed_state) if setup.elastic else None
@@ -341,10 +358,8 @@ class Replica:
         self.averager.regroup(regroup.world_size)
         if regroup.fresh:
             self._hand_over_state(regroup, fresh)
-        self.unreported = []
-        self.val_totals = ValTotals(self.setup.num_classes, self.device)
-        if self.ema_val_totals is not None:
-            self.ema_val_totals = ValTotals(self.setup.num_classes, self.device)
+        self.reports.drop()
+        self.val_totals.reset()
         if self.setup.rank != 0:
             self.best = None  # rank 0 keeps model_best.pt; one that was rank 0 before may hold an older best
         elif self.best is None:
@@ -407,11 +422,7 @@ class Replica:
         marks = self.clock.end(averaged, after_averaging=self._ema_update(batch.global_step) if averaged else None)
         if averaged and self.agreed is not None and self.averager.replicas_agree:
             self.agreed.keep(batch.global_step)
-        self.unreported.append(_StepInFlight(batch, ids, loss, marks, digest, time.monotonic()))
-        if len(self.unreported) >= self.report_every:
-            # The first step is reported at once (the controller times the run from it); later ones only once
-            # the device has done them: waiting here would leave the device idle while the host catches up.
-            self.report_steps(wait=self.report_every == 1)
+        self.reports.add(StepInFlight(batch, ids, loss, marks, digest, time.monotonic()), self.generation)
 
     def _ema_update(self, global_step: int) -> Callable[[], None] | None:
         """The EMA of the averaged model (the same on every replica), for the clock to run after the averaging."""
@@ -421,30 +432,8 @@ class Replica:
         return lambda: ema.update(self.model, global_step)
 
     def report_steps(self, wait: bool = True) -> None:
-        """Report the steps done since the last report, in order: with `wait` all of them, after one (sleeping)
-        synchronization, which the consumer does only when it would wait anyway; without, those the device has
-        done. On the CPU each step is reported as it ends."""
-        count = len(self.unreported) if wait else self._steps_done()
-        if not count:
-            return
-        done, self.unreported = self.unreported[:count], self.unreported[count:]
-        self.report_every = self.steady_report_every
-        memory = accel.memory_stats(self.device)
-        for step in done:
-            times = self.clock.seconds(step.marks)
-            batch = step.batch
-            self.outbox.send(StepReport(self.setup.local_rank, batch.epoch, batch.step, batch.global_step,
-                                        len(step.ids), step.loss.item() if step.loss is not None else 0.0,
-                                        times.wait_s, times.compute_s, times.averaging_s, step.ids, step.digest,
-                                        memory, host_s=times.host_s, ended_s=step.ended_s,
-                                        epoch_steps=batch.epoch_steps, generation=self.generation))
-
-    def _steps_done(self) -> int:
-        """How many of the unreported steps, from the oldest, the device has done."""
-        count = 0
-        while count < len(self.unreported) and self.clock.ready(self.unreported[count].marks):
-            count += 1
-        return count
+        """The steps done since the last report (`StepReports.send`)."""
+        self.reports.send(self.generation, wait)
 
     def _release(self, slot: int) -> None:
         self.outbox.send(SlotFree(slot, self.generation))
@@ -464,14 +453,11 @@ class Replica:
         self.model.eval()
         # Summed on the device; read once, at the end of validation.
         with torch.no_grad(), self.precision.autocast():
-            self.val_totals.add(self.forward(images), labels)
-            if self.ema is not None and self.ema_val_totals is not None:
-                self.ema_val_totals.add(self.ema.model(images), labels)
+            self.val_totals.add(self.forward(images), labels, self.ema.model(images) if self.ema is not None else None)
 
     def val_end(self, message: ValEnd) -> None:
         faults.maybe_inject("consumer", f"rank={self.setup.rank},val={message.epoch};")
-        result = self.val_totals.reduce()
-        ema = self.ema_val_totals.reduce() if self.ema_val_totals is not None else None
+        result, ema = self.val_totals.reduce()
         if self.setup.rank == 0 and result is not None:
             ema_figures = None if ema is None else {"loss": ema.loss, "accuracy": ema.accuracy, "top5": ema.top5}
             self.outbox.send(ValReport(message.epoch, result.loss, result.accuracy, result.count, result.top5,
@@ -605,20 +591,6 @@ class _BestModel:
         self.accuracy = accuracy
 
 
-@dataclass
-class _StepInFlight:
-    """A step the device may still be working on, until it is reported."""
-
-    batch: Batch
-    ids: np.ndarray
-    loss: torch.Tensor | None  # on the host once `marks.end` has completed; None: this rank had no samples
-    marks: StepMarks
-    digest: str | None
-    # Stamped as the host ends it, not when it is reported (in groups on a GPU, where the device ends it at most
-    # --steps-ahead steps later): the autoscaler must not count a step that ran before a fork for the fork.
-    ended_s: float = 0.0
-
-
 def _next_message(ready, check: Callable[[], None], when_idle, while_idle: Callable[[], None] | None = None):
     """The next message; `check()` raises when the consumer must stop waiting; `when_idle()` runs once if none is
     there within a poll (the consumer would wait anyway, so reading the device costs nothing then), and
@@ -661,6 +633,17 @@ def compile_threads(device: str, num_threads: int, local_consumers: int) -> int:
     if not device.startswith("cuda"):
         return num_threads
     return max(1, available_cores() // max(1, local_consumers))
+
+
+def _claim_device(setup: ConsumerSetup) -> torch.device:
+    """This process's threads, seed and device, and the backends' settings, before anything is built."""
+    torch.set_num_threads(setup.num_threads)
+    torch.manual_seed(setup.seed)
+    device = torch.device(setup.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    accel.configure_backends(setup.hardware.deterministic)
+    return device
 
 
 def _connect_store(setup: ConsumerSetup) -> dist.Store:

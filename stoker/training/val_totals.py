@@ -64,3 +64,25 @@ class ValTotals:
         matrix = confusion.view(self.num_classes, self.num_classes).tolist()
         correct = sum(matrix[i][i] for i in range(self.num_classes))
         return ValResult(loss_sum / count, correct / count, top5 / count, int(count), matrix)
+
+
+class ReplicaTotals:
+    """A replica's validation totals: of its model and, with an EMA, of the average too (started afresh when the
+    group changes: a pass's sums are all-reduced over the group that summed them)."""
+
+    def __init__(self, num_classes: int, device: torch.device, with_ema: bool) -> None:
+        self.num_classes, self.device, self.with_ema = num_classes, device, with_ema
+        self.reset()
+
+    def reset(self) -> None:
+        self.model = ValTotals(self.num_classes, self.device)
+        self.ema = ValTotals(self.num_classes, self.device) if self.with_ema else None
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, ema_logits: torch.Tensor | None) -> None:
+        self.model.add(logits, labels)
+        if self.ema is not None and ema_logits is not None:
+            self.ema.add(ema_logits, labels)
+
+    def reduce(self) -> tuple[ValResult | None, ValResult | None]:
+        """(the model's, the EMA's) over the group, None where the group validated no sample."""
+        return self.model.reduce(), self.ema.reduce() if self.ema is not None else None

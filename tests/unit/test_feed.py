@@ -327,9 +327,10 @@ def _replica_on(ops: FakeOps, ring: SlotRing, sync_every: int = 1, steps_ahead: 
 
     from stoker.training.accel import MixedPrecision
     from stoker.training.averager import Averager
-    from stoker.training.consumer import REPORT_EVERY_ASYNC, Replica
+    from stoker.training.consumer import Replica
     from stoker.training.recipe import Recipe, RecipeSpec
     from stoker.training.schedule import LearningRate
+    from stoker.training.step_reports import StepReports
 
     replica = Replica.__new__(Replica)
     replica.setup = SimpleNamespace(rank=0, local_rank=0, total_steps=100,
@@ -342,8 +343,8 @@ def _replica_on(ops: FakeOps, ring: SlotRing, sync_every: int = 1, steps_ahead: 
     replica.outbox = _Outbox()
     replica.loader = DeviceLoader(ring, torch.device("cpu"), ops=ops, num_staging=steps_ahead)
     replica.clock = StepClock(ops, steps_ahead)
-    replica.steady_report_every, replica.report_every = REPORT_EVERY_ASYNC, 1
-    replica.unreported, replica.first_wait_s, replica.device = [], None, torch.device("cpu")
+    replica.reports = StepReports(replica.outbox, replica.clock, torch.device("cpu"), 0, asynchronous=True)
+    replica.first_wait_s, replica.device = None, torch.device("cpu")
     replica.generation, replica.agreed = 0, None
     replica.learning_rate, replica.ema = LearningRate(0.01, "constant", 100), None
     replica.recipe = Recipe(RecipeSpec(num_classes=30, seed=0))  # cross-entropy on the labels, nothing else
@@ -372,7 +373,7 @@ def test_a_gpu_consumer_reports_only_the_steps_the_device_has_done(ring):
     """A report never drains the device: after the first step (reported at once, the controller times the run
     from it) each report holds the steps whose end event has completed, read without a synchronization; the rest
     wait for a later report or for the moment the consumer is idle anyway."""
-    from stoker.training.consumer import REPORT_EVERY_ASYNC
+    from stoker.training.step_reports import REPORT_EVERY_ASYNC
 
     ops = FakeOps()
     replica = _replica_on(ops, ring)
