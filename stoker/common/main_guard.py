@@ -34,6 +34,12 @@ def check_main_guard(caller: FrameType | None, call: str = "stoker.train()") -> 
         _stop(unguarded_call_message(where, call))
 
 
+def may_start_children(caller: FrameType | None) -> bool:
+    """Whether `check_main_guard` lets a call from `caller` start processes; it stops nothing itself."""
+    return not getattr(multiprocessing.current_process(), "_inheriting", False) and \
+        _unguarded_top_level_line(caller) is None
+
+
 def _stop(message: str) -> None:
     # Not an exception for the script to catch: the script itself is what must change, and a traceback through
     # stoker would hide the one line that says how.

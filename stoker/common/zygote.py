@@ -9,9 +9,11 @@ own (multiprocessing's `ForkServer`, a private instance: a user's forkserver, a 
 touched) with this module and its children's modules preloaded: it pays those imports once and forks each child
 from there in milliseconds. The producers' zygote imports no torch, so a producer's memory stays its own.
 
-What spawn gave a child still holds. A zygote is a fresh interpreter (no copied threads or locks); it imports the
-main script as a spawned child would (its command line, path and folder too), so CUDA is no more initialized there
-than in a spawned child: a guarded script's import starts nothing. Consumers are forked only on CPU devices under
+What spawn gave a child still holds. A zygote is a fresh interpreter (no copied threads or locks); it takes the main
+script's command line, path and folder, and where its children may need the script's objects (a user's dataset,
+consumers) it imports the script as a spawned child would, so CUDA is no more initialized there than in a spawned
+child: a guarded script's import starts nothing. The producers of stoker's own sources never need them: their
+zygote leaves the script (and the torch its top imports) out. Consumers are forked only on CPU devices under
 stoker's command line (`consumers_may_fork`): a user's script's top-level code runs in the zygote, and CUDA
 initialized there or torch's OpenMP threads started there would be unusable in every fork; on a GPU machine's many
 cores the imports cost little. A zygote is started with SIGINT and SIGTERM blocked, so every child is born with
@@ -57,7 +59,9 @@ _TITLE = "STOKER_ZYGOTE_TITLE"
 _MAIN = "STOKER_ZYGOTE_MAIN"
 # What a spawned child is given to import the main module as `__mp_main__` (Python 3.11's forkserver never
 # preloads it: it looks for a key its own preparation data does not have, and applies no sys.path or folder).
-_MAIN_KEYS = ("sys_argv", "sys_path", "dir", "orig_dir", "init_main_from_name", "init_main_from_path")
+_PATH_KEYS = ("sys_argv", "sys_path", "dir", "orig_dir")
+_IMPORT_KEYS = ("init_main_from_name", "init_main_from_path")
+_MAIN_KEYS = (*_PATH_KEYS, *_IMPORT_KEYS)
 # The variables above are the process's: two zygotes starting at once must not read each other's.
 _environment = threading.Lock()
 # Whether this process's main module is stoker's own command line, which starts nothing and touches neither CUDA
@@ -94,9 +98,11 @@ class Zygote:
     """One forkserver of stoker's own with `modules` preloaded, titled `title`; started at the first `acquire`,
     killed at the last `release`, started again if it died; `context` starts processes forked from it."""
 
-    def __init__(self, title: str, role: str, modules: list[str], process_class: type) -> None:
+    def __init__(self, title: str, role: str, modules: list[str], process_class: type, imports_main: bool = True
+                 ) -> None:
         self.title = title
         self.role = role  # who is forked from it, as errors name them: "producers"
+        self.imports_main = imports_main  # else it takes the main script's path, folder and command line only
         self.preload = [__name__, *modules]  # this module first: it makes the new process a zygote
         self._server = _Server(self)
         self._server.set_forkserver_preload(self.preload)
@@ -168,7 +174,8 @@ class Zygote:
         """multiprocessing's `ensure_running` (which also restarts a dead server), with what only the zygote
         reads."""
         with _environment, signals_blocked_for_children(CHILD_IGNORES), main_script_hidden_when_unreadable():
-            main = {key: value for key, value in spawn.get_preparation_data("zygote").items() if key in _MAIN_KEYS}
+            keys = _MAIN_KEYS if self.imports_main else _PATH_KEYS
+            main = {key: value for key, value in spawn.get_preparation_data("zygote").items() if key in keys}
             os.environ[_ZYGOTE_OF] = str(os.getpid())
             os.environ[_TITLE] = self.title
             os.environ[_MAIN] = json.dumps(main)
@@ -199,10 +206,10 @@ class _Server(forkserver.ForkServer):
 
     def __init__(self, zygote: Zygote) -> None:
         super().__init__()
-        self._zygote = zygote
+        self.zygote = zygote
 
     def ensure_running(self) -> None:
-        self._zygote._ensure_running()
+        self.zygote._ensure_running()
 
     def start_here(self) -> None:
         """The standard start (which also starts a dead server again), in the keeper's thread."""
@@ -225,6 +232,8 @@ class _Popen(popen_forkserver.Popen):
 
     def _launch(self, process_obj: Any) -> None:
         prep_data = spawn.get_preparation_data(process_obj._name)
+        if not self._zygote_server.zygote.imports_main:  # nor does a child of it import the main script
+            prep_data = {key: value for key, value in prep_data.items() if key not in _IMPORT_KEYS}
         buf = io.BytesIO()
         context.set_spawning_popen(self)
         try:
@@ -254,15 +263,32 @@ class _ProducerProcess(context.ForkServerProcess):
         return PRODUCERS.popen(process_obj)
 
 
+class _DatasetProducerProcess(context.ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:
+        return DATASET_PRODUCERS.popen(process_obj)
+
+
 class _ConsumerProcess(context.ForkServerProcess):
     @staticmethod
     def _Popen(process_obj: Any) -> _Popen:
         return CONSUMERS.popen(process_obj)
 
 
-# Producers: numpy, OpenCV, simplejpeg and Pillow, no torch. CPU consumers: torch and the training code.
-PRODUCERS = Zygote("stoker zygote", "producers", ["stoker.pipeline.producer"], _ProducerProcess)
+# Producers: numpy, OpenCV, simplejpeg and Pillow, no torch. Those of stoker's own sources (files, shards, Parquet,
+# URLs) never meet an object of the main script's: their zygote does not import it (a user's script imports torch
+# at its top: 2 s of a core before the first batch, where a DataLoader forks). A user's dataset may be a class of the
+# main script: its producers' zygote imports the script, as spawn would. CPU consumers: torch and the training code.
+PRODUCERS = Zygote("stoker zygote", "producers", ["stoker.pipeline.producer"], _ProducerProcess, imports_main=False)
+DATASET_PRODUCERS = Zygote("stoker zygote (dataset)", "producers", ["stoker.pipeline.producer"],
+                           _DatasetProducerProcess)
 CONSUMERS = Zygote("stoker zygote (consumers)", "consumers", ["stoker.training.consumer"], _ConsumerProcess)
+
+
+def for_producers(user_dataset: bool) -> Zygote:
+    """The zygote producers are forked from: the one that imports the main script where they read a user's dataset
+    (perhaps a class of the script)."""
+    return DATASET_PRODUCERS if user_dataset else PRODUCERS
 
 
 def main_is_stokers() -> None:

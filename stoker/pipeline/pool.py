@@ -22,6 +22,7 @@ from typing import Literal
 from stoker.common import zygote
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.common.terminal import printable
+from stoker.data.formats.user_dataset import DatasetSource
 from stoker.data.pixels.imaging import UNREADABLE
 from stoker.pipeline.producer import STATUS_IDLE, Part, PartDone, ProducerSetup, nice_producer, producer_main
 from stoker.pipeline.ring import SlotRing
@@ -94,7 +95,9 @@ class ProducerPool:
         """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
         baseline)."""
         assert max_in_flight >= 1, max_in_flight
-        self.context = zygote.PRODUCERS.context if start_method == "zygote" else CONTEXT
+        user_dataset = any(isinstance(source, DatasetSource) for source in (setup.train, setup.val))
+        self.zygote = zygote.for_producers(user_dataset) if start_method == "zygote" else None
+        self.context = self.zygote.context if self.zygote is not None else CONTEXT
         self.setup = setup
         self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
@@ -129,8 +132,8 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        if self.context is zygote.PRODUCERS.context and not self.zygote_lease.held:
-            self.zygote_lease = zygote.PRODUCERS.acquire()
+        if self.zygote is not None and not self.zygote_lease.held:
+            self.zygote_lease = self.zygote.acquire()
         parts = self.context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         try:
@@ -138,7 +141,7 @@ class ProducerPool:
                             f"stoker producer {producer}", self.context)
         except (EOFError, ConnectionError) as error:  # the zygote died before it could fork
             outbox.close()
-            raise StokerRunError(zygote.PRODUCERS.ended_before_forking(error)) from None
+            raise StokerRunError((self.zygote or zygote.PRODUCERS).ended_before_forking(error)) from None
         if process.pid is not None:
             nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed

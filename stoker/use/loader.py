@@ -19,11 +19,13 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
+from stoker.common import zygote
 from stoker.common.config import (
     BUILTIN_IMAGE_SIZE,
     DEFAULT_IMAGE_SIZE,
@@ -39,7 +41,7 @@ from stoker.common.config import (
     setting_names,
 )
 from stoker.common.devices import available_cores
-from stoker.common.main_guard import check_main_guard
+from stoker.common.main_guard import check_main_guard, may_start_children
 from stoker.common.memory import available_memory
 from stoker.common.positions import Position
 from stoker.common.procs import POLL_S
@@ -221,7 +223,18 @@ class Loader:
         sections = _check_settings(data, {name: value for name, value in locals().items() if name in LOADER_SETTINGS})
         _check_metrics_file(metrics_file)
         self._keep_settings(sections, _check_device(device), metrics_file)
-        data_settings = sections[DataSettings]
+        # The producers' zygote starts now: it imports their modules while the index is read here and the script
+        # builds its model, and the first iter() only forks.
+        lease = _early_zygote(data, sys._getframe(1))
+        self._zygote_hold = weakref.finalize(self, _release_in, lease, os.getpid())
+        try:
+            self._open(data, sections[DataSettings])
+        except BaseException:
+            self._zygote_hold()
+            raise
+
+    def _open(self, data: str | Path | Any | None, data_settings: DataSettings) -> None:
+        """The samples, and this loader's books and place in them."""
         copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
         columns = Columns(data_settings.image_column, data_settings.label_column)
         self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies,
@@ -334,6 +347,7 @@ class Loader:
         self.closed = True
         if self._finalizer is not None:
             self._finalizer()
+        self._zygote_hold()
 
     def __enter__(self) -> Loader:
         return self
@@ -570,6 +584,21 @@ def _shut_down(driver: EngineDriver, events: _Events, owner_pid: int) -> None:
         return
     driver.close()
     events.close()
+
+
+def _early_zygote(data: str | Path | Any | None, caller: FrameType | None) -> zygote.Lease:
+    """A hold on the zygote this loader's producers will be forked from, started now; none where the first iter()
+    will refuse to start processes (`check_main_guard`)."""
+    if not may_start_children(caller):
+        return zygote.Lease()
+    own = data is None or isinstance(data, (str, Path, PackedIndex))  # else a user's dataset (`_open_data`)
+    return zygote.for_producers(user_dataset=not own).acquire()
+
+
+def _release_in(lease: zygote.Lease, owner_pid: int) -> None:
+    """Gives the hold back in the process that took it only: a fork's copy of the loader holds nothing."""
+    if os.getpid() == owner_pid:
+        lease.release()
 
 
 def _open_data(data: str | Path | Any | None, image_size: int | None, copies: LocalCopies | None = None,

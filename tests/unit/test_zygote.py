@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 import stoker
 from stoker.common import zygote
 from stoker.common.procs import descendants, start, stoker_processes
@@ -23,11 +25,11 @@ from stoker.common import zygote
 def report(writer):
     writer.send(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("SigBlk")))
 
-if __name__ == "__main__":
-    lease = zygote.PRODUCERS.acquire()
-    pipes = [zygote.PRODUCERS.context.Pipe(duplex=False) for _ in range(2)]
-    children = [start(report, (writer,), f"stoker producer {n}", zygote.PRODUCERS.context) for n, (_, writer) in
-                enumerate(pipes)]
+if __name__ == "__main__":  # `report` is this script's: the zygote that imports the main script forks them
+    lease = zygote.DATASET_PRODUCERS.acquire()
+    pipes = [zygote.DATASET_PRODUCERS.context.Pipe(duplex=False) for _ in range(2)]
+    children = [start(report, (writer,), f"stoker producer {n}", zygote.DATASET_PRODUCERS.context)
+                for n, (_, writer) in enumerate(pipes)]
     print(*(reader.recv() for reader, _ in pipes))
     for child in children:
         child.join(30)
@@ -113,21 +115,22 @@ def test_a_killed_loader_process_takes_its_zygote_and_producers_with_it(textures
 
 REFUSES_IMPORT = """
 import sys
+import numpy as np
 import stoker
 if __name__ != "__main__":
     raise RuntimeError("this script refuses to be imported")
 if __name__ == "__main__":
-    with stoker.Loader(sys.argv[1], batch_size=8, image_size=32, producers=2, device="cpu") as loader:
+    squares = [(np.zeros((8, 8, 3), np.uint8), 0)] * 16  # a user's dataset: its zygote imports the script
+    with stoker.Loader(squares, batch_size=8, producers=2, device="cpu") as loader:
         next(iter(loader))
 """
 
 
-def test_a_main_script_that_fails_as_the_zygote_imports_it_is_one_error_naming_it(textures, tmp_path):
+def test_a_main_script_that_fails_as_the_zygote_imports_it_is_one_error_naming_it(tmp_path):
     """Spawned producers each failed on it, and the feed gave up after nine losses; the zygote fails once."""
-    train, _ = textures
     script = tmp_path / "refuses.py"
     script.write_text(REFUSES_IMPORT)
-    result = subprocess.run([sys.executable, str(script), str(train)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("stoker.common.procs.StokerRunError: the zygote") and str(script) in last, result.stderr
@@ -142,32 +145,46 @@ with open(sys.argv[2], "a") as marker:
 
 MAIN_WITH_SIBLING = """
 import sys
+import numpy as np
 import sibling  # beside this script: found through the script's own folder on sys.path
 import stoker
 
 DATA = sys.argv[1]  # the command line, read at import time
 
+
+class Squares:  # a user's dataset, a class of the main script: its producers need the script imported
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        return np.full((32, 32, 3), index, np.uint8), index % 2
+
+
 if __name__ == "__main__":
-    with stoker.Loader(DATA, batch_size=8, image_size=32, producers=3, device="cpu") as loader:
+    data = Squares() if sys.argv[3] == "dataset" else DATA
+    with stoker.Loader(data, batch_size=8, image_size=32, producers=3, device="cpu") as loader:
         for _ in loader:
             pass
 """
 
 
-def test_the_main_script_is_imported_once_in_the_zygote_with_its_path_and_command_line(textures, tmp_path):
+@pytest.mark.parametrize("source,importers", [("dataset", 2), ("files", 1)])
+def test_the_main_script_is_imported_once_in_a_dataset_s_zygote_with_its_path_and_command_line(
+        textures, tmp_path, source, importers):
     """As a spawned child would import it: from another folder, `import sibling` needs the script's folder on
-    sys.path and `sys.argv[1]` the command line; the producers forked after find it imported."""
+    sys.path and `sys.argv[1]` the command line; the producers forked after find it imported. Producers of files
+    never meet the script's objects: neither their zygote nor they import it (nor the torch a script imports)."""
     train, _ = textures
     folder = tmp_path / "project"
     folder.mkdir()
     (folder / "sibling.py").write_text(SIBLING)
     (folder / "main.py").write_text(MAIN_WITH_SIBLING)
     marker = tmp_path / "imports"
-    result = subprocess.run([sys.executable, str(folder / "main.py"), str(train), str(marker)], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=180)
+    result = subprocess.run([sys.executable, str(folder / "main.py"), str(train), str(marker), source],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
-    importers = marker.read_text().split()
-    assert len(importers) == 2, importers  # the user's process and the zygote, none of the three producers
+    pids = marker.read_text().split()
+    assert len(pids) == importers, pids  # the user's process (and a dataset's zygote), none of the producers
 
 
 def test_a_users_own_forkserver_is_left_alone(textures):
