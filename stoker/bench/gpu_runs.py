@@ -121,10 +121,10 @@ class _Step:
         from stoker.common.config import DeviceSettings
         from stoker.training import accel
         from stoker.training.averager import Averager
-        from stoker.training.feed import MEAN, STD, normalization_constants, normalize_pixels
         from stoker.training.models import build_model
         from stoker.training.streams import ops_for
         from stoker.training.timing import StepClock
+        from stoker.training.to_device import MEAN, STD, normalization_constants, normalize_pixels
 
         self.device = torch.device(args.device)
         if self.device.type == "cuda":

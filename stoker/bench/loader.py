@@ -237,7 +237,7 @@ def _feed(args: argparse.Namespace) -> tuple[Any, Any]:
     from torch.utils.data import DataLoader, DistributedSampler
 
     from stoker.data.formats.folders import scan_image_folder
-    from stoker.training.feed import MEAN, STD, normalize_pixels
+    from stoker.training.to_device import MEAN, STD, normalize_pixels
 
     index = scan_image_folder(args.data)
     if args.rank_feed == "dataloader_pillow":

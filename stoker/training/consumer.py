@@ -49,7 +49,6 @@ from stoker.training import accel, exchange, model_file, recovery, warmup, wire
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
-from stoker.training.feed import DeviceLoader
 from stoker.training.groups import optimizer_groups
 from stoker.training.models import build_model
 from stoker.training.recipe import Recipe, RecipeSpec
@@ -59,6 +58,7 @@ from stoker.training.schedule import LearningRate
 from stoker.training.step_reports import StepInFlight, StepReports
 from stoker.training.streams import ops_for
 from stoker.training.timing import StepClock
+from stoker.training.to_device import DeviceLoader
 from stoker.training.val_totals import ReplicaTotals
 
 EMA_MODEL_FILE = "model_ema.pt"  # beside model.pt, saved the same way

@@ -23,8 +23,8 @@ import torch
 from stoker.common.checkpoint import describe_load_error, save_tensors
 from stoker.data.pixels.imaging import CENTER_CROP_FRACTION
 from stoker.training.archive import ArchiveError, check_torch_archive
-from stoker.training.feed import MEAN, STD
 from stoker.training.model_source import locate_module
+from stoker.training.to_device import MEAN, STD
 
 FORMAT_KEY = "stoker_model"  # its value is the format's version
 FORMAT_VERSION = 1

@@ -29,14 +29,14 @@ from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
 from stoker.observe.evaluation import per_class_accuracy, whole_confusion
 from stoker.training.val_totals import ValTotals
-from stoker.use.feed_settings import Feed
 from stoker.use.inference import LoadedModel, load, normalize
+from stoker.use.inference_settings import InferenceSettings
 from stoker.use.loader import Loader
 
 log = logging.getLogger(__name__)
 
 MAX_BAD_FRACTION = 1.0  # every image may be bad: each is listed, none stops the command
-DEFAULT_FEED = Feed()
+DEFAULT_SETTINGS = InferenceSettings()
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,13 @@ class Replicas:
             return model(images)
 
 
-def scored_batches(loaded: LoadedModel, index: PackedIndex, feed: Feed,
+def scored_batches(loaded: LoadedModel, index: PackedIndex, settings: InferenceSettings,
                    skipped: dict[str, str]) -> Iterator[Scored]:
     """The model's logits for every usable sample of `index`; what the producers could not use lands in
     `skipped` (path: reason) once the pass ends."""
-    replicas = Replicas(loaded, resolve_devices("cpu:1" if feed.devices == "cpu" else feed.devices))
-    loader = Loader(index, batch_size=feed.batch_size, image_size=loaded.image_size, augment="none",
-                    producers=feed.producers, device=None, drop_last=False, max_bad_fraction=MAX_BAD_FRACTION)
+    replicas = Replicas(loaded, resolve_devices("cpu:1" if settings.devices == "cpu" else settings.devices))
+    loader = Loader(index, batch_size=settings.batch_size, image_size=loaded.image_size, augment="none",
+                    producers=settings.producers, device=None, drop_last=False, max_bad_fraction=MAX_BAD_FRACTION)
     with loader:
         for pixels, labels in loader:
             positions = loader.batch_ids.copy()
@@ -104,8 +104,8 @@ def eval_index(data: Path | str, classes: tuple[str, ...]) -> tuple[PackedIndex,
     return index, np.asarray([known[name] for name in index.classes], dtype=np.int64)
 
 
-def evaluate(model_file: Path, data: Path | str, feed: Feed = DEFAULT_FEED, model: str | None = None,
-             accept_changed_module: bool = False) -> dict[str, Any]:
+def evaluate(model_file: Path, data: Path | str, settings: InferenceSettings = DEFAULT_SETTINGS,
+             model: str | None = None, accept_changed_module: bool = False) -> dict[str, Any]:
     """Loss, top-1, top-5, per-class accuracy and the confusion matrix of the model on `data`. `model`: the
     `module:function` the card names, which its module's import needs (`--model`; `inference.rebuild`), taken
     as it is now with `accept_changed_module` (`--accept-changed-module`)."""
@@ -114,7 +114,7 @@ def evaluate(model_file: Path, data: Path | str, feed: Feed = DEFAULT_FEED, mode
     per_device: dict[torch.device, ValTotals] = {}
     skipped: dict[str, str] = {}
     lookup = torch.from_numpy(to_model)
-    for batch in scored_batches(loaded, index, feed, skipped):
+    for batch in scored_batches(loaded, index, settings, skipped):
         device = batch.logits.device
         totals = per_device.setdefault(device, ValTotals(len(loaded.classes), device))
         totals.add(batch.logits, lookup[batch.labels].to(device, non_blocking=True))
@@ -150,7 +150,7 @@ class Prediction:
     error: str = ""  # why the file could not be used (then no classes)
 
 
-def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = DEFAULT_FEED,
+def predict(model_file: Path, images: Path, top_k: int = 5, settings: InferenceSettings = DEFAULT_SETTINGS,
             model: str | None = None, accept_changed_module: bool = False) -> tuple[int, list[Prediction]]:
     """(k, predictions): the top-k classes (k at most the model's classes) and their probabilities for every
     image in `images` (recursively), bad files included with their reason; sorted by path. `model`: as for
@@ -165,7 +165,7 @@ def predict(model_file: Path, images: Path, top_k: int = 5, feed: Feed = DEFAULT
     rows: list[Prediction] = []
     skipped: dict[str, str] = {}
     tops = [(batch.positions, batch.logits.softmax(1).topk(k, dim=1))
-            for batch in scored_batches(loaded, index, feed, skipped)]
+            for batch in scored_batches(loaded, index, settings, skipped)]
     for positions, top in tops:  # read once every batch has been launched
         for position, values, outputs in zip(positions, top.values.tolist(), top.indices.tolist()):
             rows.append(Prediction(shown[index.paths[int(position)]], tuple(loaded.classes[o] for o in outputs),

@@ -36,10 +36,10 @@ from stoker.data.pixels.imaging import (
     resize_box_into,
     to_rgb_array,
 )
-from stoker.training.feed import normalization_constants, normalize_pixels
 from stoker.training.model_file import ModelCard, ModelFileError, read_model
 from stoker.training.model_source import ModuleNotVerified, check_recorded_module, import_verified
 from stoker.training.models import build_model
+from stoker.training.to_device import normalization_constants, normalize_pixels
 
 log = logging.getLogger(__name__)
 

@@ -62,8 +62,8 @@ from stoker.pipeline.messages import Batch, StepReport
 from stoker.pipeline.parts import parts_per_batch
 from stoker.pipeline.pool import MAX_IN_FLIGHT, parts_held
 from stoker.pipeline.scheduler import Scheduler
-from stoker.training.feed import DeviceLoader
 from stoker.training.streams import ops_for
+from stoker.training.to_device import DeviceLoader
 from stoker.use.lent_batches import LentBatches
 from stoker.use.resume_position import ResumePosition
 

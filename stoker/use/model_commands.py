@@ -29,7 +29,7 @@ def add_parsers(commands: Any) -> None:
                           "files, local or at an https:// or s3:// URL")
     evaluate.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON to FILE ('-': to "
                           "stdout, the table then goes to stderr)")
-    _feed_flags(evaluate)
+    _inference_flags(evaluate)
     evaluate.set_defaults(run=eval_command)
     predict = commands.add_parser("predict", help="predict the classes of a folder of images (searched "
                                   "recursively), as CSV on stdout")
@@ -39,11 +39,11 @@ def add_parsers(commands: Any) -> None:
                          "or none")
     predict.add_argument("--top-k", type=_positive, default=DEFAULT_TOP_K, metavar="K",
                          help=f"classes per image, most probable first (default {DEFAULT_TOP_K})")
-    _feed_flags(predict)
+    _inference_flags(predict)
     predict.set_defaults(run=predict_command)
 
 
-def _feed_flags(parser: argparse.ArgumentParser) -> None:
+def _inference_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="model_code", default=None, metavar="MODULE:FUNCTION",
                         help="the model the file was trained with, when it is code of your own: a model file "
                         "that names a module:function is refused unless you name the same one here (a model "
@@ -51,7 +51,7 @@ def _feed_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accept-changed-module", action="store_true",
                         help="import the --model module as it is now even when its file differs from the one the "
                         "model was trained with (a warning says what differs; the weights must still fit)")
-    # Checked as train's settings of the same names are (use/feed_settings.Feed), before torch is imported.
+    # Checked as train's settings of the same names are (use/inference_settings.py), before torch is imported.
     parser.add_argument("--devices", default="auto", metavar="SPEC",
                         help="auto | cpu | cuda | cuda:0,1: a model replica on each (default auto)")
     parser.add_argument("--batch-size", default=DEFAULT_BATCH_SIZE, metavar="B",
@@ -71,23 +71,23 @@ def _positive(text: str) -> int:
 
 
 def _check_settings(args: argparse.Namespace) -> Any:
-    """The settings that need neither the model nor the images, checked before either is read; the feed's."""
-    from stoker.use.feed_settings import Feed
+    """The settings that need neither the model nor the images, checked before either is read."""
+    from stoker.use.inference_settings import InferenceSettings
 
-    feed = Feed(devices=args.devices, batch_size=args.batch_size, producers=args.producers)
+    settings = InferenceSettings(devices=args.devices, batch_size=args.batch_size, producers=args.producers)
     json_file = getattr(args, "json", None)
     if json_file is not None and str(json_file) != "-" and not json_file.parent.is_dir():
         raise ValueError(f"json={str(json_file)!r}: the folder {str(json_file.parent)!r} does not exist "
                          "(expected a file in an existing folder, or '-' for stdout)")
-    return feed
+    return settings
 
 
 def eval_command(args: argparse.Namespace) -> int:
     def run() -> None:
-        feed = _check_settings(args)
+        settings = _check_settings(args)
         from stoker.observe.eval_report import eval_table
         from stoker.use.evaluate import evaluate
-        result = evaluate(args.model_file, args.data, feed, model=args.model_code,
+        result = evaluate(args.model_file, args.data, settings, model=args.model_code,
                           accept_changed_module=args.accept_changed_module)
         to_stdout = args.json is not None and str(args.json) == "-"
         print(eval_table(result), file=sys.stderr if to_stdout else sys.stdout)
@@ -102,10 +102,10 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def predict_command(args: argparse.Namespace) -> int:
     def run() -> None:
-        feed = _check_settings(args)
+        settings = _check_settings(args)
         from stoker.use.evaluate import predict, prediction_rows
 
-        k, predictions = predict(args.model_file, args.images, args.top_k, feed, model=args.model_code,
+        k, predictions = predict(args.model_file, args.images, args.top_k, settings, model=args.model_code,
                                  accept_changed_module=args.accept_changed_module)
         writer = csv.writer(sys.stdout, lineterminator="\n")
         writer.writerows(prediction_rows(predictions, k))

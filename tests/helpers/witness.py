@@ -12,7 +12,7 @@ import torch.distributed as dist
 from nobn import small_cnn
 from torch import nn
 
-from stoker.training.feed import MEAN, STD
+from stoker.training.to_device import MEAN, STD
 
 CAPACITY = 4096
 

@@ -54,7 +54,7 @@ class _SlowCopies:
 
 def test_the_batch_on_the_device_is_the_slot_s_bytes_over_many_steps_with_slow_copies():
     from stoker.pipeline.ring import SlotRing
-    from stoker.training.feed import DeviceLoader
+    from stoker.training.to_device import DeviceLoader
 
     torch.cuda.set_device(0)
     ring = SlotRing.create(2, 16, 32, 1)

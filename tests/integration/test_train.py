@@ -14,8 +14,8 @@ from stoker.data.pixels.imaging import make_decode_warnings_errors
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import SlotRing
-from stoker.training.feed import DeviceLoader
 from stoker.training.models import build_model
+from stoker.training.to_device import DeviceLoader
 from tests.conftest import HELPERS, read_summary, run_cli
 
 DESIGN_FIELDS = {

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from stoker.pipeline.ring import SlotRing
-from stoker.training.feed import DeviceLoader, normalize_pixels
 from stoker.training.streams import CpuOps
 from stoker.training.timing import StepClock
+from stoker.training.to_device import DeviceLoader, normalize_pixels
 
 IMAGENET_MEAN = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
 IMAGENET_STD = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)

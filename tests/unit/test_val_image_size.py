@@ -14,7 +14,7 @@ from stoker.data.pixels.imaging import make_decode_warnings_errors
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.training.feed import DeviceLoader
+from stoker.training.to_device import DeviceLoader
 from tests.unit.test_feed import IMAGENET_MEAN, IMAGENET_STD, FakeOps
 
 TRAIN_SIDE, VAL_SIDE = 32, 56  # 56 / 0.875 = 64: the reference resize has no rounding of its own

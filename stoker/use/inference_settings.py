@@ -10,7 +10,7 @@ from stoker.common.config import DeviceSettings, FeedSettings, check_section
 
 
 @dataclass(frozen=True)
-class Feed:
+class InferenceSettings:
     """How the images are read and where the model runs: `stoker train`'s settings of the same names, checked by
     the same sections (`devices` also takes 'cpu': one CPU replica)."""
 

@@ -1,4 +1,5 @@
-"""The consumer's feed: a batch slot in shared memory becomes a normalized float batch on the device.
+"""Slot to device: a batch slot in shared memory becomes a normalized float batch on the device (for a consumer, and
+for a Loader with a device).
 
 The slot is copied out on the host and handed back at once, before any device work, so producers refill it while
 the device trains. On a GPU the host copies into one of several pinned staging buffers, the host-to-device copy
