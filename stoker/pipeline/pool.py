@@ -95,9 +95,7 @@ class ProducerPool:
         """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
         baseline)."""
         assert max_in_flight >= 1, max_in_flight
-        user_dataset = any(isinstance(source, DatasetSource) for source in (setup.train, setup.val))
-        self.zygote = zygote.for_producers(user_dataset) if start_method == "zygote" else None
-        self.context = self.zygote.context if self.zygote is not None else CONTEXT
+        self.start_method = start_method
         self.setup = setup
         self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
         self.ring = ring
@@ -132,22 +130,31 @@ class ProducerPool:
         producer = min(free)
         forked_ns = time.monotonic_ns()
         self.ring.status[producer] = (STATUS_IDLE, 0, forked_ns)
-        if self.zygote is not None and not self.zygote_lease.held:
-            self.zygote_lease = self.zygote.acquire()
-        parts = self.context.Queue(self.max_in_flight + 1)
+        forker = self._zygote()
+        if forker is not None and not self.zygote_lease.held:
+            self.zygote_lease = forker.acquire()
+        context = forker.context if forker is not None else CONTEXT
+        parts = context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         try:
             process = start(producer_main, (producer, self.setup, parts, outbox, self.stop),
-                            f"stoker producer {producer}", self.context)
+                            f"stoker producer {producer}", context)
         except (EOFError, ConnectionError) as error:  # the zygote died before it could fork
             outbox.close()
-            raise StokerRunError((self.zygote or zygote.PRODUCERS).ended_before_forking(error)) from None
+            raise StokerRunError((forker or zygote.PRODUCERS).ended_before_forking(error)) from None
         if process.pid is not None:
             nice_producer(process.pid)
         outbox.close()  # the producer holds its end now; ours would keep the pipe from reading as closed
         self.handles[producer] = Handle(producer, process, parts, forked_ns=forked_ns)
         self.max_alive = max(self.max_alive, len(self.active))
         return producer
+
+    def _zygote(self) -> zygote.Zygote | None:
+        """The zygote producers are forked from (None: spawned): the one that imports the main script where they
+        read a user's dataset."""
+        if self.start_method != "zygote":
+            return None
+        return zygote.for_producers(any(isinstance(s, DatasetSource) for s in (self.setup.train, self.setup.val)))
 
     def shrink(self, newest: bool = False) -> bool:
         """Retire the least busy producer (or the newest: a fork that did not pay); it finishes what it holds,

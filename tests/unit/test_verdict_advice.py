@@ -102,6 +102,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     # trainer's producer figures that left the ceiling and the reads out. Both now read the engine's.
     from stoker.observe.metrics import RunStats
     from stoker.pipeline.engine import Engine
+    from stoker.use.lent_batches import LentBatches
     from stoker.use.loader import Loader
 
     engine = Engine.__new__(Engine)
@@ -114,7 +115,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     gauges.producer_busy, gauges.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
     gauges.slot_bound_s = 6.0  # ... while batches waited for a free slot
     loader = Loader.__new__(Loader)
-    loader.stats, loader._engine, loader.info, loader.repeated_samples = RunStats(1, 100, 0), engine, None, 0
+    loader.stats, loader._engine, loader.info, loader._lent = RunStats(1, 100, 0), engine, None, LentBatches()
     loader.image_size = 32
     for step, now in enumerate((1.0, 2.0, 3.0)):
         loader.stats.record_step(StepReport(0, 0, step, step, 2, 0.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
