@@ -33,6 +33,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from stoker.bench import photos
 from stoker.common.procs import CONTEXT, Mailbox
 from stoker.common.waiting import waiting
 from stoker.data.formats.folders import scan_image_folder
@@ -43,6 +44,7 @@ from stoker.pipeline.producer import Part, PartDone, ProducerSetup, SampleSource
 from stoker.pipeline.ring import SlotRing
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
+IMAGE_KINDS = ("photos", "imagenet-like")
 QUALITY = 90
 TRANSPORT_BATCHES = 500  # a batch moves in about half a millisecond: time enough of them
 PREFETCH = MAX_IN_FLIGHT  # batches queued per worker, for DataLoader as for stoker's producers
@@ -52,7 +54,11 @@ STD = np.array([0.229, 0.224, 0.225], np.float32)
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("pipeline", help="stoker's producers against torch DataLoader, same files and cores")
-    parser.add_argument("--generate", type=Path, metavar="DIR", help="write the two image sets into DIR and exit")
+    parser.add_argument("--generate", type=Path, metavar="DIR", help="write the image sets into DIR and exit")
+    parser.add_argument("--images", choices=IMAGE_KINDS, default="photos",
+                        help="photos: 500x375 and 2000x1500 mosaics of photographs (--small-images, --large-images); "
+                        "imagenet-like: --small-images crops of photographs at ImageNet's shapes and bytes per pixel "
+                        "(stoker/bench/photos.py)")
     parser.add_argument("--data", type=Path, metavar="DIR", help="a folder written by --generate "
                         "(default: generate into a temporary folder first)")
     parser.add_argument("--small-images", type=int, default=512, help="--generate: images in the 500x375 set")
@@ -71,18 +77,19 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.generate:
-        generate(args.generate, args.small_images, args.large_images)
-        print(f"wrote {args.small_images} + {args.large_images} JPEGs (quality {QUALITY}) under {args.generate}")
+        generate_kind(args.generate, args)
+        print(f"wrote {args.images} JPEGs under {args.generate}")
         return 0
     result: dict[str, Any]
+    names = list(SETS) if args.images == "photos" else [photos.NAME]
     if args.transport:
         result = {"transport": measure_transport(args)}
     elif args.data:
-        result = {"sets": [measure_set(args.data / name, name, args) for name in SETS]}
+        result = {"sets": [measure_set(args.data / name, name, args) for name in names]}
     else:
         with tempfile.TemporaryDirectory(prefix="stoker-pipeline-") as scratch:
-            generate(Path(scratch), args.small_images, args.large_images)
-            result = {"sets": [measure_set(Path(scratch) / name, name, args) for name in SETS]}
+            generate_kind(Path(scratch), args)
+            result = {"sets": [measure_set(Path(scratch) / name, name, args) for name in names]}
     if "transport" not in result:
         result["transport"] = measure_transport(args)
     result["setup"] = {"workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
@@ -95,42 +102,25 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- benchmark images ------------------------------------------------------------------------------------------
 
-def photographs_available() -> None:
-    """A clear error, as every other missing optional part gives, instead of `ModuleNotFoundError: sklearn`."""
-    try:
-        import sklearn.datasets  # noqa: F401
-    except ImportError:
-        raise ValueError("the benchmark images are made from scikit-learn's sample photographs: "
-                         "pip install 'stoker[bench]'") from None
-
-
-def photographs() -> list[np.ndarray]:
-    """Real photographs that ship inside installed packages (scikit-learn; matplotlib's when present)."""
-    photographs_available()
-    from sklearn.datasets import load_sample_images
-
-    photos = list(load_sample_images().images)
-    try:
-        from matplotlib import cbook
-
-        with cbook.get_sample_data("grace_hopper.jpg") as handle:  # type: ignore[union-attr]  # a file by default
-            photos.append(np.asarray(Image.open(handle).convert("RGB")))
-    except (ImportError, OSError, ValueError):
-        pass
-    return photos
+def generate_kind(folder: Path, args: argparse.Namespace) -> None:
+    """The sets --images names: the two mosaic sets, or folder/imagenet-like with --small-images JPEGs."""
+    if args.images == "photos":
+        generate(folder, args.small_images, args.large_images)
+    else:
+        photos.make_imagenet_like(folder / photos.NAME, args.small_images)
 
 
 def generate(folder: Path, small: int, large: int, seed: int = 0) -> None:
     """Two ImageFolder sets of JPEGs, quality 90, tiled from native-resolution pieces of real photographs (no
     upscaling: upscaled or flat images compress and decode unrealistically fast)."""
-    photos = photographs()
+    pieces = photos.photographs()
     rng = np.random.default_rng(seed)
     with waiting(f"generating {folder}", total=small + large, unit="images") as progress:
         for (name, (width, height)), count in zip(SETS.items(), (small, large)):
             target = folder / name / "photos"
             target.mkdir(parents=True, exist_ok=True)
             for index in range(count):
-                pixels = _mosaic(photos, height, width, rng)
+                pixels = _mosaic(pieces, height, width, rng)
                 Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=QUALITY)
                 progress.advance()
 
