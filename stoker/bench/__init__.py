@@ -7,6 +7,7 @@ import argparse
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     from stoker.bench import (
+        anchors,
         autoscale,
         data,
         elastic,
@@ -23,6 +24,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
+    anchors.add_parser(kinds)
     autoscale.add_parser(kinds)
     data.add_parser(kinds)
     elastic.add_parser(kinds)

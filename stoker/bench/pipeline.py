@@ -179,7 +179,11 @@ def _rate(batches: Iterator[int], args: argparse.Namespace) -> float:
     started, images = time.perf_counter(), 0
     for _ in range(timed):
         images += next(batches)
-    return images / (time.perf_counter() - started)
+    rate = images / (time.perf_counter() - started)
+    close = getattr(batches, "close", None)
+    if close is not None:  # a generator's finally runs now (a DataLoader's workers stop), not at collection
+        close()
+    return rate
 
 
 def time_stoker(paths: Sequence[str] | None, labels: np.ndarray | None, args: argparse.Namespace,
@@ -251,11 +255,17 @@ class _StokerFeed:
 
 
 def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> float:
+    dataset = TorchvisionStyleDataset(paths, labels, args.image_size, to_float)
+    return _rate(dataloader_batches(dataset, args), args)
+
+
+def dataloader_batches(dataset: Any, args: argparse.Namespace) -> Iterator[int]:
+    """Batch sizes from torch's DataLoader over `dataset` in its best configuration (persistent workers, prefetch
+    PREFETCH, one epoch as long as the measurement); its workers are shut down when the iterator is closed."""
     import torch
     from torch.utils.data import DataLoader, Dataset, RandomSampler
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-    dataset = TorchvisionStyleDataset(paths, labels, args.image_size, to_float)
     skip, timed = _batches_to_time(args)
     # One epoch covers the whole measurement plus what the workers prefetch beyond it: random order without
     # replacement, the file list walked again whenever it runs out, as shuffle=True does epoch after epoch.
@@ -267,7 +277,7 @@ def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> 
                                          prefetch_factor=PREFETCH)
     iterator = cast(_MultiProcessingDataLoaderIter, iter(loader))  # workers > 0: the multi-process iterator
     try:
-        return _rate((len(labels) for _, labels in iterator), args)
+        yield from (len(labels) for _, labels in iterator)
     finally:
         iterator._shutdown_workers()  # now, not whenever the garbage collector gets to it: the next run is timed
         del iterator
