@@ -44,7 +44,7 @@ from stoker.pipeline.producer import Part, PartDone, ProducerSetup, SampleSource
 from stoker.pipeline.ring import SlotRing
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
-IMAGE_KINDS = ("photos", "imagenet-like")
+IMAGE_SETS = (*SETS, "imagenet-like")
 QUALITY = 90
 TRANSPORT_BATCHES = 500  # a batch moves in about half a millisecond: time enough of them
 PREFETCH = MAX_IN_FLIGHT  # batches queued per worker, for DataLoader as for stoker's producers
@@ -55,10 +55,10 @@ STD = np.array([0.229, 0.224, 0.225], np.float32)
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("pipeline", help="stoker's producers against torch DataLoader, same files and cores")
     parser.add_argument("--generate", type=Path, metavar="DIR", help="write the image sets into DIR and exit")
-    parser.add_argument("--images", choices=IMAGE_KINDS, default="photos",
-                        help="photos: 500x375 and 2000x1500 mosaics of photographs (--small-images, --large-images); "
-                        "imagenet-like: --small-images crops of photographs at ImageNet's shapes and bytes per pixel "
-                        "(stoker/bench/photos.py)")
+    parser.add_argument("--images", type=_image_sets, default="photos",
+                        help="comma-separated sets: 500x375 and 2000x1500, mosaics of photographs (--small-images, "
+                        "--large-images; 'photos' is both), imagenet-like, --small-images crops of photographs at "
+                        "ImageNet's shapes and bytes per pixel (stoker/bench/photos.py)")
     parser.add_argument("--data", type=Path, metavar="DIR", help="a folder written by --generate "
                         "(default: generate into a temporary folder first)")
     parser.add_argument("--small-images", type=int, default=512, help="--generate: images in the 500x375 set")
@@ -78,10 +78,10 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.generate:
         generate_kind(args.generate, args)
-        print(f"wrote {args.images} JPEGs under {args.generate}")
+        print(f"wrote {', '.join(args.images)} JPEGs under {args.generate}")
         return 0
     result: dict[str, Any]
-    names = list(SETS) if args.images == "photos" else [photos.NAME]
+    names = args.images
     if args.transport:
         result = {"transport": measure_transport(args)}
     elif args.data:
@@ -102,11 +102,20 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- benchmark images ------------------------------------------------------------------------------------------
 
+def _image_sets(text: str) -> list[str]:
+    names = [name for part in text.split(",") for name in (SETS if part == "photos" else [part])]
+    unknown = [name for name in names if name not in IMAGE_SETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected names of {', '.join(IMAGE_SETS)} or 'photos'")
+    return names
+
+
 def generate_kind(folder: Path, args: argparse.Namespace) -> None:
-    """The sets --images names: the two mosaic sets, or folder/imagenet-like with --small-images JPEGs."""
-    if args.images == "photos":
-        generate(folder, args.small_images, args.large_images)
-    else:
+    """The sets --images names: the mosaic sets, and folder/imagenet-like with --small-images JPEGs."""
+    mosaics = [name in args.images for name in SETS]
+    if any(mosaics):
+        generate(folder, args.small_images if mosaics[0] else 0, args.large_images if mosaics[1] else 0)
+    if photos.NAME in args.images:
         photos.make_imagenet_like(folder / photos.NAME, args.small_images)
 
 
