@@ -109,10 +109,11 @@ def measure(folder: Path, scratch: Path, feeds: list[str], args: argparse.Namesp
             print(f"{feed}: {runs[feed][-1]}", file=sys.stderr)
     medians = {feed: {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
                for feed, rows in runs.items()}
-    return {"command": " ".join(sys.argv), "cores": os.cpu_count(), "workers": args.workers,
-            "batch_size": args.batch_size, "image_size": args.image_size, "images": _count(folder),
-            "images_per_run": args.images_per_run, "repeats": args.repeats, "medians": medians, "runs": runs,
-            "unavailable": skipped, "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    return {"command": "stoker bench anchors " + " ".join(sys.argv[3:]), "cores": os.cpu_count(),
+            "workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
+            "images": _count(folder), "images_per_run": args.images_per_run, "repeats": args.repeats,
+            "medians": medians, "runs": runs, "unavailable": skipped, "load_average_before": load_before,
+            "load_average_after": os.getloadavg()}
 
 
 def _count(folder: Path) -> int:
@@ -166,11 +167,12 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['cores']} cores; load average {result['load_average_before'][0]:.2f} before, "
           f"{result['load_average_after'][0]:.2f} after")
     medians = result["medians"]
-    best = medians.get("stoker", {}).get("img_s")
-    print(f"  {'feed':18s} {'img/s':>8s} {'CPU ms/img':>11s} {'stoker / this':>14s}")
+    own = medians.get("stoker")
+    print(f"  {'feed':18s} {'img/s':>8s} {'CPU ms/img':>11s} {'stoker / this, img/s':>21s} {'this / stoker, CPU':>19s}")
     for feed, row in medians.items():
-        ratio = f"{best / row['img_s']:.2f}" if best else "-"
-        print(f"  {feed:18s} {row['img_s']:8.1f} {row['cpu_ms_per_image']:11.2f} {ratio:>14s}")
+        rate = f"{own['img_s'] / row['img_s']:.2f}" if own else "-"
+        cpu = f"{row['cpu_ms_per_image'] / own['cpu_ms_per_image']:.2f}" if own else "-"
+        print(f"  {feed:18s} {row['img_s']:8.1f} {row['cpu_ms_per_image']:11.2f} {rate:>21s} {cpu:>19s}")
     for feed, why in result["unavailable"].items():
         print(f"  {feed:18s} not run: {why}")
 
