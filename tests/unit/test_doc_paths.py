@@ -16,7 +16,6 @@ LINK = re.compile(r"\]\(([^)\s]*?)(#[^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6} (.+?)\s*#*\s*$", re.MULTILINE)
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 BARE = re.compile(r"`([A-Za-z_0-9]+\.py)\b")  # `module.py` with no folder: some file of the repository's
-NOT_OURS = {"ab.py"}  # a throwaway script benchmarks.md names, not a file of the repository
 # A row of architecture.md's "Every module in a line": | `folder/` | `a.py`, `b.py` | ... (an empty folder: the last)
 ROW = re.compile(r"^\| (?:`([a-z_/]+)/`)? *\| ((?:`[a-z_0-9]+\.py`(?:, )?)+) \|", re.MULTILINE)
 
@@ -97,7 +96,7 @@ def test_every_module_in_a_line_exists():
 
 
 def test_every_bare_module_name_is_a_file_of_the_repository():
-    names = repository_names() | NOT_OURS
+    names = repository_names()
     stale = [f"{doc.relative_to(ROOT)}: {n}" for doc in DOCS for n in set(BARE.findall(doc.read_text())) - names]
     assert not stale, "docs name modules that no longer exist:\n" + "\n".join(stale)
 
