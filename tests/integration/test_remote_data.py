@@ -12,7 +12,7 @@ import time
 import pytest
 
 from stoker.bench import servers
-from tests.conftest import assert_same_weights, read_summary, run_cli, silent_server
+from tests.conftest import assert_same_weights, free_port, read_summary, run_cli, silent_server
 from tests.integration.test_loader import launch
 
 SETTINGS = ("--devices", "cpu:2", "--epochs", "2", "--seed", "5", "--producers", "2", "--batch-size", "8",
@@ -271,6 +271,41 @@ def test_pack_uploads_to_an_s3_prefix_that_reads_like_the_local_pack(textures, s
     index = load_source(f"{out}/{SHARDS}", cache=tmp_path / "cache")
     assert index.classes == local.classes and index.labels.tolist() == local.labels.tolist()
     assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def test_an_s3_store_at_an_http_endpoint_needs_only_the_endpoint_and_a_deleted_object_is_named(textures, shards, s3,
+                                                                                              tmp_path, monkeypatch):
+    """As boto3 does, the endpoint's scheme is followed: `pack` and a load work with AWS_ENDPOINT_URL_S3 (or
+    AWS_ENDPOINT_URL) at http:// and no AWS_ALLOW_HTTP. A member read through obstore (a store set to send requester
+    pays) whose object was deleted is named as the user named it, not by obstore's text; an endpoint that is no URL,
+    or one where nothing answers, is named with what to change."""
+    from stoker.data.pixels.imaging import UnusableImage
+    from stoker.data.sources import load_source
+    from stoker.data.transports import object_store
+
+    env = {**servers.s3_environment(s3.url), "AWS_ENDPOINT_URL_S3": s3.url}
+    del env["AWS_ALLOW_HTTP"], env["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    out = f"s3://{BUCKET}/plain-http"
+    run_cli("pack", str(textures[0]), out, "--shard-size", "70KB", "--workers", "1", env=env)
+    for key, value in {**env, "AWS_REQUEST_PAYER": "true"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(object_store, "_stores", {})
+    local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
+    index = load_source(f"{out}/{SHARDS}", cache=tmp_path / "cache")
+    assert object_store._request_url(f"{out}/shard-000000.tar") is None  # read through obstore
+    assert [index.read(i) for i in range(0, len(index), 9)] == [local.read(i) for i in range(0, len(local), 9)]
+    servers.delete_prefix(s3.url, BUCKET, "plain-http/")
+    with pytest.raises(UnusableImage) as error:
+        index.read(0)
+    assert str(error.value) == f"unreadable: {out}/shard-000000.tar no longer exists"
+    monkeypatch.setattr(object_store, "_stores", {})
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.url.removeprefix("http://"))
+    with pytest.raises(ValueError, match=r"AWS_ENDPOINT_URL_S3='127\.0\.0\.1:\d+': expected the store's URL"):
+        object_store.stat(f"{out}/other.tar")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ValueError, match="is that the store's address, and is it up?"):
+        object_store.stat(f"{out}/another.tar")
 
 
 def test_parquet_files_under_an_s3_prefix_read_as_written(textures, s3, tmp_path, monkeypatch):
