@@ -352,8 +352,40 @@ def test_two_runs_filling_one_cache_folder_stay_within_its_size(shards, tmp_path
     held = list((tmp_path / "copies").iterdir())
     copies = [p for p in held if not p.name.startswith(".")]
     assert copies and all(p.read_bytes() in originals for p in copies)
-    assert [p.name for p in held if p.name.startswith(".") and p.name != ".lock"] == []
+    assert sorted(p.name for p in held if p.name.startswith(".")) == [".lock", ".stoker-copies.json"]
     assert sum(p.stat().st_size for p in copies) <= sum(sizes[:5])
+
+
+@pytest.mark.parametrize("cache_size", ["300KB", None])
+def test_a_cache_folder_holding_the_users_files_never_removes_or_counts_them(shards, tmp_path, cache_size):
+    """--cache-dir pointed at a folder of the user's: making room for copies removes only copies stoker wrote
+    (and named in its ledger), with --cache-size below what the user's files hold, and with the default size
+    (here the user's file claims more than the disk: a sparse file counted as held made the old default evict it,
+    and a copy of any name but one stoker recorded is left alone)."""
+    from stoker.data.sources import load_source, local_copies
+    from stoker.data.transports.object_store import LocalCopies
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    users = {f"photo-{i}.jpg": os.urandom(200 << 10) for i in range(3)}
+    for name, data in users.items():
+        (folder / name).write_bytes(data)
+    with open(folder / "0123456789abcdef0123456789abcdef.shard-000000.tar", "wb") as big:  # a name like a copy's
+        big.truncate(2 * shutil.disk_usage(folder).total)  # sparse: claims more than the disk, takes nothing
+    with servers.nginx(shards / "train") as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
+        copies = local_copies(folder, cache_size)
+        assert isinstance(copies, LocalCopies)
+        for _ in range(2):  # again: the second filling evicts the first's copies for its own, in another order
+            copies.fill(index.remote_shards()[::-1] if _ else index.remote_shards(), lambda: True)
+    for name, data in users.items():
+        assert (folder / name).read_bytes() == data
+    assert (folder / "0123456789abcdef0123456789abcdef.shard-000000.tar").stat().st_size > 1 << 30
+    made = [p for p in folder.glob("*.tar") if p.stat().st_size < 1 << 30]
+    if cache_size is None:
+        assert len(made) == 8
+    else:
+        assert 0 < len(made) < 8 and sum(p.stat().st_size for p in made) <= 300_000
 
 
 def test_the_latency_proxy_adds_its_round_trip_and_passes_bytes_ends_and_refusals_on(shards, web):

@@ -18,8 +18,10 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -479,6 +481,64 @@ def _copy_name(url: str, version: str) -> str:
     return f"{digest}.{os.path.basename(urlsplit(url).path)[-60:]}"
 
 
+# The names of the copies stoker wrote in a --cache-dir, kept under its lock: nothing else there is counted against
+# --cache-size or ever removed (a folder the user points at may hold their own files).
+LEDGER = ".stoker-copies.json"
+_PART = re.compile(r"^\.(?P<copy>[0-9a-f]{32}\..*)\.\d+\.\d+\.(?:part|reserve)$", re.DOTALL)
+
+
+def _owner_of(name: str) -> str | None:
+    """The copy a partial or reserved file (`.COPY.PID.THREAD.part`) is for; None for any other name."""
+    found = _PART.match(name)
+    return found["copy"] if found else None
+
+
+def _read_ledger(folder: Path) -> set[str]:
+    try:
+        names = json.loads((folder / LEDGER).read_text())
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError) as error:  # a damaged ledger: nothing is taken for ours, so nothing is removed
+        log.warning("%s cannot be read (%s): the copies it named are no longer counted or removed", folder / LEDGER,
+                    error)
+        return set()
+    return {name for name in names if isinstance(name, str) and "/" not in name} if isinstance(names, list) else set()
+
+
+def _write_ledger(folder: Path, names: set[str]) -> None:
+    fresh = folder / f"{LEDGER}.{os.getpid()}.new"
+    fresh.write_text(json.dumps(sorted(names)))
+    os.replace(fresh, folder / LEDGER)
+
+
+def _owned_files(folder: Path, owned: set[str]) -> tuple[list[tuple[float, int, Path]], int, set[str]]:
+    """The ledger's whole copies as (written, size, path), the bytes its copies and partial copies take, and the
+    names still present; a killed run's partial copy is removed."""
+    copies, used, present = [], 0, set()
+    for entry in folder.iterdir():
+        name = _owner_of(entry.name) or entry.name
+        if name not in owned:  # the user's, or another program's: never counted, never removed
+            continue
+        try:
+            status = entry.stat()
+        except FileNotFoundError:  # another run's copy, evicted meanwhile
+            continue
+        present.add(name)
+        if name == entry.name:
+            copies.append((status.st_mtime, status.st_size, entry))
+            used += status.st_size
+        elif status.st_mtime < time.time() - DEAD_PART_S:
+            entry.unlink(missing_ok=True)  # a killed run's
+        else:
+            used += status.st_size  # copies being written take room too
+    return copies, used, present
+
+
+def held_by_copies(folder: Path) -> int:
+    """The bytes stoker's copies take in `folder` (the user's files there are not counted)."""
+    return sum(held for _, held, _ in _owned_files(folder, _read_ledger(folder))[0]) if folder.is_dir() else 0
+
+
 @dataclass(frozen=True)
 class LocalCopies:
     """Whole copies of remote shards in `folder`, at most `limit` bytes of them. A copy is named by the object and
@@ -495,33 +555,28 @@ class LocalCopies:
     def make_room(self, size: int, keep: set[Path], reserve: Path | None = None) -> bool:
         """Whether `size` more bytes fit, after removing the least recently written copies not in `keep`; when they
         do, `reserve` is made a file of that size under the same lock, so that two runs filling the folder at once
-        count each other's copies in full before they are written (and meanwhile twice: on the safe side)."""
+        count each other's copies in full before they are written (and meanwhile twice: on the safe side). Only
+        what the ledger names is counted or removed: the folder may hold the user's own files."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            copies, used = [], 0
-            for entry in self.folder.iterdir():
-                try:
-                    status = entry.stat()
-                except FileNotFoundError:  # another run's copy, evicted meanwhile
-                    continue
-                used += status.st_size  # copies being written (.part) take room too
-                if not entry.name.startswith("."):
-                    copies.append((status.st_mtime, status.st_size, entry))
-                elif entry.name.endswith((".part", ".reserve")) and status.st_mtime < time.time() - DEAD_PART_S:
-                    entry.unlink(missing_ok=True)  # a killed run's
-                    used -= status.st_size
+            owned = _read_ledger(self.folder)
+            copies, used, present = _owned_files(self.folder, owned)
             copies.sort()
             for _, held, path in copies:
                 if used + size <= self.limit:
                     break
                 if path not in keep:
                     path.unlink(missing_ok=True)
+                    present.discard(path.name)
                     used -= held
             fits = used + size <= self.limit
             if fits and reserve is not None:
+                present.add(_owner_of(reserve.name) or reserve.name)  # the copy about to be written is ours
                 with open(reserve, "wb") as held_room:
                     held_room.truncate(size)  # sparse: it takes no disk, only its place in the count
+            if present != owned:
+                _write_ledger(self.folder, present)
             return fits
 
     def fill(self, shards: list[tuple[str, str, int]], keep_going: Callable[[], bool]) -> None:
