@@ -260,6 +260,38 @@ def test_files_that_cannot_be_used_are_named(textures, tmp_path, monkeypatch):
         load_source(good, cache=cache)
 
 
+DICTIONARY_LOAD = """
+import sys
+from pathlib import Path
+import pyarrow
+from stoker.data.sources import load_source
+try:
+    load_source(Path(sys.argv[1]), cache=Path(sys.argv[2]))
+except ValueError as error:
+    print(error)
+print(pyarrow.default_memory_pool().max_memory() >> 20)
+"""
+
+
+def test_a_dictionary_encoded_image_repeated_is_refused_within_bounded_memory(tmp_path):
+    """One 2 MiB image in a column's dictionary, 300 rows naming it: the file stores 2 MiB and claims 600 MiB of
+    images. It is refused as a bomb, pyarrow's peak allocation in the reading process bounded (reading 256 rows
+    before any check took 1 GiB of it; a 4 MiB image, 2 GiB)."""
+    import subprocess
+    import sys
+
+    file = tmp_path / "repeated.parquet"
+    image = pa.DictionaryArray.from_arrays(pa.array([0] * 300, pa.int32()), pa.array([os.urandom(2 << 20)]))
+    pq.write_table(pa.table({"image": image, "label": [0] * 300}), file, dictionary_pagesize_limit=16 << 20,
+                   store_schema=False)  # read back as binary, as most writers leave it
+    assert file.stat().st_size < 3 << 20 and pq.ParquetFile(file).metadata.row_group(0).column(0).has_dictionary_page
+    result = subprocess.run([sys.executable, "-c", DICTIONARY_LOAD, str(file), str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=120, check=True)
+    refusal, peak_mib = result.stdout.strip().splitlines()
+    assert f"{file}: holds more image bytes than" in refusal and "decompression bomb" in refusal
+    assert int(peak_mib) <= 160, peak_mib  # a batch of 32 rows (64 MiB) decoded, and its copy as large_binary
+
+
 def test_a_bad_file_stops_the_cli_before_any_process_starts(tmp_path):
     bad = tmp_path / "bad.parquet"
     bad.write_bytes(b"not parquet at all")

@@ -76,6 +76,10 @@ MAX_REFUSED_ROWS = 100_000  # each is listed (an object and a line of summary.js
 MAX_EXPANSION = 64
 EXPANSION_SLACK = 1 << 20  # page headers and offsets of a small chunk may outweigh its compressed bytes
 BATCH_ROWS = 256  # rows decoded at a time: memory stays a batch of images, whatever a row group holds
+# What a batch's images may take decoded: a dictionary-encoded column repeats its values, and 256 rows of a 4 MiB
+# one took 1.9 GB before any size was checked. A row group with a dictionary of N bytes is read BATCH_BYTES // N
+# rows at a time (a value is never longer than its dictionary).
+BATCH_BYTES = 64 << 20
 READ_BUFFER_BYTES = 1 << 20  # pyarrow streams a column chunk through this instead of reading it whole
 
 
@@ -560,8 +564,51 @@ def _open_parquet(file: str, source: str) -> Iterator[_Opened]:
     with closing(handle):
         def batches(names: list[str]) -> Iterator[Any]:
             _check_claims(handle.metadata, source, size, names)
-            return _guarded(handle.iter_batches(batch_size=BATCH_ROWS, columns=names, use_threads=False), source)
+            return _guarded(_bounded_batches(handle, file, names), source)
         yield _Opened(handle.schema_arrow, batches, MAX_EXPANSION * size)
+
+
+def _bounded_batches(handle: Any, file: str, names: list[str]) -> Iterator[Any]:
+    """Each row group's batches, of rows few enough that their decoded values stay within BATCH_BYTES."""
+    for group in range(handle.metadata.num_row_groups):
+        rows = _batch_rows(handle.metadata.row_group(group), file, names)
+        yield from handle.iter_batches(batch_size=rows, row_groups=[group], columns=names, use_threads=False)
+
+
+def _batch_rows(group: Any, file: str, names: list[str]) -> int:
+    """BATCH_ROWS, or fewer where a read column's dictionary holds values so long that a batch of rows repeating
+    the longest would pass BATCH_BYTES (its page's size, as its header says, bounds every value in it)."""
+    longest = 0
+    for column_id in range(group.num_columns):
+        chunk = group.column(column_id)
+        if chunk.has_dictionary_page and chunk.path_in_schema.split(".", 1)[0] in names:
+            page = _dictionary_page_size(file, chunk.dictionary_page_offset)
+            longest = max(longest, chunk.total_uncompressed_size if page is None else page)
+    return max(1, min(BATCH_ROWS, BATCH_BYTES // longest)) if longest else BATCH_ROWS
+
+
+def _dictionary_page_size(file: str, offset: int) -> int | None:
+    """The uncompressed size a dictionary page's header gives (Thrift's compact protocol: its fields 1, the page
+    type, and 2, that size, both i32 as zigzag varints); None where the header is not that."""
+    with open(file, "rb") as handle:
+        handle.seek(offset)
+        header = handle.read(32)
+    at, field = 0, 0
+    while at < len(header) and field < 2:
+        kind, at = header[at], at + 1
+        if kind & 0x0F != 5 or kind >> 4 == 0:  # not a short-form i32 field: not the header expected
+            return None
+        field += kind >> 4
+        value = shift = 0
+        while at < len(header) and header[at] & 0x80:
+            value, shift, at = value | (header[at] & 0x7F) << shift, shift + 7, at + 1
+        if at >= len(header):
+            return None
+        value, at = value | header[at] << shift, at + 1
+        if field == 2:
+            size = (value >> 1) ^ -(value & 1)
+            return size if size >= 0 else None
+    return None
 
 
 def _check_parquet_frame(file: str, source: str) -> int:
