@@ -1,8 +1,9 @@
 """Decode and augment one image straight into a preallocated uint8 HWC array.
 
 The crop box is chosen from the header's dimensions first; JPEGs are then decoded by libjpeg-turbo at the
-smallest 1/2, 1/4 or 1/8 scale that keeps the box at least as large as the output (so nothing is upsampled that a
-full decode would not), and OpenCV resizes the box into the destination. Other formats go through Pillow with an
+smallest M/8 scale that keeps the box at least as large as the output (so nothing is upsampled that a full decode
+would not), only the rows and columns around the box where the extension _jpegcrop is built, and OpenCV resizes the
+box into the destination. Other formats go through Pillow with an
 explicit format list; every mode (grayscale, palette, RGBA, CMYK, 16-bit) becomes 3-channel RGB.
 """
 
@@ -26,6 +27,11 @@ from PIL import Image
 from stoker.common.choices import Augment
 from stoker.data.pixels.policies import POLICIES, apply_policy
 
+try:  # libjpeg-turbo's partial decoding, built from _jpegcrop.c; without it JPEGs are decoded whole, to the same pixels
+    from stoker.data.pixels import _jpegcrop
+except ImportError:
+    _jpegcrop = None  # type: ignore[assignment]
+
 FLIPPED = ("standard", "trivial", "randaug")  # the augmentations with a random horizontal flip
 
 # Pillow decodes only these; most Pillow CVEs are in formats it would otherwise auto-detect.
@@ -38,6 +44,9 @@ CENTER_CROP_FRACTION = 0.875  # resize short side to size/0.875, then center-cro
 SCALE_RANGE = (0.08, 1.0)
 RATIO_RANGE = (3 / 4, 4 / 3)
 JPEG_MAGIC = b"\xff\xd8"
+# Pixels decoded around a crop box beyond it: fancy upsampling reads a chroma sample's neighbours (at most 4:1:1's
+# 4 pixels away), so the box's own pixels come out as in the whole decode.
+REGION_MARGIN = 4
 JPEG_EOI = b"\xff\xd9"  # end of image: a complete JPEG ends with it (entropy-coded data can never hold it)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"IEND\xaeB`\x82"  # the last chunk's type and CRC: a whole PNG ends with them
@@ -160,20 +169,53 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
         raise _NeedsPillow
     box, flip = choose_box(height, width, augment, rng)
     out_h, out_w = out.shape[:2]
-    # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor.
+    # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor (M/8).
     min_h = math.ceil(height * out_h / box.height)
     min_w = math.ceil(width * out_w / box.width)
     # libjpeg-turbo decodes damaged scan data without error and only warns: a file cut short gets its missing part
     # grey, one with a zeroed stretch ending in a whole EOI decodes the zeros as pixels. Strict, every warning is an
     # error, and it costs nothing on a good file (the same decode: measured in docs/benchmarks.md).
     try:
-        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
+        if _jpegcrop is not None:
+            image, scaled = _decode_region(data, box, height, width, scale_eighths(height, width, min_h, min_w))
+        else:
+            image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
+            scaled = _scaled_box(box, image.shape[0] / height, image.shape[1] / width)
     except ValueError as error:
         raise UnusableImage(_jpeg_failure(str(error))) from None
-    scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
-    scaled = Box(int(box.top * scale_y), int(box.left * scale_x),
-                 max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
     resize_box_into(image, scaled, flip, out)
+
+
+def scale_eighths(height: int, width: int, min_height: int, min_width: int) -> int:
+    """The smallest M (1-8) for which libjpeg-turbo's M/8 decode is at least min_height x min_width, a minimum past
+    the image's own side taken as that side: simplejpeg's choice (tested), so both decodes have the same scale."""
+    min_height, min_width = min(min_height, height), min(min_width, width)
+    for eighths in range(1, 8):
+        if -(-height * eighths // 8) >= min_height and -(-width * eighths // 8) >= min_width:
+            return eighths
+    return 8
+
+
+def _scaled_box(box: Box, scale_y: float, scale_x: float) -> Box:
+    return Box(int(box.top * scale_y), int(box.left * scale_x),
+               max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
+
+
+def _decode_region(data: bytes, box: Box, height: int, width: int, eighths: int) -> tuple[np.ndarray, Box]:
+    """Only the rows and columns of the M/8 image that `box` covers, with REGION_MARGIN pixels around them (the
+    context fancy upsampling reads), through libjpeg-turbo's partial decode, and the box within that region. The
+    box's pixels are those of the whole decode (tested bitwise), so the output is the same either way. The other
+    rows are entropy-decoded only: a damaged or cut file is refused whatever the crop, as by the whole decode."""
+    scaled_h, scaled_w = -(-height * eighths // 8), -(-width * eighths // 8)  # libjpeg's jdiv_round_up
+    scaled = _scaled_box(box, scaled_h / height, scaled_w / width)
+    top, left = min(max(scaled.top, 0), scaled_h - 1), min(max(scaled.left, 0), scaled_w - 1)
+    first_row, end_row = max(0, top - REGION_MARGIN), min(scaled_h, top + scaled.height + REGION_MARGIN)
+    first_column, end_column = max(0, left - REGION_MARGIN), min(scaled_w, left + scaled.width + REGION_MARGIN)
+    assert _jpegcrop is not None
+    pixels, decoded_left, decoded_width = _jpegcrop.decode(
+        data, eighths, first_row, first_column, end_row - first_row, end_column - first_column)
+    image = np.frombuffer(pixels, np.uint8).reshape(end_row - first_row, decoded_width, 3)
+    return image, Box(top - first_row, left - decoded_left, scaled.height, scaled.width)
 
 
 def _check_jpeg_strictly(data: bytes) -> None:
