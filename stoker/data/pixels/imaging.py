@@ -14,6 +14,7 @@ import math
 import os
 import struct
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -129,28 +130,49 @@ def choose_box(height: int, width: int, augment: Augment,
     return box, augment in FLIPPED and bool(rng.integers(0, 2))
 
 
-def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+@dataclass
+class StageClock:
+    """CPU seconds of the calling thread per stage of load_into, summed over calls: decode (header, entropy decode,
+    IDCT, colour conversion), resize (crop, resize and flip, written straight into `out`: for a producer, the ring's
+    slot) and augment (TrivialAugment, RandAugment). A producer has one thread: its clock is the process's."""
+
+    decode: float = 0.0
+    resize: float = 0.0
+    augment: float = 0.0
+
+
+def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+              clock: StageClock | None = None) -> None:
     """Decode `data`, crop and resize into `out` (H, W, 3 uint8), then TrivialAugment or RandAugment where asked.
-    Raises UnusableImage for bad files."""
-    _crop_into(data, out, augment, rng)
+    Raises UnusableImage for bad files. With `clock`, the CPU time of each stage is added to it."""
+    started, resized = time.thread_time(), clock.resize if clock else 0.0
+    try:
+        _crop_into(data, out, augment, rng, clock)
+    finally:
+        if clock is not None:
+            clock.decode += time.thread_time() - started - (clock.resize - resized)
     if augment in POLICIES and rng is not None:  # after the crop's draws, from the same generator
+        started = time.thread_time()
         apply_policy(out, augment, rng)
+        if clock is not None:
+            clock.augment += time.thread_time() - started
 
 
-def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+               clock: StageClock | None) -> None:
     if not data:
         raise UnusableImage("empty file")
     chunks = png_chunks(data) if data[:8] == PNG_MAGIC else None
     try:
         if data[:2] == JPEG_MAGIC:
-            _jpeg_into(data, out, augment, rng)
+            _jpeg_into(data, out, augment, rng, clock)
             return
         if _is_plain_png(data):
-            _png_into(data, out, augment, rng)
+            _png_into(data, out, augment, rng, clock)
             return
     except _NeedsPillow:
         pass
-    _pillow_into(data, out, augment, rng, chunks)
+    _pillow_into(data, out, augment, rng, chunks, clock)
 
 
 class _NeedsPillow(Exception):
@@ -158,7 +180,8 @@ class _NeedsPillow(Exception):
     or cannot be asked about (a side over its limit, another thread alive, an OpenCV limit)."""
 
 
-def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+               clock: StageClock | None = None) -> None:
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as error:
@@ -183,7 +206,7 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
             scaled = _scaled_box(box, image.shape[0] / height, image.shape[1] / width)
     except ValueError as error:
         raise UnusableImage(_jpeg_failure(str(error))) from None
-    resize_box_into(image, scaled, flip, out)
+    resize_box_into(image, scaled, flip, out, clock)
 
 
 def scale_eighths(height: int, width: int, min_height: int, min_width: int) -> int:
@@ -296,7 +319,8 @@ def _is_plain_png(data: bytes) -> bool:
         and data[25] in PLAIN_PNG_COLOUR_TYPES
 
 
-def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+              clock: StageClock | None = None) -> None:
     """Through libpng, when it has nothing to say: the same pixels as Pillow's decode, in less than half its time
     on small images (no Python per image). A file libpng decodes with a warning (a bad ancillary chunk, an odd
     colour profile) goes to Pillow, as every PNG did before. One it refuses is unusable, even where Pillow would
@@ -314,7 +338,7 @@ def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     if said:
         raise _NeedsPillow  # before any draw: Pillow's path makes the same draws from the same generator
     box, flip = choose_box(height, width, augment, rng)
-    resize_box_into(image, box, flip, out)
+    resize_box_into(image, box, flip, out, clock)
 
 
 # Where libpng's stderr goes during a decode: (pid, memory file), one per process (a forked child makes its own: a
@@ -391,7 +415,7 @@ def _jpeg_failure(message: str) -> str:
 
 
 def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-                 chunks: list[tuple[bytes, int, int]] | None = None) -> None:
+                 chunks: list[tuple[bytes, int, int]] | None = None, clock: StageClock | None = None) -> None:
     try:
         with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
             _check_pixels(image.height, image.width)
@@ -414,7 +438,7 @@ def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.
     except (OSError, SyntaxError, ValueError, EOFError) as error:
         kind = "truncated" if "truncated" in str(error) else "corrupt image"  # Pillow: "image file is truncated"
         raise UnusableImage(f"{kind}: {error}") from None
-    resize_box_into(pixels, box, flip, out)
+    resize_box_into(pixels, box, flip, out, clock)
 
 
 def _png_unopened(data: bytes, chunks: list[tuple[bytes, int, int]]) -> str:
@@ -494,8 +518,9 @@ def _wide_to_gray8(image: Image.Image) -> np.ndarray:
     return gray
 
 
-def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) -> None:
+def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: StageClock | None = None) -> None:
     """Resize the box of `image` into `out` without an intermediate copy of the result."""
+    started = time.thread_time()
     top = min(max(box.top, 0), image.shape[0] - 1)
     left = min(max(box.left, 0), image.shape[1] - 1)
     crop = image[top:top + box.height, left:left + box.width]
@@ -506,3 +531,5 @@ def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) ->
     cv2.resize(crop, (out.shape[1], out.shape[0]), dst=out, interpolation=interpolation)
     if flip:
         cv2.flip(out, 1, dst=out)
+    if clock is not None:
+        clock.resize += time.thread_time() - started
