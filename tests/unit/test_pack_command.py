@@ -27,3 +27,11 @@ def test_pack_prints_data_and_val_quoted_for_the_shell(textures, tmp_path):
         packed = load_source(type(out)(spec), cache=tmp_path / "cache")
         assert len(packed) == len(expected) and packed.classes == expected.classes
         assert sorted(packed.labels.tolist()) == sorted(expected.labels.tolist())
+
+
+def test_max_side_and_quality_are_checked_before_anything_is_written(textures, tmp_path, capsys):
+    train, _ = textures
+    for flags, said in ((["--quality", "80"], "give --max-side too"), (["--max-side", "0"], "max_side=0"),
+                        (["--max-side", "64", "--quality", "101"], "quality=101")):
+        assert main(["pack", str(train), str(tmp_path / "out"), *flags]) == 2
+        assert said in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -1,7 +1,8 @@
 """`stoker pack IMAGEFOLDER OUT_DIR`: an ImageFolder as WebDataset-layout tar shards, converted once.
 
 Samples go in the folder's index order (so sample i of the shards is sample i of the folder: the same training
-run either way), each as `KEY.<ext>` with the file's bytes unchanged and `KEY.cls` with its label, KEY being the
+run either way), each as `KEY.<ext>` with the file's bytes unchanged (with `--max-side`, a larger image as a smaller
+`KEY.jpg`) and `KEY.cls` with its label, KEY being the
 file's path under the root without the extension (other dots replaced by `_`: a dot ends a WebDataset key).
 Shards are cut at `--shard-size` bytes and written in parallel, each to a temporary name then renamed; headers
 carry no time, owner or permissions of the source, so the same folder always packs to the same bytes, whatever the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import logging
 import os
@@ -30,6 +32,7 @@ import sys
 import tarfile
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from stoker.common import faults
@@ -40,21 +43,39 @@ from stoker.common.urls import check_url, data_location, is_remote
 from stoker.common.waiting import waiting
 from stoker.data.formats.folders import list_image_folder
 from stoker.data.formats.shards import CLASSES_FILE, PACK_INDEX_FILE, write_pack_index
+from stoker.data.pixels import imaging
 from stoker.data.sources import log_refused
 from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
 TAR_BLOCK = 512
+DEFAULT_QUALITY = 90  # --max-side's JPEGs: FFCV's and most ImageNet copies' quality
 
 Member = tuple[str, str, int]  # (source file, key, label)
 
 
+@dataclass(frozen=True)
+class Shrink:
+    """`--max-side`, `--quality`: images whose longer side exceeds `max_side` are stored as JPEGs at `quality`
+    with that longer side (what ImageNet trainers do once: a copy at 256-500 px); smaller ones are kept as they are."""
+
+    max_side: int
+    quality: int = DEFAULT_QUALITY
+
+    def __post_init__(self) -> None:
+        if self.max_side < 1:
+            raise ValueError(f"max_side={self.max_side}: expected a length in pixels, 1 or more")
+        if not 1 <= self.quality <= 100:
+            raise ValueError(f"quality={self.quality}: expected a JPEG quality from 1 to 100")
+
+
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
-         classes: tuple[str, ...] | None = None) -> list[Path]:
+         classes: tuple[str, ...] | None = None, shrink: Shrink | None = None) -> list[Path]:
     """Write the shards and classes.json; returns the shards' paths in order. Raises ValueError, before anything
     is written, for an OUT_DIR that holds files (unless `overwrite`). `classes`: label by these (a validation set
-    takes the training set's), else by the folder's own class folders."""
+    takes the training set's), else by the folder's own class folders. `shrink`: store large images smaller; the
+    shards are cut by the files' own sizes all the same (the same members in the same shards)."""
     _check_out_folder(out, overwrite)
     listing = list_image_folder(source, classes)
     log_refused(tuple(listing.skipped))
@@ -68,7 +89,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: 
         width = max(6, len(str(len(plan) - 1)))
         targets = [partial / f"shard-{i:0{width}d}.tar" for i in range(len(plan))]
         with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
-            _write_shards(targets, plan, min(workers or available_cores(), len(plan)), progress.advance)
+            _write_shards(targets, plan, min(workers or available_cores(), len(plan)), progress.advance, shrink)
         (partial / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
         write_pack_index(partial, targets)
         _move_into_place(partial, out)
@@ -114,10 +135,11 @@ def _move_into_place(partial: Path, out: Path) -> None:
         os.rename(partial, out)
 
 
-def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance) -> None:
+def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance,
+                  shrink: Shrink | None = None) -> None:
     if workers <= 1:
         for target, shard in zip(targets, plan):
-            write_shard(target, shard)
+            write_shard(target, shard, shrink)
             advance()
         return
     # Ctrl-C blocked while the workers start: one that came before a worker's initializer ran would print that
@@ -125,7 +147,8 @@ def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, a
     pool = ProcessPoolExecutor(workers, mp_context=CONTEXT, initializer=_worker_start)
     try:
         with signals_blocked_for_children({signal.SIGINT}):
-            results = pool.map(write_shard, targets, plan)  # submits every shard, which starts every worker
+            # submits every shard, which starts every worker
+            results = pool.map(write_shard, targets, plan, itertools.repeat(shrink))
         for _ in results:
             advance()
     finally:
@@ -178,14 +201,16 @@ def split_into_shards(members: list[Member], sizes: list[int], shard_size: int) 
     return shards
 
 
-def write_shard(target: Path, members: list[Member]) -> None:
+def write_shard(target: Path, members: list[Member], shrink: Shrink | None = None) -> None:
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     with tarfile.open(temporary, "w", format=tarfile.GNU_FORMAT) as archive:
         for path, key, label in members:
             faults.simulated_delay(faults.READ_LATENCY_ENV)  # tests stretch a pack to signal it midway
             with open(path, "rb") as handle:
                 data = handle.read()
-            _add(archive, key + os.path.splitext(path)[1].lower(), data)
+            smaller = imaging.shrink(data, shrink.max_side, shrink.quality) if shrink is not None else None
+            extension = ".jpg" if smaller is not None else os.path.splitext(path)[1].lower()
+            _add(archive, key + extension, data if smaller is None else smaller)
             _add(archive, key + ".cls", str(label).encode())
     os.replace(temporary, target)
 
@@ -207,6 +232,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--workers", type=int, default=0, help="processes writing shards (default: every core)")
     parser.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds (default: refuse a "
                                                                 "folder that holds files)")
+    parser.add_argument("--max-side", type=int, metavar="PX", help="store training images whose longer side exceeds "
+                        "PX as JPEGs with that longer side (never upscaled; smaller files kept as they are; --val "
+                        "kept whole, at the resolution validation needs): less to decode each epoch")
+    parser.add_argument("--quality", type=int, metavar="Q", help=f"JPEG quality of the images --max-side shrinks "
+                        f"(default {DEFAULT_QUALITY})")
     parser.set_defaults(run=pack_command)
 
 
@@ -215,11 +245,12 @@ def pack_command(args: argparse.Namespace) -> int:
         if not args.source.is_dir():
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
         shard_size = parse_size("shard_size", args.shard_size)
+        args.shrink = _shrink(args)
         if is_remote(args.out):
             where, shards, val_shards = _pack_to_store(args, shard_size)
         else:
             where = str(args.out)
-            shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
+            shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite, shrink=args.shrink)
             val_shards = _pack_validation(args, shard_size)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
@@ -233,6 +264,14 @@ def pack_command(args: argparse.Namespace) -> int:
         return 130
     _print_use(where, shards, val_shards)
     return 0
+
+
+def _shrink(args: argparse.Namespace) -> Shrink | None:
+    if args.max_side is None:
+        if args.quality is not None:
+            raise ValueError("--quality is the quality of the images --max-side shrinks: give --max-side too")
+        return None
+    return Shrink(args.max_side, DEFAULT_QUALITY if args.quality is None else args.quality)
 
 
 def _print_use(where: str, shards: list[Path], val_shards: list[Path]) -> None:
@@ -264,7 +303,7 @@ def _pack_to_store(args: argparse.Namespace, shard_size: int) -> tuple[str, list
     with tempfile.TemporaryDirectory(prefix="stoker-pack-") as scratch:
         local = Path(scratch) / "out"
         args = argparse.Namespace(**{**vars(args), "out": local})
-        shards = pack(args.source, local, shard_size, args.workers, False)
+        shards = pack(args.source, local, shard_size, args.workers, False, shrink=args.shrink)
         val_shards = _pack_validation(args, shard_size)
         files = sorted(p for p in local.rglob("*") if p.is_file())
         last = {CLASSES_FILE, PACK_INDEX_FILE}

@@ -219,6 +219,51 @@ def scale_eighths(height: int, width: int, min_height: int, min_width: int) -> i
     return 8
 
 
+def shrink(data: bytes, max_side: int, quality: int) -> bytes | None:
+    """The image as a JPEG at `quality` whose longer side is `max_side`, or None where the file is to be kept as it
+    is: its longer side is `max_side` or less (never upscaled), or it cannot be decoded (the run reports it). The
+    pixels are those training decodes (same modes to RGB, no EXIF rotation), shrunk by area averaging."""
+    size = _stored_size(data)
+    if size is None or max(size) <= max_side:
+        return None
+    height, width = size
+    scale = max_side / max(height, width)
+    target = (max(1, round(width * scale)), max(1, round(height * scale)))
+    try:  # at twice the size or more, then area averaging: a plain reduced-size decode blurs less evenly
+        pixels = _decode_whole(data, 2 * target[1], 2 * target[0])
+    except UnusableImage:
+        return None
+    small = cv2.resize(pixels, target, interpolation=cv2.INTER_AREA)
+    return cast(bytes, simplejpeg.encode_jpeg(np.ascontiguousarray(small), quality=quality, colorspace="RGB",
+                                              colorsubsampling="420"))
+
+
+def _stored_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from the header, or None where there is no readable header."""
+    try:
+        if data[:2] == JPEG_MAGIC:
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+            return height, width
+        with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
+            return image.height, image.width
+    except (ValueError, OSError, SyntaxError, EOFError, Image.DecompressionBombError):
+        return None
+
+
+def _decode_whole(data: bytes, min_height: int, min_width: int) -> np.ndarray:
+    """The whole image as RGB, a JPEG at the smallest scale at least min_height x min_width; UnusableImage where
+    training would refuse it."""
+    header = simplejpeg.decode_jpeg_header(data) if data[:2] == JPEG_MAGIC else None  # read by _stored_size before
+    if header is not None and header[2] not in ("CMYK", "YCCK"):
+        _check_pixels(header[0], header[1])
+        try:
+            return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_height,
+                                                           min_width=min_width, strict=True))
+        except ValueError as error:
+            raise UnusableImage(_jpeg_failure(str(error))) from None
+    return _pillow_pixels(data, png_chunks(data) if data[:8] == PNG_MAGIC else None)
+
+
 def _scaled_box(box: Box, scale_y: float, scale_x: float) -> Box:
     return Box(int(box.top * scale_y), int(box.left * scale_x),
                max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
@@ -416,11 +461,17 @@ def _jpeg_failure(message: str) -> str:
 
 def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
                  chunks: list[tuple[bytes, int, int]] | None = None, clock: StageClock | None = None) -> None:
+    pixels = _pillow_pixels(data, chunks)
+    box, flip = choose_box(pixels.shape[0], pixels.shape[1], augment, rng)
+    resize_box_into(pixels, box, flip, out, clock)
+
+
+def _pillow_pixels(data: bytes, chunks: list[tuple[bytes, int, int]] | None = None) -> np.ndarray:
+    """The whole image as RGB through Pillow; UnusableImage with the reason where it cannot be."""
     try:
         with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
             _check_pixels(image.height, image.width)
             _check_decode_bytes(image)
-            box, flip = choose_box(image.height, image.width, augment, rng)
             pixels = to_rgb_array(image)
             lacking = chunks is not None and _may_lack_rows(image) and not _png_image_data_complete(data, chunks)
         if lacking:
@@ -438,7 +489,7 @@ def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.
     except (OSError, SyntaxError, ValueError, EOFError) as error:
         kind = "truncated" if "truncated" in str(error) else "corrupt image"  # Pillow: "image file is truncated"
         raise UnusableImage(f"{kind}: {error}") from None
-    resize_box_into(pixels, box, flip, out, clock)
+    return pixels
 
 
 def _png_unopened(data: bytes, chunks: list[tuple[bytes, int, int]]) -> str:
