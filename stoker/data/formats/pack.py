@@ -1,21 +1,10 @@
 """`stoker pack IMAGEFOLDER OUT_DIR`: an ImageFolder as WebDataset-layout tar shards, converted once.
 
-Samples go in the folder's index order (so sample i of the shards is sample i of the folder: the same training
-run either way), each as `KEY.<ext>` with the file's bytes unchanged (with `--max-side`, a larger image as a smaller
-`KEY.jpg`) and `KEY.cls` with its label, KEY being the
-file's path under the root without the extension (other dots replaced by `_`: a dot ends a WebDataset key).
-Shards are cut at `--shard-size` bytes and written in parallel, each to a temporary name then renamed; headers
-carry no time, owner or permissions of the source, so the same folder always packs to the same bytes, whatever the
-number of workers. `classes.json` goes beside.
-
-A pack is written whole or not at all: into a hidden folder beside OUT_DIR, renamed to OUT_DIR at the end, so a
-pack killed or interrupted midway leaves no set that trains as if complete (its hidden folder is removed by the
-next pack into the same place). OUT_DIR must be empty or absent unless `--overwrite`; the workers die with the
-parent. `index.json` holds each shard's members, size and MD5: a run reading the shards remotely needs no scan.
-
-OUT_DIR may be an `s3://` (or `gs://`) prefix: the pack is made in a temporary folder and uploaded, the shards
-first and `classes.json` and `index.json` last, so a reader that finds the index finds every shard it names.
-"""
+Samples go in the folder's index order, so sample i of the shards is sample i of the folder (the same training run
+either way), with headers that carry no time or owner (the same bytes whatever `--workers`); `--max-side` stores the
+larger images smaller. A pack is written whole or not at all: into a hidden folder renamed to OUT_DIR at the end (an
+`s3://` prefix: uploaded, the index last), so an interrupted pack never trains as if complete. Keys, `index.json` and the upload order: docs/contracts.md, the
+command line."""
 
 from __future__ import annotations
 

@@ -1,20 +1,9 @@
 """Parquet image datasets (Hugging Face's layout among them) and `datasets.save_to_disk` folders as packed indexes.
 
-A file's image bytes are copied out once, a batch of rows at a time, into a plain "blob" file in the index cache,
-and the index is an ordinary shard index over the blobs: producers read a sample with one `pread`, as they read a
-tar member, so exactly-once, exact resume and the same bytes whichever producer holds a sample hold as they do for
-shards. (Decoding Parquet in the producers instead would decompress a whole page of images per sample and tie
-every producer to pyarrow.) Blobs live under the cache's `shards/` folder, which its clean-up never removes: an
-index entry that still names a blob must find it.
-
-A blob is named by its file's stamp (size, times and inode; a remote object's size and ETag): a changed file gets a
-new blob, an unchanged one is not read again. What the copy found (the rows, their labels, where each image lies in
-the blob, the rows refused) is kept beside the blob with a checksum. Superseded blobs stay until removed by hand.
-
-Columns: Hugging Face's `image` (struct<bytes, path>) and `label` (integers, the class names in the schema's
-`huggingface` metadata as a ClassLabel), or a plain binary image column; `--image-column` and `--label-column` name
-others. Every size a file claims is checked before anything is sized by it.
-"""
+A file's image bytes are copied out once, a batch of rows at a time, into a blob in the index cache named by the
+file's stamp, and the index is an ordinary shard index over the blobs: producers read a sample with one `pread`, so
+every guarantee of shards holds, and no producer decompresses a page of images per sample or needs pyarrow. Blobs,
+columns and checks: docs/data.md, "Parquet"."""
 
 from __future__ import annotations
 
