@@ -9,6 +9,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     from stoker.bench import (
         autoscale,
         data,
+        decode,
         elastic,
         finetune,
         gpu,
@@ -25,6 +26,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     kinds = bench.add_subparsers(dest="bench", required=True)
     autoscale.add_parser(kinds)
     data.add_parser(kinds)
+    decode.add_parser(kinds)
     elastic.add_parser(kinds)
     finetune.add_parser(kinds)
     gpu.add_parser(kinds)

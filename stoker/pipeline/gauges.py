@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from stoker.pipeline.autoscaler import Window, plain_need
 from stoker.pipeline.producer import FeedCost
 
-FEED_STAGES = ("read", "decode", "resize", "augment")
+FEED_STAGES = ("read", "draw", "decode", "resize", "augment")
 
 
 class EventLog(Protocol):
@@ -95,7 +95,7 @@ class ProducerGauges:
     # ---- read by the verdict, the live view and the summary -------------------------------------------------------
 
     def feed_ms_per_image(self) -> dict[str, float] | None:
-        """CPU milliseconds per training image, by stage, `other` (the generators, bookkeeping, other threads) and
+        """CPU milliseconds per training image, by stage, `other` (bookkeeping, the clocks, other threads) and
         `total` (the producers' CPU time as the OS counts it); None before a training image was made."""
         cost = self.feed_cost
         if not cost.images:

@@ -169,7 +169,7 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, parts, outbox, s
             except StopRequested:  # the part is left: its slot is unlinked or rebuilt, nothing waits for it
                 return
         cost = None if part.compact or setup.transport_only else FeedCost(
-            count, reads.cpu, stages.decode, stages.resize, stages.augment, time.process_time() - cpu)
+            count, reads.cpu, stages.draw, stages.decode, stages.resize, stages.augment, time.process_time() - cpu)
         faults.maybe_inject("producer-result", f"part={part.part_id};", outbox)
         outbox.send(PartDone(producer, part.part_id, count, skipped, time.perf_counter() - started, reads.seconds,
                              cost))
@@ -194,12 +194,13 @@ class ReadClock:
 
 @dataclass(frozen=True)
 class FeedCost:
-    """CPU seconds a producer spent on `images` images, by stage: reading files, decoding, crop and resize into the
-    ring's slot, augmenting; `total` is the process's CPU time over the part (the OS's count), the stages and
-    the rest (drawing the generators, the bookkeeping, other threads)."""
+    """CPU seconds a producer spent on `images` images, by stage: reading files, making each sample's generator,
+    decoding, crop and resize into the ring's slot, augmenting; `total` is the process's CPU time over the part (the
+    OS's count): the stages and the rest (the bookkeeping, the clocks themselves, other threads)."""
 
     images: int = 0
     read: float = 0.0
+    draw: float = 0.0
     decode: float = 0.0
     resize: float = 0.0
     augment: float = 0.0
@@ -259,7 +260,10 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
         if faults.armed():
             faults.maybe_inject("producer", source.paths[sample_id])
         # Drawing a generator costs more than decoding a small PNG: only augmentations that draw get one.
+        drawing = time.thread_time()
         rng = sample_rng(setup.seed, work.kind, work.epoch, sample_id) if augment != "none" else None
+        if stages is not None:
+            stages.draw += time.thread_time() - drawing
         try:
             if isinstance(source, DatasetSource):  # the user's own __getitem__, seeded per sample
                 labels[count] = source.fill(sample_id, images[count], setup.seed, work.epoch)

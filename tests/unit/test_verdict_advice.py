@@ -340,9 +340,10 @@ def test_the_feed_cost_per_image_is_the_stages_of_training_parts_and_the_rest():
 
     gauges = ProducerGauges(2, SimpleNamespace(write=lambda *a, **k: None))
     assert gauges.feed_ms_per_image() is None
-    gauges.feed_cost += FeedCost(100, read=0.01, decode=0.06, resize=0.02, augment=0.0, total=0.1)
-    gauges.feed_cost += FeedCost(100, read=0.01, decode=0.06, resize=0.02, augment=0.0, total=0.1)
+    gauges.feed_cost += FeedCost(100, read=0.01, draw=0.0, decode=0.06, resize=0.02, augment=0.0, total=0.1)
+    gauges.feed_cost += FeedCost(100, read=0.01, draw=0.0, decode=0.06, resize=0.02, augment=0.0, total=0.1)
     figures = gauges.feed_ms_per_image()
-    assert figures == {"read": 0.1, "decode": 0.6, "resize": 0.2, "augment": 0.0, "other": 0.1, "total": 1.0}
+    assert figures == {"read": 0.1, "draw": 0.0, "decode": 0.6, "resize": 0.2, "augment": 0.0, "other": 0.1,
+                       "total": 1.0}
     assert feed_cores(figures, samples_per_s=2000, devices=2) == {
         "at_run_rate": 1.0, "at_reference_rate": 7.9, "reference_rate": 7900}

@@ -3,8 +3,8 @@
 Samples go in the folder's index order, so sample i of the shards is sample i of the folder (the same training run
 either way), with headers that carry no time or owner (the same bytes whatever `--workers`); `--max-side` stores the
 larger images smaller. A pack is written whole or not at all: into a hidden folder renamed to OUT_DIR at the end (an
-`s3://` prefix: uploaded, the index last), so an interrupted pack never trains as if complete. Keys, `index.json` and the upload order: docs/contracts.md, the
-command line."""
+`s3://` prefix: uploaded, the index last), so an interrupted pack never trains as if complete. Keys, `index.json`
+and the upload order: docs/contracts.md, the command line."""
 
 from __future__ import annotations
 
