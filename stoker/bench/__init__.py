@@ -10,6 +10,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         anchors,
         autoscale,
         data,
+        decode,
         elastic,
         finetune,
         gpu,
@@ -27,6 +28,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     anchors.add_parser(kinds)
     autoscale.add_parser(kinds)
     data.add_parser(kinds)
+    decode.add_parser(kinds)
     elastic.add_parser(kinds)
     finetune.add_parser(kinds)
     gpu.add_parser(kinds)
