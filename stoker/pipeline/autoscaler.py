@@ -91,6 +91,30 @@ def default_ceiling(budget: int, cores: int, ring_parts: int | None = None, memo
     return max(budget, most)
 
 
+def time_shares(compute_s: float, wait_s: float, averaging_s: float, wall_s: float,
+                host_s: float = 0.0) -> tuple[float, float, float]:
+    """Device compute, input wait and averaging as shares of a consumer's wall time: the one definition behind
+    the live view, the log lines, summary.json, the report and the verdict. The parts are timed on the consumer and
+    the wall time on the controller, which hears of each step a message later; where the parts add up to more than
+    the wall time they are shares of their sum instead, so no share passes 1 and together they never do. On a GPU
+    the device's idle time for the host (`host_s`) is a part too: its share is `host_share`."""
+    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
+    if whole <= 0:
+        return 0.0, 0.0, 0.0
+    return compute_s / whole, wait_s / whole, averaging_s / whole
+
+
+def host_share(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
+    """The share of a consumer's wall time its device idled for the host (Python, copies), not for input: the
+    fourth part beside `time_shares`' three, of the same whole."""
+    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
+    return host_s / whole if whole > 0 else 0.0
+
+
+def _whole(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
+    return max(wall_s, compute_s + wait_s + averaging_s + host_s)
+
+
 @dataclass(frozen=True)
 class StepStamp:
     """A training step as the policy judges it: when it ended, not when its report arrived (a GPU consumer reports

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from stoker.observe.metrics import RunStats, time_shares
+from stoker.observe.metrics import RunStats
+from stoker.pipeline.autoscaler import time_shares
 from stoker.pipeline.messages import StepReport
 from stoker.pipeline.pool import Handle, ProducerPool
 from stoker.pipeline.producer import STATUS_IDLE, PartDone
