@@ -134,7 +134,6 @@ class Engine:
         self.parts: dict[int, Part] = {}  # part id -> the part it builds, given to a producer and not yet done
         self.pending_parts: deque[Part] = deque()  # parts of issued batches waiting for a free producer
         self.part_ids = iter(range(1 << 62))
-        self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
         self.pool: ProducerPool | None = None
         self.taken = False  # a consumer has taken a batch: consumers are no longer all starting
@@ -163,7 +162,6 @@ class Engine:
         assert not self.parts and not self.pending_parts, "a new scheduler while batches of the last are being built"
         self.scheduler = scheduler
         self.assembler = Assembler(self.ring, self.assembler.parts)
-        self.slot_owner = {}
         self.delivered = [0] * scheduler.num_ranks
 
     def abandon(self) -> None:
@@ -189,7 +187,6 @@ class Engine:
                 if issued is None:
                     idle_for_a_slot = self._idle_for_a_slot()
                     break
-                self.slot_owner[issued.slot] = issued.rank
                 if issued.work.kind == "train":
                     self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
                 self.pending_parts.extend(self.assembler.split(issued))
@@ -222,10 +219,9 @@ class Engine:
     def release(self, slot: int) -> None:
         """The batch in `slot` has been taken: it may be rebuilt."""
         assert self.scheduler is not None
-        rank = self.slot_owner.pop(slot)
+        rank = self.scheduler.release(slot)
         self.taken = True
         self.delivered[rank] -= 1
-        self.scheduler.release(slot, rank)
 
     def queue_fill(self) -> float:
         """Batches handed over and not yet taken, as a share of the ring."""
