@@ -12,38 +12,13 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoker.data.formats.folders import Skipped
-from stoker.pipeline.autoscaler import StepStamp, host_share, time_shares
+from stoker.pipeline.autoscaler import host_share, time_shares
 
 if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
     from stoker.pipeline.messages import StepReport
 
 
 RATE_WINDOW_S = 5.0
-
-
-@dataclass
-class WindowTotals:
-    """What the consumers and the ready queues did in one window."""
-
-    wait_s: float = 0.0
-    compute_s: float = 0.0
-    averaging_s: float = 0.0
-    host_s: float = 0.0
-    steps: int = 0
-    samples: int = 0
-    queue_fill: float = 0.0
-    queue_samples: int = 0
-    stamps: list[StepStamp] = field(default_factory=list)
-
-    def add(self, report: StepReport) -> None:
-        busy_s = report.wait_s + report.compute_s + report.averaging_s + report.host_s
-        self.stamps.append(StepStamp(report.ended_s, report.count, busy_s, report.wait_s, report.rank))
-        self.wait_s += report.wait_s
-        self.compute_s += report.compute_s
-        self.averaging_s += report.averaging_s
-        self.host_s += report.host_s
-        self.steps += 1
-        self.samples += report.count
 
 
 def step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:

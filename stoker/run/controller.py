@@ -20,12 +20,10 @@ from stoker.common.positions import Position
 from stoker.common.procs import POLL_S, StokerRunError, name_process
 from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
 from stoker.observe.evaluation import val_line
-from stoker.observe.metrics import MetricsLog, RunStats, WindowTotals, host_share, step_fields, time_shares
+from stoker.observe.metrics import MetricsLog, RunStats, step_fields
 from stoker.observe.progress import ProgressView, Snapshot
 from stoker.observe.summary import Ledger, exactly_once_breach
-from stoker.pipeline.autoscaler import StepStamp
-from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver
-from stoker.pipeline.engine import Engine, producer_fields
+from stoker.pipeline.driver import EngineDriver, Measure
 from stoker.pipeline.messages import Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.scheduler import Scheduler, Unfinished
 from stoker.run import cluster, prestart, rundir
@@ -61,7 +59,10 @@ class Controller:
 
     def _reset_state(self) -> None:
         prepared = self.prepared
-        self.driver = EngineDriver(prepared.build, prepared.counts)  # ring, producers, order of work; started later
+        # The ring, the producers and the order of work, started with the run; the consumers' steps judged in
+        # lockstep where they average every step.
+        self.driver = EngineDriver(prepared.engine, Measure(self.num_consumers, lockstep=self.config.sync_every == 1
+                                                            and not self.config.overlap_averaging))
         self.group = ConsumerGroup(self.config, self.devices, self.cluster, prepared.elastic, self.driver.mailbox,
                                    self.driver.stop, self._read_last_messages)
         self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
@@ -78,7 +79,6 @@ class Controller:
         self.finished: dict[int, Finished] = {}
         self.final_digests: dict[int, str] = {}  # global rank -> the replica's hash at the end, every machine
         self.val_reports: list[ValReport] = []
-        self.last_queue_fill = 0.0
         self.lifecycle = Lifecycle()  # what a signal means now; `lifecycle.interrupted`: one arrived here
         self.stopping = False  # stopping early: this machine or another one was interrupted
         self.finishing = False
@@ -176,7 +176,7 @@ class Controller:
         self.driver.start(self.stats, self.metrics, self.scheduler)
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
-        self.metrics.write("start", devices=self.devices, producers=self.prepared.counts.initial,
+        self.metrics.write("start", devices=self.devices, producers=self.prepared.engine.counts.initial,
                            config=config.as_json(), resume_from=self.resume_from)
 
     def _start_consumers(self) -> None:
@@ -185,7 +185,7 @@ class Controller:
             self.agreement = cluster.StopAgreement.join(self.cluster, self.group.store, store,
                                                         self.config.collective_timeout_s)
         reference = self.plan.reference
-        setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
+        setups = consumer_setups(self.config, self.devices, self.cluster, store, self.driver.ring_spec,
                                  self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
                                  reference.steps_per_epoch, self.resume_from, self.run_dir)
         self.group.start([replace(setup, start_step=self.start_at.global_step, elastic=self.prepared.elastic,
@@ -193,23 +193,20 @@ class Controller:
                          self.metrics)
 
     def _loop(self) -> None:
-        window_started = time.monotonic()
-        window = WindowTotals()
+        self.driver.open_window(time.monotonic())
         while not all(consumer in self.finished for consumer in self.group.members):
             self._follow_interrupts()
             regrouping = self.group.membership.regrouping  # nothing new is built or handed over meanwhile
             if not regrouping:
-                self.engine.dispatch()
-                self._deliver(window)
+                self.driver.dispatch()
+                self._deliver()
             for message in self.driver.pump(POLL_S, dispatch=not regrouping):  # the producers' go to the engine
-                self._handle(message, window)
+                self._handle(message)
             if self.group.tick(time.monotonic(), self):
                 self._regroup()
             self.group.check_deadline()
             self.checkpoints.record_commits(self.metrics)
-            if time.monotonic() - window_started >= SCALE_WINDOW_S:
-                self._close_window(window, time.monotonic() - window_started)
-                window_started, window = time.monotonic(), WindowTotals()
+            self.driver.tick(time.monotonic(), decide=not self.finishing)  # every SCALE_WINDOW_S
             self._show()
 
     def _follow_interrupts(self) -> None:
@@ -234,7 +231,7 @@ class Controller:
         if (row := agreement.poll_row()) is not None:
             self.scheduler.cut(row)
 
-    def _deliver(self, window: WindowTotals) -> None:
+    def _deliver(self) -> None:
         for rank, message in self.driver.deliverable():
             self.group.send(rank, message)
             if isinstance(message, Save):
@@ -244,8 +241,7 @@ class Controller:
         waiting = self.agreement is not None and self.agreement.waiting
         if not self.finishing and not waiting and self.scheduler.exhausted():
             self._finish()
-        window.queue_samples += 1
-        window.queue_fill += self.engine.queue_fill()
+        self.driver.note_queue()
 
     def _finish(self) -> None:
         """Every consumer got its last batch: save where an interrupt stopped us, then write the final model."""
@@ -257,14 +253,15 @@ class Controller:
             self.checkpoints.expect(position)
         self.group.send_all(Finish(self.run_dir / "model.pt"))
 
-    def _handle(self, message: Any, window: WindowTotals) -> None:
+    def _handle(self, message: Any, counted: bool = True) -> None:
+        """`counted`: its steps count in the scaling window (not those read while a regroup drains)."""
         now = time.monotonic()
         if isinstance(message, SlotFree):
             if self.group.membership.slot_counts(message.generation):
-                self.engine.release(message.slot)
+                self.driver.release(message.slot)
         elif isinstance(message, StepReport):
             if self.group.membership.counts(message):
-                self._record_step(message, window, now)
+                self._record_step(message, now, counted)
         elif isinstance(message, ValReport):
             self.val_reports.append(message)
             self.metrics.write("val", epoch=message.epoch, loss=message.loss, accuracy=message.accuracy,
@@ -279,10 +276,11 @@ class Controller:
         else:
             self.group.handle(message, self)
 
-    def _record_step(self, message: StepReport, window: WindowTotals, now: float) -> None:
+    def _record_step(self, message: StepReport, now: float, counted: bool) -> None:
         self.stats.record_step(message, now)
         self.ledger.record_step(message)
-        window.add(message)
+        if counted:
+            self.driver.note_step(message)
         self.metrics.write("step", **step_fields(message, self.cluster.first_rank))
         if message.count and (diverged := divergence(message.loss, message.global_step,
                                                      self.cluster.first_rank + message.rank, self.config.lr)):
@@ -308,7 +306,7 @@ class Controller:
             del self.stats.digests[global_step]  # trained again: its replicas are compared again
         self.ledger.take_back(agreed)
         group.credit_lost_steps(old, agreed, self.stats, self.ledger)
-        self.driver.drain(3 * self.config.producer_timeout_s, lambda message: self._handle(message, WindowTotals()))
+        self.driver.drain(lambda message: self._handle(message, counted=False))
         position = old.position_after(agreed)
         consumers = len(group.members)
         self.plan = self.plan.regrouped(consumers, position.epoch, position.step, position.offset or 0)
@@ -318,7 +316,7 @@ class Controller:
                                    self.cluster.first_rank, consumers, self._unfinished(position))
         if self.stopping:
             self.scheduler.cut(-1)  # interrupted meanwhile: only the checkpoint where the survivors stand
-        self.engine.follow(self.scheduler)
+        self.driver.follow(self.scheduler)
         self.stats.members = consumers
         group.regrouped(agreed, taken_back, position.epoch, position.offset)
         self.finishing = False
@@ -339,25 +337,7 @@ class Controller:
         """A consumer that finished sends Saved and Finished and exits at once: they may still be in its pipe."""
         while rank not in self.finished and (messages := self.driver.pump(POLL_S)):
             for message in messages:
-                self._handle(message, WindowTotals())
-
-    def _close_window(self, window: WindowTotals, elapsed_s: float) -> None:
-        """Every SCALE_WINDOW_S: record the pipeline's state and let the autoscaler decide."""
-        consumer_time = max(1e-9, elapsed_s * self.num_consumers)
-        queue_fill = window.queue_fill / max(1, window.queue_samples)
-        self.last_queue_fill = queue_fill
-        parts = (window.compute_s, window.wait_s, window.averaging_s, consumer_time)
-        compute, wait, averaging = time_shares(*parts, host_s=window.host_s)
-        host = host_share(*parts, window.host_s)
-        n = self.num_consumers  # a rate of all consumers: their mean time in steps, as train_s
-        self.driver.close_window(
-            elapsed_s, window.samples, window.steps, queue_fill, wait,
-            train_s=(window.wait_s + window.host_s + window.compute_s + window.averaging_s) / n,
-            shares={"compute": compute, "input_wait": wait, "averaging": averaging, "host": host},
-            decide=not self.finishing,
-            stamps=tuple(StepStamp(s.ended_s, s.samples, s.train_s / n, s.wait_s / n, s.consumer)
-                         for s in window.stamps),
-            lockstep=self.config.sync_every == 1 and not self.config.overlap_averaging)
+                self._handle(message, counted=False)
 
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
@@ -370,7 +350,7 @@ class Controller:
             averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
             overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]), compiled=self.config.compile,
             slots=self.config.slots_per_consumer, overlap_allowed=self.overlap_allowed, image_size=self.image_size,
-            **self.engine.verdict_fields())), self.group.membership.losses)
+            **self.driver.verdict_fields())), self.group.membership.losses)
 
     @functools.cached_property
     def overlap_allowed(self) -> bool:
@@ -383,10 +363,6 @@ class Controller:
             return 0
         rest = self.plan.steps_in(position.epoch) - position.step
         return rest + self.plan.steps_per_epoch * (self.config.epochs - position.epoch - 1)
-
-    @property
-    def engine(self) -> Engine:
-        return self.driver.engine
 
     def _show(self, final: bool = False) -> None:
         if not (final or self.view.due()):
@@ -403,9 +379,9 @@ class Controller:
                            else self.stats.rate(time.monotonic())),
             loss=self.stats.latest_train_loss(),
             val_accuracy=self.val_reports[-1].accuracy if self.val_reports else None,
-            consumers=tuple(self.stats.shares()), queue_fill=self.last_queue_fill, producers=self.engine.num_active,
-            producer_budget=self.engine.producer_limit(),
-            producer_utilization=self.engine.gauges.producer_utilization(),
+            consumers=tuple(self.stats.shares()), queue_fill=self.driver.last_queue_fill,
+            producers=self.driver.num_active, producer_budget=self.driver.producer_limit(),
+            producer_utilization=self.driver.producer_utilization(),
             verdict=self.run_verdict().text,
             host=tuple(self.stats.host_fractions())))
 
@@ -432,7 +408,7 @@ class Controller:
             stats=self.stats, ledger=self.ledger, val_reports=self.val_reports, final_digests=self.final_digests,
             gpu_memory=[self.finished[rank].memory for rank in sorted(self.finished)], world=self.cluster.world,
             machines=self.cluster.nodes, devices=self.devices,
-            producers=producer_fields(self.driver.engine if self.driver.started else None),
+            producers=self.driver.producer_fields(),
             samples_expected=self.plan.samples_trained_per_epoch, verdict=self.run_verdict().as_json(),
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,

@@ -12,18 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from stoker.common import checkpoint
-from stoker.common.config import AveragingSettings, TrainConfig, names_where
+from stoker.common.config import AveragingSettings, DataSettings, FeedSettings, TrainConfig, names_where
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
-from stoker.common.memory import available_memory
 from stoker.common.positions import Position
 from stoker.data.sources import Data, load_data
 from stoker.observe.summary import read_accounting
-from stoker.pipeline.autoscaler import static_budget
 from stoker.pipeline.driver import check_room
-from stoker.pipeline.engine import Build, ProducerCounts
-from stoker.pipeline.parts import most_parts_in_flight
+from stoker.pipeline.engine import EngineSpec, HostShare, Samples
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import check_hang_timeout, parts_held
+from stoker.pipeline.pool import check_hang_timeout
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.cluster import Cluster
@@ -59,12 +56,14 @@ class RunPlan:
     elastic: bool  # the others go on when a consumer dies
     data: Data
     plan: EpochPlan  # continuing where `resumed` starts
-    num_slots: int
-    build: Build
-    counts: ProducerCounts
+    engine: EngineSpec
     run_dir: Path
     run_lock: rundir.RunDirLock
     resumed: Resumed
+
+    @property
+    def num_slots(self) -> int:
+        return self.engine.build.num_slots
 
     @property
     def num_consumers(self) -> int:
@@ -89,18 +88,15 @@ def prepare(config: TrainConfig) -> RunPlan:
     check_membership_settings(config, len(devices), machines.multi, on_gpus)
     data = load_data(config)
     plan = _epoch_plan(config, data, machines.world)
-    num_slots = config.slots_per_consumer * len(devices)
-    counts = ProducerCounts.from_settings(config.producers, config.min_producers, config.initial_producers,
-                                          config.max_producers, static_budget(devices, available_cores()),
-                                          available_cores(), most_parts_in_flight(config.batch_size, num_slots),
-                                          available_memory())
     # A slot holds a batch of --batch-size, or with --global-batch fixed the largest share a consumer may take.
     fewest = config.min_consumers if elastic else machines.world
-    build = Build(data.train, data.val, config.augment, config.seed, plan.largest_share(fewest),
-                  config.resolved_image_size, num_slots, config.producer_timeout_s, config.max_bad_fraction,
-                  config.resolved_val_image_size, max_in_flight=parts_held(data.train))
-    check_room(build, counts, "producers" if config.producers != "auto" else "initial_producers (or min_producers)")
-    check_hang_timeout(config.producer_timeout_s, config.collective_timeout_s, machines.world)
+    engine = EngineSpec.from_sections(config.section(FeedSettings), config.section(DataSettings), config.seed,
+                                      Samples(data.train, data.val), HostShare.measure(devices),
+                                      slots=config.slots_per_consumer * len(devices),
+                                      batch_size=plan.largest_share(fewest))
+    check_room(engine, "producers" if config.producers != "auto" else "initial_producers (or min_producers)")
+    check_hang_timeout(producer_timeout_s=config.producer_timeout_s,
+                       collective_timeout_s=config.collective_timeout_s, world=machines.world)
     _check_model(config, len(data.train.classes))
     run_dir = Path(config.out or config.resume or rundir.default_run_dir())
     # Held until the run ends: taken before the folder is looked at, so two starts cannot both find it free.
@@ -111,11 +107,10 @@ def prepare(config: TrainConfig) -> RunPlan:
         run_lock.close()
         raise
     share = plan.largest_share(fewest)
-    if share != build.batch_size:  # resumed on fewer consumers than its first count
-        build = replace(build, batch_size=share)
-        check_room(build, counts, "producers")
-    return RunPlan(config, devices, machines, elastic, data, plan, num_slots, build, counts, run_dir, run_lock,
-                   resumed)
+    if share != engine.build.batch_size:  # resumed on fewer consumers than its first count
+        engine = engine.holding(share)
+        check_room(engine, "producers")
+    return RunPlan(config, devices, machines, elastic, data, plan, engine, run_dir, run_lock, resumed)
 
 
 def _epoch_plan(config: TrainConfig, data: Data, world: int) -> EpochPlan:
