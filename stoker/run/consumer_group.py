@@ -22,13 +22,17 @@ from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit,
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.observe.summary import Ledger
 from stoker.pipeline.messages import ConsumerFailed, StepReport
+from stoker.pipeline.plan import EpochPlan
+from stoker.pipeline.ring import RingSpec
 from stoker.pipeline.scheduler import Scheduler
 from stoker.run import cluster
 from stoker.run.failures import FailureWitness
 from stoker.run.membership import Membership
+from stoker.run.prestart import RunPlan
+from stoker.run.setups import consumer_setups
 from stoker.training.consumer import ConsumerSetup, consumer_main
 from stoker.training.recovery import Joining, Regroup, Stranded
-from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store
+from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -61,11 +65,13 @@ class ConsumerGroup:
     which of them train now, in rank order. `read_last(i)` hands the controller the messages a finished consumer
     may have left in its pipe."""
 
-    def __init__(self, config: TrainConfig, devices: list[str], machines: cluster.Cluster, elastic: bool,
-                 mailbox: Mailbox, stop: Any, read_last: Callable[[int], None]) -> None:
-        self.config = config
-        self.devices = devices
-        self.machines = machines
+    def __init__(self, run: RunPlan, mailbox: Mailbox, stop: Any, read_last: Callable[[int], None]) -> None:
+        self.run = run
+        self.config: TrainConfig = run.config
+        self.devices = devices = run.devices
+        self.machines = run.cluster
+        elastic = run.elastic
+        config = run.config
         self.mailbox, self.stop, self.read_last = mailbox, stop, read_last
         self.processes: list = []
         self.ready_queues: list = []
@@ -75,6 +81,7 @@ class ConsumerGroup:
         self.lease = zygote.Lease()
         self.store: dist.Store | None = None  # several machines: hosted by the first
         self.local_store: LocalStore | None = None
+        self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
         self.witness = FailureWitness(self.processes, mailbox, config.collective_timeout_s)
         self.membership = Membership(devices, CONTEXT.Value("i", 0) if elastic else None, config.min_consumers,
                                      config.sync_every, config.collective_timeout_s, time.monotonic())
@@ -100,12 +107,32 @@ class ConsumerGroup:
 
     # ---- the start ----------------------------------------------------------------------------------------------
 
-    def acquire_zygote(self) -> None:
-        """First: the zygote's imports go on while the producers start."""
+    def prepare(self) -> None:
+        """Before the producers start: the stores dead runs left are swept, and the consumers' zygote (if they
+        fork from one) is taken, so that its imports go on while the producers start."""
+        sweep_dead_stores()
         if self.zygote is not None:
             self.lease = self.zygote.acquire()
 
-    def open_store(self) -> StoreAddress:
+    def start(self, ring: RingSpec, reference: EpochPlan, metrics: MetricsLog) -> None:
+        """The store and the consumers, each started with its setup; on several machines, the agreement where
+        all stop when one is told to (it shares the consumers' store). `reference`: the plan the run's
+        learning-rate schedule was made for."""
+        run, self.metrics = self.run, metrics
+        store = self._open_store()
+        if self.machines.multi:
+            self.agreement = cluster.StopAgreement.join(self.machines, self.store, store,
+                                                        self.config.collective_timeout_s)
+        setups = consumer_setups(self.config, self.devices, self.machines, store, ring, run.data.train.classes,
+                                 reference.steps_per_epoch * self.config.epochs, reference.steps_per_epoch,
+                                 run.resumed.folder, run.run_dir)
+        self.setups = [replace(setup, start_step=run.resumed.start_at.global_step, elastic=run.elastic,
+                               checkpoint_consumers=run.resumed.consumers) for setup in setups]
+        for rank, setup in enumerate(self.setups):
+            self.ready_queues.append(CONTEXT.Queue())
+            self.processes.append(self._start_one(rank, setup))
+
+    def _open_store(self) -> StoreAddress:
         """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
         the store through which every machine's consumers form their group."""
         machines = self.machines
@@ -118,12 +145,6 @@ class ConsumerGroup:
                                                  self.config.collective_timeout_s)
         host, port = cluster.from_leader(machines, (address.host, address.port) if address else None)
         return StoreAddress(host=host, port=port)
-
-    def start(self, setups: list[ConsumerSetup], metrics: MetricsLog) -> None:
-        self.setups, self.metrics = setups, metrics
-        for rank, setup in enumerate(setups):
-            self.ready_queues.append(CONTEXT.Queue())
-            self.processes.append(self._start_one(rank, setup))
 
     def _start_one(self, rank: int, setup: ConsumerSetup) -> Any:
         outbox = self.mailbox.open()
@@ -337,4 +358,4 @@ class ConsumerGroup:
     def close_store(self) -> None:
         if self.local_store is not None:
             self.local_store.close()
-        self.store = None
+        self.agreement = self.store = None

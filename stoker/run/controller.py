@@ -6,34 +6,26 @@ summary. It never touches pixels or gradients.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from dataclasses import replace
-from statistics import mean
 from typing import Any
 
-from stoker.common import checkpoint, faults
-from stoker.common.config import RUN_CONFIG_FILE, TrainConfig, takes
-from stoker.common.files import write_json
+from stoker.common import faults
+from stoker.common.config import TrainConfig
 from stoker.common.positions import Position
 from stoker.common.procs import POLL_S, StokerRunError, name_process
-from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, divergence
+from stoker.observe.diagnosis import Verdict, divergence
 from stoker.observe.evaluation import val_line
-from stoker.observe.metrics import MetricsLog, RunStats, step_fields
+from stoker.observe.metrics import RunStats, step_fields
 from stoker.observe.progress import ProgressView, Snapshot
-from stoker.observe.summary import Ledger, exactly_once_breach
+from stoker.observe.summary import Ledger
 from stoker.pipeline.driver import EngineDriver, Measure
 from stoker.pipeline.messages import Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
 from stoker.pipeline.scheduler import Scheduler, Unfinished
-from stoker.run import cluster, prestart, rundir
+from stoker.run import outcome, prestart
 from stoker.run.checkpoints import Checkpoints
 from stoker.run.consumer_group import ConsumerGroup
 from stoker.run.lifecycle import Interrupted, Lifecycle
-from stoker.run.membership import with_losses
-from stoker.run.outcome import RunFacts, run_summary
-from stoker.run.setups import consumer_setups
-from stoker.training.rendezvous import sweep_dead_stores
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +55,7 @@ class Controller:
         # lockstep where they average every step.
         self.driver = EngineDriver(prepared.engine, Measure(self.num_consumers, lockstep=self.config.sync_every == 1
                                                             and not self.config.overlap_averaging))
-        self.group = ConsumerGroup(self.config, self.devices, self.cluster, prepared.elastic, self.driver.mailbox,
-                                   self.driver.stop, self._read_last_messages)
-        self.agreement: cluster.StopAgreement | None = None  # several machines: where all stop when one is told to
+        self.group = ConsumerGroup(prepared, self.driver.mailbox, self.driver.stop, self._read_last_messages)
         self.stats = RunStats(self.num_consumers, self.plan.samples_per_epoch, self.plan.steps_per_epoch,
                               self.cluster.first_rank)
         for item in self.data.refused:
@@ -108,14 +98,7 @@ class Controller:
 
     def _run(self) -> dict[str, Any]:
         name_process("stoker controller")
-        self.run_lock.record_holder()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(self.run_dir / RUN_CONFIG_FILE, self.config.as_json())  # every machine: `--resume` reads it
-        rundir.mark_job(self.run_dir)  # under torchrun: its restarts of this job go on in this folder
-        metrics_file = "metrics.jsonl" if self.cluster.leader else f"metrics-node{self.cluster.node}.jsonl"
-        self.metrics = MetricsLog(self.run_dir / metrics_file,
-                                  self.run_dir / "tensorboard" if self.config.tensorboard else None,
-                                  append=self.config.resume is not None)
+        self.metrics = self.prepared.open_folder()
         self.started = self.group.membership.started = time.monotonic()
         status, error, forced = "completed", None, False
         try:
@@ -136,61 +119,29 @@ class Controller:
         finally:
             self.lifecycle.closing()
             self.close()
-        if self.checkpoints.failure and status != "failed":
-            status, error = "failed", self.checkpoints.failure
-        if self.cluster.multi and status != "failed" and not forced:
-            error = cluster.gather_accounting(self.cluster, self.stats, self.final_digests)
-            status = "failed" if error else status
+        status, error = outcome.final_status(status, error, forced, self.checkpoints.failure, self.cluster, self.stats,
+                                             self.final_digests)
         summary = self.summary(status, error)
-        if breach := exactly_once_breach(summary):
-            log.error("%s", breach)
-        self.metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
-        self.metrics.close()
-        cluster.leave_controllers()
-        if self.cluster.leader:
-            write_json(self.run_dir / "summary.json", summary)
-            if self.config.report:
-                with self.lifecycle.reporting():
-                    self._write_report()
+        outcome.conclude(summary, self.metrics, self.run_dir, self.cluster.leader)
+        if self.cluster.leader and self.config.report:
+            with self.lifecycle.reporting():
+                outcome.draw_report(self.run_dir)
         return summary
-
-    def _write_report(self) -> None:
-        from stoker.observe.report import write_report
-
-        try:
-            faults.maybe_inject("controller", "drawing the report")
-            write_report(self.run_dir)  # its text ends the command's output (cli), not the log
-        except Exception as error:  # the run itself is done and saved; a report that cannot be drawn is not fatal
-            log.warning("could not draw the run report: %s: %s", type(error).__name__, error)
 
     def _start(self) -> None:
         # First: children started after it write their warnings above the live panel, not through it.
         self.view = ProgressView(self.plan.steps_per_epoch * self.config.epochs, self.plan.steps_per_epoch,
                                  self.config.log_every_s, self.show_progress)
-        sweep_dead_stores()
         config = self.config
         self.scheduler = Scheduler(self.plan, config.epochs, self.start_at, self.prepared.num_slots,
                                    self.data.val is not None, config.checkpoint_every, self.run_dir,
                                    self.cluster.first_rank, self.num_consumers)
-        self.group.acquire_zygote()  # first: its imports go on while the producers start
+        self.group.prepare()  # first: the consumers' zygote imports while the producers start
         self.driver.start(self.stats, self.metrics, self.scheduler)
-        self._start_consumers()
+        self.group.start(self.driver.ring_spec, self.plan.reference, self.metrics)
         faults.maybe_inject("controller", "consumers started")
         self.metrics.write("start", devices=self.devices, producers=self.prepared.engine.counts.initial,
                            config=config.as_json(), resume_from=self.resume_from)
-
-    def _start_consumers(self) -> None:
-        store = self.group.open_store()
-        if self.cluster.multi:
-            self.agreement = cluster.StopAgreement.join(self.cluster, self.group.store, store,
-                                                        self.config.collective_timeout_s)
-        reference = self.plan.reference
-        setups = consumer_setups(self.config, self.devices, self.cluster, store, self.driver.ring_spec,
-                                 self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
-                                 reference.steps_per_epoch, self.resume_from, self.run_dir)
-        self.group.start([replace(setup, start_step=self.start_at.global_step, elastic=self.prepared.elastic,
-                                  checkpoint_consumers=self.prepared.resumed.consumers) for setup in setups],
-                         self.metrics)
 
     def _loop(self) -> None:
         self.driver.open_window(time.monotonic())
@@ -212,7 +163,7 @@ class Controller:
     def _follow_interrupts(self) -> None:
         """An interrupt stops every consumer after the same row of work: on one machine the furthest row started;
         on several, the furthest row any machine started once it heard of the interrupt (`StopAgreement`)."""
-        agreement = self.agreement
+        agreement = self.group.agreement  # several machines: where all stop when one is told to
         if agreement is None:
             self.stopping = self.lifecycle.interrupted
             if self.stopping and not self.finishing:
@@ -238,7 +189,7 @@ class Controller:
                 self.checkpoints.expect(message.position)
             if faults.armed() and getattr(message, "kind", None) == "val":
                 faults.maybe_inject("controller", f"val batch {message.step} of epoch {message.epoch} handed over")
-        waiting = self.agreement is not None and self.agreement.waiting
+        waiting = self.group.agreement is not None and self.group.agreement.waiting
         if not self.finishing and not waiting and self.scheduler.exhausted():
             self._finish()
         self.driver.note_queue()
@@ -248,7 +199,7 @@ class Controller:
         self.finishing = True
         position = self.scheduler.position
         if self.stopping and position.global_step not in self.scheduler.saves_issued:
-            folder = checkpoint.checkpoint_dir(self.run_dir, position.global_step, temporary=True)
+            folder = self.checkpoints.folder(position.global_step)
             self.group.send_all(Save(folder, position.global_step, position))
             self.checkpoints.expect(position)
         self.group.send_all(Finish(self.run_dir / "model.pt"))
@@ -340,22 +291,9 @@ class Controller:
                 self._handle(message, counted=False)
 
     def run_verdict(self) -> Verdict:
-        """The verdict over the run so far, from every consumer's totals: the live view, the log lines, the summary
-        and the report all show this one."""
-        if not self.stats.steps_done:
-            return Verdict("starting", "no training step finished")
-        run = self.ledger.so_far(self.stats)  # after --resume, the parts before this one too
-        return with_losses(diagnose(TimeSplit(
-            compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
-            averaging=mean(run["averaging_fraction"]), sync_every=self.config.sync_every,
-            overlapped=self.config.overlap_averaging, host=mean(run["host_fraction"]), compiled=self.config.compile,
-            slots=self.config.slots_per_consumer, overlap_allowed=self.overlap_allowed, image_size=self.image_size,
-            **self.driver.verdict_fields())), self.group.membership.losses)
-
-    @functools.cached_property
-    def overlap_allowed(self) -> bool:
-        """Whether the verdict may advise --overlap-averaging true: the run's other settings may refuse it."""
-        return self.config.overlap_averaging or takes(self.config, overlap_averaging=True)
+        """The verdict over the run so far (`outcome.run_verdict`)."""
+        return outcome.run_verdict(self.stats, self.ledger, self.config, self.prepared.overlap_allowed,
+                                   self.driver.verdict_fields(), self.group.membership.losses)
 
     def _steps_left(self, position: Position) -> int:
         """Global steps from `position` to the end of the run, as the plan stands now."""
@@ -398,13 +336,11 @@ class Controller:
         self.group.close()
         self.driver.close()
         self.checkpoints.close(self.metrics)
-        checkpoint.discard_incomplete(self.run_dir)
         self.group.close_store()
-        self.agreement = None
 
     def summary(self, status: str, error: str | None) -> dict[str, Any]:
         classes = list(self.data.train.classes)
-        return run_summary(RunFacts(
+        return outcome.run_summary(outcome.RunFacts(
             stats=self.stats, ledger=self.ledger, val_reports=self.val_reports, final_digests=self.final_digests,
             gpu_memory=[self.finished[rank].memory for rank in sorted(self.finished)], world=self.cluster.world,
             machines=self.cluster.nodes, devices=self.devices,

@@ -6,16 +6,27 @@ exists; the controller itself checks nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from stoker.common import checkpoint
-from stoker.common.config import AveragingSettings, DataSettings, FeedSettings, TrainConfig, names_where
+from stoker.common.config import (
+    RUN_CONFIG_FILE,
+    AveragingSettings,
+    DataSettings,
+    FeedSettings,
+    TrainConfig,
+    names_where,
+    takes,
+)
 from stoker.common.devices import available_cores, oversubscription, resolve_devices
+from stoker.common.files import write_json
 from stoker.common.positions import Position
 from stoker.data.sources import Data, load_data
+from stoker.observe.metrics import MetricsLog
 from stoker.observe.summary import read_accounting
 from stoker.pipeline.driver import check_room
 from stoker.pipeline.engine import EngineSpec, HostShare, Samples
@@ -71,6 +82,23 @@ class RunPlan:
 
     def sample_counts(self) -> dict[str, int]:
         return sample_counts(self.data)
+
+    @functools.cached_property
+    def overlap_allowed(self) -> bool:
+        """Whether the verdict may advise --overlap-averaging true: the run's other settings may refuse it."""
+        return self.config.overlap_averaging or takes(self.config, overlap_averaging=True)
+
+    def open_folder(self) -> MetricsLog:
+        """At the run's start, on every machine: the lock's holder recorded, the settings written (`--resume`
+        reads them), the folder marked as this job's (torchrun's restarts go on in it), and the metrics log."""
+        config, machines, run_dir = self.config, self.cluster, self.run_dir
+        self.run_lock.record_holder()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(run_dir / RUN_CONFIG_FILE, config.as_json())
+        rundir.mark_job(run_dir)
+        metrics_file = "metrics.jsonl" if machines.leader else f"metrics-node{machines.node}.jsonl"
+        return MetricsLog(run_dir / metrics_file, run_dir / "tensorboard" if config.tensorboard else None,
+                          append=config.resume is not None)
 
 
 def sample_counts(data: Data) -> dict[str, int]:
