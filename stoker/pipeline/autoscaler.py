@@ -262,14 +262,7 @@ class Autoscaler:
         window = self._without_ring_steps(window)
         previous, self._clock = self._clock, window.ended_s if window.ended_s is not None else self._clock + 1.0
         self._count_down_hold()
-        rate_text = f"{seen_rate:.1f} samples/s" if trained else "no training step"
-        summary = (f"stall {window.input_stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
-                   f"producers {window.utilization:.0%} busy")
-        measurement = {"stall": round(window.input_stall, 4),
-                       **({"samples_per_s": round(seen_rate, 2)} if trained else {}),
-                       "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
-                       "read_share": round(window.read_share, 4), "producers": window.producers,
-                       "limit": self.limit}
+        summary, measurement = self._described(window, seen_rate if trained else None)
         if window.starting and self._starting_windows < MAX_STARTING_WINDOWS:
             self._starting_windows += 1
             self._restart_count(self._clock)  # what ran so far ran without them
@@ -285,19 +278,7 @@ class Autoscaler:
             if verdict is not None:
                 return verdict
         if self._startup > 0:
-            self._startup -= 1
-            rate = self._window_rate(window)
-            if plain_need(window) and window.producers < self.limit and self._trial is None and rate > 0:
-                # Even with the ring's batches drained, consumers waited most of the window: fork now. That wait
-                # says the ring is empty, so start-up ends here and the windows after measure the fork like any
-                # other: a second jump waits for this one's verdict, which then names the jump that did not pay.
-                # (A window without steps has no rate to judge the fork against: the next one forks.)
-                self._startup = 0
-                measurement["rate_at_count"] = round(rate, 2)
-                return self._fork(window, rate, window.input_stall, f"consumers wait from the start: {summary}",
-                                  measurement, self._counted(window))
-            return Decision(0, "start-up: the batches the ring held before training began are being drained; "
-                               f"{summary}", measurement=measurement)
+            return self._during_startup(window, summary, measurement)
         self._add_steps(window, previous)
         rate = _rate(self._steps)
         if self._steps:  # no step counted at this count yet (settling, or the ring's batches): nothing measured
@@ -316,6 +297,36 @@ class Autoscaler:
         if self._calm_windows >= 2 and window.producers > self.minimum:
             return self._change(-1, f"queues full, producers idle: {summary}", measurement)
         return Decision(0, summary, measurement=measurement)
+
+    def _described(self, window: Window, seen_rate: float | None) -> tuple[str, dict[str, Any]]:
+        """The window in words and as the `autoscale` event's measurement; `seen_rate`: its samples per second
+        (None: no training step measured in it)."""
+        rate_text = f"{seen_rate:.1f} samples/s" if seen_rate is not None else "no training step"
+        summary = (f"stall {window.input_stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
+                   f"producers {window.utilization:.0%} busy")
+        measurement = {"stall": round(window.input_stall, 4),
+                       **({"samples_per_s": round(seen_rate, 2)} if seen_rate is not None else {}),
+                       "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
+                       "read_share": round(window.read_share, 4), "producers": window.producers,
+                       "limit": self.limit}
+        return summary, measurement
+
+    def _during_startup(self, window: Window, summary: str, measurement: dict[str, Any]) -> Decision:
+        """The first windows of training drain the batches the ring held before it began: no count is judged
+        on them, unless the consumers plainly wait."""
+        self._startup -= 1
+        rate = self._window_rate(window)
+        if plain_need(window) and window.producers < self.limit and self._trial is None and rate > 0:
+            # Even with the ring's batches drained, consumers waited most of the window: fork now. That wait
+            # says the ring is empty, so start-up ends here and the windows after measure the fork like any
+            # other: a second jump waits for this one's verdict, which then names the jump that did not pay.
+            # (A window without steps has no rate to judge the fork against: the next one forks.)
+            self._startup = 0
+            measurement["rate_at_count"] = round(rate, 2)
+            return self._fork(window, rate, window.input_stall, f"consumers wait from the start: {summary}",
+                              measurement, self._counted(window))
+        return Decision(0, "start-up: the batches the ring held before training began are being drained; "
+                           f"{summary}", measurement=measurement)
 
     def _before_training(self, window: Window, summary: str, measurement: dict[str, Any]) -> Decision:
         """No batch taken yet: consumers are starting (importing torch, building the model) while producers fill
