@@ -78,7 +78,7 @@ class LostProducer:
     reissue: list[Part]
 
 
-def check_hang_timeout(*, producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
+def check_producer_timeout(*, producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
     """With several consumers, a rank whose batch is stuck in a hung producer leaves its peers waiting in the
     collective: the producer must be declared hung, replaced and the batch rebuilt well within their timeout."""
     if world > 1 and producer_timeout_s > collective_timeout_s / 2:

@@ -89,7 +89,7 @@ class RunFacts:
     world: int
     machines: int
     devices: list[str]
-    producers: dict[str, Any]  # `pipeline.engine.producer_fields`
+    producers: dict[str, Any]  # `EngineDriver.producer_fields()`
     samples_expected: int
     verdict: dict[str, Any]
     checkpoint: Path | None
