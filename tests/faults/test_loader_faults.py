@@ -30,7 +30,7 @@ def test_producer_killed_mid_epoch_every_sample_still_once(textures):
         for step, _ in enumerate(loader):
             seen.extend(loader.batch_ids.tolist())
             if step == 3:
-                victim = next(iter(loader._engine.pool.handles.values())).process
+                victim = next(iter(loader.driver.engine.pool.handles.values())).process
                 os.kill(victim.pid, signal.SIGKILL)
         summary = loader.summary()
     assert sorted(seen) == list(range(120))
@@ -48,7 +48,7 @@ def _epoch_killing_the_fullest_producer(train: Path, kill_at: int | None) -> tup
             seen.extend(loader.batch_ids.tolist())
             if step == kill_at:
                 # Right after next() returned: the loop trains now, and nothing reads the producers' reports.
-                victim = max(loader._engine.pool.active, key=lambda h: len(h.in_flight))
+                victim = max(loader.driver.engine.pool.active, key=lambda h: len(h.in_flight))
                 held = [t.end - t.first for t in victim.in_flight.values()]
                 os.kill(victim.process.pid, signal.SIGKILL)
         summary = loader.summary()

@@ -97,14 +97,18 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert _stoker_imports(module) == [(1, "run"), (1, "run"), (2, "common")]
 
 
-def test_the_engine_takes_at_most_eight_parameters_and_the_loader_eight_positionals():
+def test_the_engine_its_driver_and_the_loader_take_at_most_eight_parameters():
+    """Sections and specs are handed down whole: no constructor of the feed takes its settings one by one (the
+    Loader's keywords past its first eight are keyword-only, each a setting of its own)."""
     import inspect
 
-    from stoker.pipeline.engine import Engine
+    from stoker.pipeline.driver import EngineDriver
+    from stoker.pipeline.engine import Engine, EngineSpec, ProducerCounts
     from stoker.use.loader import Loader
 
-    engine = [p for p in inspect.signature(Engine.__init__).parameters if p != "self"]
-    assert len(engine) <= 8, engine
+    for function in (Engine.__init__, EngineDriver.__init__, EngineSpec.from_sections, ProducerCounts.from_sections):
+        parameters = [p for p in inspect.signature(function).parameters if p != "self"]
+        assert len(parameters) <= 8, (function.__qualname__, parameters)
     positional = [p.name for p in inspect.signature(Loader).parameters.values()
                   if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert len(positional) <= 8, positional
@@ -255,6 +259,25 @@ def test_the_cycle_checker_finds_a_cycle_of_any_length(tmp_path):
         "d.py": "from pkg import a\n", "e.py": "import pkg.f\n", "f.py": "import pkg.e\n"})
     assert _cycles(_imports_graph(package, module_level_only=False)) == [["pkg.a", "pkg.b", "pkg.c"],
                                                                           ["pkg.e", "pkg.f"]]
+
+
+def _names(source: Path, name: str) -> list[int]:
+    """Lines where `source` names `name`: imports it, or uses it in code or an annotation."""
+    return sorted({node.lineno for node in ast.walk(ast.parse(source.read_text()))
+                   if isinstance(node, ast.Name) and node.id == name
+                   or isinstance(node, ast.alias) and (node.asname or node.name).split(".")[-1] == name})
+
+
+def test_the_drivers_reach_the_engine_only_through_its_driver():
+    """The controller and the Loader drive the engine through `pipeline/driver.py`, its only face."""
+    named = {module: _names(PACKAGE / module, "Engine") for module in ("run/controller.py", "use/loader.py")}
+    assert named == {"run/controller.py": [], "use/loader.py": []}
+
+
+def test_the_name_finder_sees_an_import_and_an_annotation(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from stoker.pipeline.engine import Engine\nx: Engine | None = None\nEngineSpec = 1\n")
+    assert _names(module, "Engine") == [1, 2]
 
 
 def test_no_module_imports_one_that_imports_it():

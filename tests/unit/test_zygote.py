@@ -88,7 +88,7 @@ def test_a_loaders_producers_are_the_zygotes_children_and_it_goes_with_the_last_
         next(iter(second))
         pid = zygote.PRODUCERS.pid()
         assert pid is not None and _parent(pid) == os.getpid()
-        producers = [h.process.pid for loader in (first, second) for h in loader._engine.pool.active]
+        producers = [h.process.pid for loader in (first, second) for h in loader.driver.engine.pool.active]
         assert len(producers) == 3 and all(_parent(p) == pid for p in producers)
         with open(f"/proc/{pid}/maps") as maps:
             assert "libtorch" not in maps.read()  # nothing of torch, so nothing of CUDA, is in what producers copy
