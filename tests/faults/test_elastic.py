@@ -209,6 +209,11 @@ def test_a_resume_with_another_device_count_trains_the_rest_of_the_epoch_once(nu
     assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0
     assert summary["samples_consumed"] == [count, count]
     assert seen_by_content(run_dir, count) == [2] * count
+    # samples/s covers both parts, as wall_s does (issue 53: the part on the other count was left out)
+    parts = summary["segments"]
+    assert summary["samples_trained"] == sum(part["samples_trained"] for part in parts) > 2 * count
+    assert summary["throughput_samples_per_s"] == round(summary["samples_trained"] / summary["train_s"], 2)
+    assert summary["train_s"] == round(sum(part["train_s"] for part in parts), 3)
 
 
 def test_a_resume_with_another_count_between_two_averagings_is_refused_before_any_process(numbered_96, tmp_path):
