@@ -18,7 +18,7 @@ import numpy as np
 
 from stoker.common import checkpoint, faults, zygote
 from stoker.common.config import RUN_CONFIG_FILE, AveragingSettings, ModelSettings, TrainConfig, names_where, takes
-from stoker.common.devices import available_cores, oversubscription, resolve_devices
+from stoker.common.devices import available_cores, oversubscription, resolve_devices, shares_one_batch
 from stoker.common.files import write_json
 from stoker.common.memory import available_memory
 from stoker.common.positions import Position
@@ -78,7 +78,7 @@ class Controller:
         faults.maybe_inject("controller", "starting up")
         self.config = config
         self.show_progress = show_progress
-        self.devices = resolve_devices(config.devices)
+        self.devices = resolve_devices(config.devices, config.batch_size)
         self.num_consumers = len(self.devices)  # on this machine
         if warning := oversubscription(self.devices, available_cores()):
             log.warning("%s", warning)
@@ -93,12 +93,18 @@ class Controller:
         if config.batch_size > len(self.data.train):
             raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                              f"({len(self.data.train)} images)")
+        one_batch = shares_one_batch(config.devices, self.devices)  # auto on the CPU: as on cpu:1
         self.plan = EpochPlan(len(self.data.train), len(self.data.val or ()), config.batch_size,
                               self.cluster.world, config.seed, config.drop_last,
-                              fixed_global=config.global_batch == "fixed")
+                              reference_consumers=self.cluster.nodes if one_batch else None,
+                              fixed_global=one_batch or config.global_batch == "fixed")
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"drop_last=true with {len(self.data.train)} training images leaves no step: one takes "
-                             f"{config.batch_size * self.cluster.world} (batch_size x {self.cluster.world} consumers)")
+                             f"{self.plan.per_step} a step")
+        if one_batch:
+            log.info("devices auto: %d CPU consumers share each step's batch of %d, as cpu:1 trains it (cpu:%d "
+                     "would train %d a step)", self.num_consumers, config.batch_size, self.num_consumers,
+                     config.batch_size * self.num_consumers)
         if warning := ema_warning(config.ema, self.plan.steps_per_epoch * config.epochs):
             log.warning("%s", warning)
         self.num_slots = config.slots_per_consumer * self.num_consumers
@@ -340,7 +346,8 @@ class Controller:
         self._start_consumers()
         faults.maybe_inject("controller", "consumers started")
         self.metrics.write("start", devices=self.devices, producers=self.counts.initial, config=config.as_json(),
-                           resume_from=self.resume_from)
+                           resume_from=self.resume_from, global_batch=self.plan.per_step,
+                           lr=config.lr * self.plan.lr_scale)
 
     def _consumer_store(self) -> StoreAddress:
         """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
