@@ -210,7 +210,7 @@ class _StokerFeed:
         self.mailbox, self.stop = Mailbox(), CONTEXT.Event()
         self.arrived: deque = deque()
         setup = ProducerSetup(self.ring.spec, source, None, "standard", 0, transport_only)
-        self.pool = ProducerPool(setup, self.ring, self.mailbox, self.stop, args.workers, hang_timeout_s=60)
+        self.pool = ProducerPool(setup, self.ring, self.mailbox, self.stop, args.workers, producer_timeout_s=60)
         self.num_samples = len(source.labels)
         self.part_ids = iter(range(1 << 62))
         # Where a GPU consumer copies into pinned memory before the host-to-device copy.

@@ -66,7 +66,7 @@ def time_starts(source: Source, count: int, batch_size: int, method: StartMethod
     ring = SlotRing.create(count, batch_size, 32, count)
     mailbox, stop = Mailbox(), CONTEXT.Event()
     setup = ProducerSetup(ring.spec, source, None, "standard", 0)
-    pool = ProducerPool(setup, ring, mailbox, stop, count, hang_timeout_s=60, start_method=method)
+    pool = ProducerPool(setup, ring, mailbox, stop, count, producer_timeout_s=60, start_method=method)
     try:
         started = time.perf_counter()
         for slot in range(count):

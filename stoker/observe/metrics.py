@@ -12,38 +12,13 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import numpy as np
 
 from stoker.data.formats.folders import Skipped
-from stoker.pipeline.autoscaler import StepStamp
+from stoker.pipeline.autoscaler import host_share, time_shares
 
 if TYPE_CHECKING:  # the consumer module imports torch; `stoker report` and `--help` need not
     from stoker.pipeline.messages import StepReport
 
 
 RATE_WINDOW_S = 5.0
-
-
-@dataclass
-class WindowTotals:
-    """What the consumers and the ready queues did in one window."""
-
-    wait_s: float = 0.0
-    compute_s: float = 0.0
-    averaging_s: float = 0.0
-    host_s: float = 0.0
-    steps: int = 0
-    samples: int = 0
-    queue_fill: float = 0.0
-    queue_samples: int = 0
-    stamps: list[StepStamp] = field(default_factory=list)
-
-    def add(self, report: StepReport) -> None:
-        busy_s = report.wait_s + report.compute_s + report.averaging_s + report.host_s
-        self.stamps.append(StepStamp(report.ended_s, report.count, busy_s, report.wait_s, report.rank))
-        self.wait_s += report.wait_s
-        self.compute_s += report.compute_s
-        self.averaging_s += report.averaging_s
-        self.host_s += report.host_s
-        self.steps += 1
-        self.samples += report.count
 
 
 def step_fields(report: StepReport, first_rank: int) -> dict[str, Any]:
@@ -127,30 +102,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return str(value)
-
-
-def time_shares(compute_s: float, wait_s: float, averaging_s: float, wall_s: float,
-                host_s: float = 0.0) -> tuple[float, float, float]:
-    """Device compute, input wait and averaging as shares of a consumer's wall time: the one definition behind
-    the live view, the log lines, summary.json, the report and the verdict. The parts are timed on the consumer and
-    the wall time on the controller, which hears of each step a message later; where the parts add up to more than
-    the wall time they are shares of their sum instead, so no share passes 1 and together they never do. On a GPU
-    the device's idle time for the host (`host_s`) is a part too: its share is `host_share`."""
-    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
-    if whole <= 0:
-        return 0.0, 0.0, 0.0
-    return compute_s / whole, wait_s / whole, averaging_s / whole
-
-
-def host_share(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
-    """The share of a consumer's wall time its device idled for the host (Python, copies), not for input: the
-    fourth part beside `time_shares`' three, of the same whole."""
-    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
-    return host_s / whole if whole > 0 else 0.0
-
-
-def _whole(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
-    return max(wall_s, compute_s + wait_s + averaging_s + host_s)
 
 
 @dataclass

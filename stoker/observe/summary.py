@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from stoker.common.checkpoint import CheckpointError, Position
-from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows, host_share, time_shares
+from stoker.observe.metrics import EpochAccount, RunStats, accounting_rows
+from stoker.pipeline.autoscaler import host_share, time_shares
 from stoker.pipeline.messages import StepReport
 
 log = logging.getLogger(__name__)

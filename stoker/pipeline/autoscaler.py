@@ -91,6 +91,30 @@ def default_ceiling(budget: int, cores: int, ring_parts: int | None = None, memo
     return max(budget, most)
 
 
+def time_shares(compute_s: float, wait_s: float, averaging_s: float, wall_s: float,
+                host_s: float = 0.0) -> tuple[float, float, float]:
+    """Device compute, input wait and averaging as shares of a consumer's wall time: the one definition behind
+    the live view, the log lines, summary.json, the report and the verdict. The parts are timed on the consumer and
+    the wall time on the controller, which hears of each step a message later; where the parts add up to more than
+    the wall time they are shares of their sum instead, so no share passes 1 and together they never do. On a GPU
+    the device's idle time for the host (`host_s`) is a part too: its share is `host_share`."""
+    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
+    if whole <= 0:
+        return 0.0, 0.0, 0.0
+    return compute_s / whole, wait_s / whole, averaging_s / whole
+
+
+def host_share(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
+    """The share of a consumer's wall time its device idled for the host (Python, copies), not for input: the
+    fourth part beside `time_shares`' three, of the same whole."""
+    whole = _whole(compute_s, wait_s, averaging_s, wall_s, host_s)
+    return host_s / whole if whole > 0 else 0.0
+
+
+def _whole(compute_s: float, wait_s: float, averaging_s: float, wall_s: float, host_s: float) -> float:
+    return max(wall_s, compute_s + wait_s + averaging_s + host_s)
+
+
 @dataclass(frozen=True)
 class StepStamp:
     """A training step as the policy judges it: when it ended, not when its report arrived (a GPU consumer reports
@@ -238,14 +262,7 @@ class Autoscaler:
         window = self._without_ring_steps(window)
         previous, self._clock = self._clock, window.ended_s if window.ended_s is not None else self._clock + 1.0
         self._count_down_hold()
-        rate_text = f"{seen_rate:.1f} samples/s" if trained else "no training step"
-        summary = (f"stall {window.input_stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
-                   f"producers {window.utilization:.0%} busy")
-        measurement = {"stall": round(window.input_stall, 4),
-                       **({"samples_per_s": round(seen_rate, 2)} if trained else {}),
-                       "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
-                       "read_share": round(window.read_share, 4), "producers": window.producers,
-                       "limit": self.limit}
+        summary, measurement = self._described(window, seen_rate if trained else None)
         if window.starting and self._starting_windows < MAX_STARTING_WINDOWS:
             self._starting_windows += 1
             self._restart_count(self._clock)  # what ran so far ran without them
@@ -261,19 +278,7 @@ class Autoscaler:
             if verdict is not None:
                 return verdict
         if self._startup > 0:
-            self._startup -= 1
-            rate = self._window_rate(window)
-            if plain_need(window) and window.producers < self.limit and self._trial is None and rate > 0:
-                # Even with the ring's batches drained, consumers waited most of the window: fork now. That wait
-                # says the ring is empty, so start-up ends here and the windows after measure the fork like any
-                # other: a second jump waits for this one's verdict, which then names the jump that did not pay.
-                # (A window without steps has no rate to judge the fork against: the next one forks.)
-                self._startup = 0
-                measurement["rate_at_count"] = round(rate, 2)
-                return self._fork(window, rate, window.input_stall, f"consumers wait from the start: {summary}",
-                                  measurement, self._counted(window))
-            return Decision(0, "start-up: the batches the ring held before training began are being drained; "
-                               f"{summary}", measurement=measurement)
+            return self._during_startup(window, summary, measurement)
         self._add_steps(window, previous)
         rate = _rate(self._steps)
         if self._steps:  # no step counted at this count yet (settling, or the ring's batches): nothing measured
@@ -292,6 +297,36 @@ class Autoscaler:
         if self._calm_windows >= 2 and window.producers > self.minimum:
             return self._change(-1, f"queues full, producers idle: {summary}", measurement)
         return Decision(0, summary, measurement=measurement)
+
+    def _described(self, window: Window, seen_rate: float | None) -> tuple[str, dict[str, Any]]:
+        """The window in words and as the `autoscale` event's measurement; `seen_rate`: its samples per second
+        (None: no training step measured in it)."""
+        rate_text = f"{seen_rate:.1f} samples/s" if seen_rate is not None else "no training step"
+        summary = (f"stall {window.input_stall:.1%}, {rate_text}, queue {window.queue_fill:.0%} full, "
+                   f"producers {window.utilization:.0%} busy")
+        measurement = {"stall": round(window.input_stall, 4),
+                       **({"samples_per_s": round(seen_rate, 2)} if seen_rate is not None else {}),
+                       "queue_fill": round(window.queue_fill, 4), "utilization": round(window.utilization, 4),
+                       "read_share": round(window.read_share, 4), "producers": window.producers,
+                       "limit": self.limit}
+        return summary, measurement
+
+    def _during_startup(self, window: Window, summary: str, measurement: dict[str, Any]) -> Decision:
+        """The first windows of training drain the batches the ring held before it began: no count is judged
+        on them, unless the consumers plainly wait."""
+        self._startup -= 1
+        rate = self._window_rate(window)
+        if plain_need(window) and window.producers < self.limit and self._trial is None and rate > 0:
+            # Even with the ring's batches drained, consumers waited most of the window: fork now. That wait
+            # says the ring is empty, so start-up ends here and the windows after measure the fork like any
+            # other: a second jump waits for this one's verdict, which then names the jump that did not pay.
+            # (A window without steps has no rate to judge the fork against: the next one forks.)
+            self._startup = 0
+            measurement["rate_at_count"] = round(rate, 2)
+            return self._fork(window, rate, window.input_stall, f"consumers wait from the start: {summary}",
+                              measurement, self._counted(window))
+        return Decision(0, "start-up: the batches the ring held before training began are being drained; "
+                           f"{summary}", measurement=measurement)
 
     def _before_training(self, window: Window, summary: str, measurement: dict[str, Any]) -> Decision:
         """No batch taken yet: consumers are starting (importing torch, building the model) while producers fill

@@ -1,11 +1,12 @@
 """The engine: the slot ring, the producer pool, the scheduler's order of work and the autoscaler, driven as one.
 
-Two drivers run it and nothing else has a copy of any part: the controller (`stoker train`: N consumer processes
-and averaging) and `stoker.Loader` (one rank of a user's own training loop, in the user's process). A driver
-chooses the scheduler (what to build and in which order), hands over what `deliverable()` yields, gives slots back
-with `release()`, passes the producers' messages to `handle()`, calls `check_producers()` on every pass and
-`close_window()` every scaling window; the engine routes parts to producers, re-issues the work of lost ones, and
-keeps the exactly-once books through `Accounting`.
+Two drivers run it, through `driver.EngineDriver` (its only face), and nothing else has a copy of any part: the
+controller (`stoker train`: N consumer processes and averaging) and `stoker.Loader` (one rank of a user's own
+training loop, in the user's process); both describe it with `EngineSpec.from_sections`. The driver chooses the
+scheduler (what to build and in which order), hands over what `deliverable()` yields, gives slots back with
+`release()`, passes the producers' messages to `handle()`, calls `check_producers()` on every pass and `autoscale()`
+when a scaling window closes; the engine routes parts to producers, re-issues the work of lost ones, and keeps the
+exactly-once books through `Accounting`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from stoker.common.config import DataSettings, FeedSettings
+from stoker.common.devices import available_cores
 from stoker.common.memory import available_memory
 from stoker.common.procs import PRODUCER_MEMORY, Mailbox, StokerRunError
 from stoker.data.formats.folders import Skipped
+from stoker.data.formats.user_dataset import DatasetSource
 from stoker.data.index import PackedIndex
 from stoker.data.transports.object_store import CopyFiller
 from stoker.pipeline.autoscaler import (
@@ -32,15 +36,22 @@ from stoker.pipeline.autoscaler import (
     Autoscaler,
     Window,
     default_ceiling,
+    static_budget,
 )
 from stoker.pipeline.gauges import EventLog, ProducerGauges
 from stoker.pipeline.parts import Assembler, most_parts_in_flight, parts_per_batch
-from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool
+from stoker.pipeline.pool import MAX_IN_FLIGHT, ProducerPool, parts_held
 from stoker.pipeline.producer import Part, PartDone, ProducerFailed, ProducerSetup, SampleSource
 from stoker.pipeline.ring import RingSpec, SlotRing, check_shm_space, sweep_dead_segments
 from stoker.pipeline.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+MIN_SLOTS = 4  # a ring sized from the producers' ceiling: at least the trainer's slots_per_consumer
+# Whole batches each producer may hold where the ring is sized from the ceiling (a Loader's). A Loader reads
+# completions and hands out work only inside next(): while the user's loop trains or waits in DDP's all_reduce, a
+# producer holding one batch (MAX_IN_FLIGHT parts) runs dry; DataLoader's workers keep 2 batches each queued.
+QUEUED_BATCHES = 2
 
 
 class Accounting(Protocol):
@@ -51,6 +62,25 @@ class Accounting(Protocol):
     def expect(self, epoch: int, sample_ids: np.ndarray) -> None: ...
 
     def record_skipped(self, epoch: int | None, skipped: dict[int, Skipped]) -> None: ...
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """What of this machine one engine's producers may use: its cores, the producers the cores that training
+    leaves free run (`static_budget`), and its memory in bytes (None: unbounded)."""
+
+    cores: int
+    fits: int
+    memory: int | None
+
+    @classmethod
+    def measure(cls, trains_on: list[str], sharers: int = 1) -> HostShare:
+        """This machine's share for one of `sharers` engines (a Loader per rank) whose consumers train on the
+        devices `trains_on` ("cpu", "cuda:0", ...)."""
+        cores = max(1, available_cores() // max(1, sharers))
+        fits = static_budget(trains_on, cores)
+        memory = available_memory()
+        return cls(cores, fits, memory // max(1, sharers) if memory is not None else None)
 
 
 @dataclass(frozen=True)
@@ -66,18 +96,15 @@ class ProducerCounts:
     cores: int = 0
 
     @classmethod
-    def from_settings(cls, producers: int | Literal["auto"], min_producers: int, initial_producers: int | None,
-                      max_producers: int | None, fits: int, cores: int, ring_parts: int | None = None,
-                      memory: int | None = None) -> ProducerCounts:
+    def from_sections(cls, feed: FeedSettings, host: HostShare, ring_parts: int | None = None) -> ProducerCounts:
         """`ring_parts`: the parts the ring holds in flight, which bound auto's default ceiling (None where the ring
-        is sized from the ceiling); `memory`: the bytes this engine's producers may share (None: unbounded), as
-        `default_ceiling` takes them."""
-        if producers != "auto":
-            return cls(producers, producers, fits, min_producers, auto=False, cores=cores)
-        budget = max_producers or default_ceiling(max(fits, min_producers), cores, ring_parts, memory,
-                                                  PRODUCER_MEMORY)
-        return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True,
-                   cores=cores)
+        is sized from the ceiling), as `default_ceiling` takes them with the host's memory."""
+        if feed.producers != "auto":
+            return cls(feed.producers, feed.producers, host.fits, feed.min_producers, auto=False, cores=host.cores)
+        budget = feed.max_producers or default_ceiling(max(host.fits, feed.min_producers), host.cores, ring_parts,
+                                                       host.memory, PRODUCER_MEMORY)
+        return cls(min(feed.initial_producers or feed.min_producers, budget), budget, host.fits,
+                   feed.min_producers, auto=True, cores=host.cores)
 
     def autoscaler(self) -> Autoscaler | None:
         if not self.auto:
@@ -113,6 +140,50 @@ class Build:
         return len(self.train.paths) + (len(self.val.paths) if self.val is not None else 0)
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine builds and how many producers build it: `EngineSpec.from_sections` is how both drivers
+    (the trainer's controller and a Loader) make one from their validated sections."""
+
+    build: Build
+    counts: ProducerCounts
+
+    @classmethod
+    def from_sections(cls, feed: FeedSettings, data: DataSettings, seed: int, samples: Samples, host: HostShare,
+                      slots: int | None = None, batch_size: int | None = None) -> EngineSpec:
+        """`slots`: the ring's (None: one per producer of the ceiling and two more, at least MIN_SLOTS, and each
+        producer holds QUEUED_BATCHES batches' worth); `batch_size`: the samples a slot holds (default
+        `feed.batch_size`)."""
+        ring_parts = most_parts_in_flight(feed.batch_size, slots) if slots is not None else None
+        counts = ProducerCounts.from_sections(feed, host, ring_parts)
+        num_slots = slots if slots is not None else max(MIN_SLOTS, counts.budget + 2)
+        held = parts_held(samples.train)
+        if slots is None:  # the ceiling's split: a producer holds QUEUED_BATCHES batches' worth at most (or more)
+            held = max(QUEUED_BATCHES * parts_per_batch(feed.batch_size, num_slots, counts.budget, MAX_IN_FLIGHT),
+                       held)
+        # A map-style dataset's items are the images as they are: resized, never cropped or flipped.
+        augment = "none" if isinstance(samples.train, DatasetSource) else data.augment
+        image_size = samples.image_size or data.resolved_image_size
+        build = Build(samples.train, samples.val, augment, seed, batch_size or feed.batch_size, image_size,
+                      num_slots, producer_timeout_s=feed.producer_timeout_s, max_bad_fraction=data.max_bad_fraction,
+                      val_image_size=data.val_image_size or image_size, max_in_flight=held)
+        return cls(build, counts)
+
+    def holding(self, batch_size: int) -> EngineSpec:
+        """The same engine with slots of `batch_size` samples."""
+        return replace(self, build=replace(self.build, batch_size=batch_size))
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What an engine reads: training samples, validation's (None: none), and the side they are built at (None:
+    the data settings')."""
+
+    train: SampleSource
+    val: SampleSource | None = None
+    image_size: int | None = None
+
+
 class Engine:
     """Creates the ring and starts `counts.initial` producers, each holding at most `build.max_in_flight` parts.
     Batches are split into parts for `MAX_IN_FLIGHT` places per producer (`_parts_for`, `parts.py`); a deeper queue
@@ -134,7 +205,6 @@ class Engine:
         self.parts: dict[int, Part] = {}  # part id -> the part it builds, given to a producer and not yet done
         self.pending_parts: deque[Part] = deque()  # parts of issued batches waiting for a free producer
         self.part_ids = iter(range(1 << 62))
-        self.slot_owner: dict[int, int] = {}  # slot -> the rank its batch is for
         self.delivered: list[int] = []  # batches handed over and not yet taken, per rank (sized by `follow`)
         self.pool: ProducerPool | None = None
         self.taken = False  # a consumer has taken a batch: consumers are no longer all starting
@@ -146,8 +216,8 @@ class Engine:
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
             setup = ProducerSetup(self.ring.spec, build.train, build.val, build.augment, build.seed)
-            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget, build.producer_timeout_s,
-                                     build.max_in_flight)
+            self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget,
+                                     producer_timeout_s=build.producer_timeout_s, max_in_flight=build.max_in_flight)
             for _ in range(counts.initial):
                 self.pool.grow()
             self.copying = start_copying(build.train, build.val)
@@ -163,7 +233,6 @@ class Engine:
         assert not self.parts and not self.pending_parts, "a new scheduler while batches of the last are being built"
         self.scheduler = scheduler
         self.assembler = Assembler(self.ring, self.assembler.parts)
-        self.slot_owner = {}
         self.delivered = [0] * scheduler.num_ranks
 
     def abandon(self) -> None:
@@ -189,7 +258,6 @@ class Engine:
                 if issued is None:
                     idle_for_a_slot = self._idle_for_a_slot()
                     break
-                self.slot_owner[issued.slot] = issued.rank
                 if issued.work.kind == "train":
                     self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
                 self.pending_parts.extend(self.assembler.split(issued))
@@ -222,10 +290,9 @@ class Engine:
     def release(self, slot: int) -> None:
         """The batch in `slot` has been taken: it may be rebuilt."""
         assert self.scheduler is not None
-        rank = self.slot_owner.pop(slot)
+        rank = self.scheduler.release(slot)
         self.taken = True
         self.delivered[rank] -= 1
-        self.scheduler.release(slot, rank)
 
     def queue_fill(self) -> float:
         """Batches handed over and not yet taken, as a share of the ring."""
@@ -377,9 +444,3 @@ def start_copying(*sources: SampleSource | None) -> CopyFiller | None:
     shards = list(dict.fromkeys(shard for index in indexes for shard in index.remote_shards()))
     copies = indexes[0].copies if indexes else None
     return CopyFiller(copies, shards) if copies is not None and shards else None
-
-
-def producer_fields(engine: Engine | None) -> dict[str, Any]:
-    """The summary's producer counts (all zero when the run stopped before the engine started), and how fast auto
-    answered a plain need."""
-    return engine.gauges.summary_fields(engine.max_alive) if engine is not None else ProducerGauges.no_fields()

@@ -78,7 +78,7 @@ class LostProducer:
     reissue: list[Part]
 
 
-def check_hang_timeout(producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
+def check_producer_timeout(*, producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
     """With several consumers, a rank whose batch is stuck in a hung producer leaves its peers waiting in the
     collective: the producer must be declared hung, replaced and the batch rebuilt well within their timeout."""
     if world > 1 and producer_timeout_s > collective_timeout_s / 2:
@@ -88,8 +88,8 @@ def check_hang_timeout(producer_timeout_s: float, collective_timeout_s: float, w
 
 
 class ProducerPool:
-    def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int,
-                 hang_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote"
+    def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int, *,
+                 producer_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote"
                  ) -> None:
         """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
         baseline)."""
@@ -101,7 +101,7 @@ class ProducerPool:
         self.mailbox = mailbox
         self.stop = stop
         self.capacity = capacity  # status rows in the ring: the most producers alive at once
-        self.hang_timeout_s = hang_timeout_s
+        self.producer_timeout_s = producer_timeout_s
         self.handles: dict[int, Handle] = {}
         self.losses_since_progress = 0
         self.stuck_starts = 0  # producers lost for a start that never ended
@@ -203,7 +203,7 @@ class ProducerPool:
             elif self._hung(handle, now):
                 process.kill()
                 process.join(timeout=5)
-                losses.append(self._lose(handle, f"hung for over {self.hang_timeout_s:.0f} s", False))
+                losses.append(self._lose(handle, f"hung for over {self.producer_timeout_s:.0f} s", False))
             elif self._stuck_starting(handle, now):
                 process.kill()
                 process.join(timeout=5)
@@ -244,7 +244,7 @@ class ProducerPool:
 
     def _hung(self, handle: Handle, now: int) -> bool:
         part_id, _, beat = self.ring.status[handle.producer]
-        return part_id != STATUS_IDLE and (now - beat) / 1e9 > self.hang_timeout_s
+        return part_id != STATUS_IDLE and (now - beat) / 1e9 > self.producer_timeout_s
 
     def _lose(self, handle: Handle, how: str, external: bool) -> LostProducer:
         del self.handles[handle.producer]

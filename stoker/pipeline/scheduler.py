@@ -59,6 +59,7 @@ class Scheduler:
         self.num_ranks = plan.num_consumers if num_ranks is None else num_ranks
         self.per_rank_slots = num_slots // self.num_ranks
         self.free_slots = deque(range(num_slots))
+        self.owner: dict[int, int] = {}  # slot -> the rank its batch is for, from its issue to its release
         self._streams = [self._stream(first_rank + rank, epochs, start, has_val, checkpoint_every, run_dir)
                          for rank in range(self.num_ranks)]
         self._items: list[dict[int, Entry]] = [{} for _ in range(self.num_ranks)]  # issued, not yet delivered
@@ -147,6 +148,7 @@ class Scheduler:
                 continue
             assert item.work is not None  # an item that needs a slot has work
             slot = self.free_slots.popleft()
+            self.owner[slot] = rank
             self._outstanding[rank] += 1
             return Placement(rank, self._take(rank), item.work, slot, item.global_step)
         return None
@@ -208,9 +210,12 @@ class Scheduler:
                 self._next_delivery[rank] += 1
                 yield rank, ready.pop(seq)
 
-    def release(self, slot: int, rank: int) -> None:
+    def release(self, slot: int) -> int:
+        """The batch in `slot` was taken: the slot is free again. Returns the rank it was for."""
+        rank = self.owner.pop(slot)
         self._outstanding[rank] -= 1
         self.free_slots.append(slot)
+        return rank
 
     def exhausted(self) -> bool:
         """Every item up to the end (or the cut) has been handed to its consumer."""

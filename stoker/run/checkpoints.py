@@ -102,11 +102,17 @@ class Checkpoints:
             self.last = final
             metrics.write("checkpoint", path=final, step=checkpoint.step_of(final))
 
+    def folder(self, global_step: int) -> Path:
+        """Where the consumers write the checkpoint after `global_step` until it is committed."""
+        return checkpoint.checkpoint_dir(self.run_dir, global_step, temporary=True)
+
     def close(self, metrics: MetricsLog) -> None:
-        """Idempotent: the commits still running are waited for; one that fails is the run's failure."""
+        """Idempotent: the commits still running are waited for (one that fails is the run's failure), and what
+        no commit finished is deleted."""
         try:
             self.record_commits(metrics, wait=True)
         except OSError as error:
             log.error("could not commit the last checkpoint: %s", error)
             self.failure = str(error)
         self.commits.close()
+        checkpoint.discard_incomplete(self.run_dir)

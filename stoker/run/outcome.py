@@ -2,16 +2,79 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
+from stoker.common import faults
+from stoker.common.config import TrainConfig
+from stoker.common.files import write_json
+from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
 from stoker.observe.evaluation import val_summary
-from stoker.observe.metrics import RunStats
-from stoker.observe.summary import Ledger
+from stoker.observe.metrics import MetricsLog, RunStats
+from stoker.observe.summary import Ledger, exactly_once_breach
 from stoker.pipeline.messages import ValReport
+from stoker.run import cluster
+from stoker.run.membership import Loss, with_losses
 from stoker.training.model_file import BEST_MODEL_FILE, ModelFileError, read_model
+
+log = logging.getLogger(__name__)
+
+
+def run_verdict(stats: RunStats, ledger: Ledger, config: TrainConfig, overlap_allowed: bool,
+                producers: dict[str, Any], losses: list[Loss]) -> Verdict:
+    """The verdict over the run so far, from every consumer's totals (after --resume, the parts before this one
+    too), with what each consumer's death cost: the live view, the log lines, the summary and the report all show
+    this one. `producers`: the engine's side (`EngineDriver.verdict_fields`)."""
+    if not stats.steps_done:
+        return Verdict("starting", "no training step finished")
+    run = ledger.so_far(stats)
+    return with_losses(diagnose(TimeSplit(
+        compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
+        averaging=mean(run["averaging_fraction"]), sync_every=config.sync_every,
+        overlapped=config.overlap_averaging, host=mean(run["host_fraction"]), compiled=config.compile,
+        slots=config.slots_per_consumer, overlap_allowed=overlap_allowed, image_size=config.resolved_image_size,
+        **producers)), losses)
+
+
+def final_status(status: str, error: str | None, forced: bool, checkpoint_failure: str | None,
+                 machines: cluster.Cluster, stats: RunStats, final_digests: dict[int, str]) -> tuple[str, str | None]:
+    """The run's status once everything is closed: a checkpoint that could not be committed fails it, and on
+    several machines (unless a second signal forced the stop) so does every machine's books gathered and
+    compared (`cluster.gather_accounting`)."""
+    if checkpoint_failure and status != "failed":
+        status, error = "failed", checkpoint_failure
+    if machines.multi and status != "failed" and not forced:
+        error = cluster.gather_accounting(machines, stats, final_digests)
+        status = "failed" if error else status
+    return status, error
+
+
+def conclude(summary: dict[str, Any], metrics: MetricsLog, run_dir: Path, leader: bool) -> None:
+    """The run's end on every machine: an exactly-once breach logged, the summary in metrics.jsonl, the
+    machines' group left, and on the first machine `summary.json` written."""
+    if breach := exactly_once_breach(summary):
+        log.error("%s", breach)
+    metrics.write("summary", **{k: v for k, v in summary.items() if k != "skipped_files"})
+    metrics.close()
+    cluster.leave_controllers()
+    if leader:
+        write_json(run_dir / "summary.json", summary)
+
+
+def draw_report(run_dir: Path) -> None:
+    """`report.png` and `report.txt`; the run itself is done and saved, so a report that cannot be drawn is
+    not fatal."""
+    from stoker.observe.report import write_report
+
+    try:
+        faults.maybe_inject("controller", "drawing the report")
+        write_report(run_dir)  # its text ends the command's output (cli), not the log
+    except Exception as error:
+        log.warning("could not draw the run report: %s: %s", type(error).__name__, error)
 
 
 @dataclass(frozen=True)
@@ -26,7 +89,7 @@ class RunFacts:
     world: int
     machines: int
     devices: list[str]
-    producers: dict[str, Any]  # `pipeline.engine.producer_fields`
+    producers: dict[str, Any]  # `EngineDriver.producer_fields()`
     samples_expected: int
     verdict: dict[str, Any]
     checkpoint: Path | None

@@ -38,9 +38,7 @@ from stoker.common.config import (
     names_where,
     setting_names,
 )
-from stoker.common.devices import available_cores
 from stoker.common.main_guard import check_main_guard
-from stoker.common.memory import available_memory
 from stoker.common.positions import Position
 from stoker.common.procs import POLL_S, StokerRunError
 from stoker.common.urls import data_location
@@ -53,24 +51,16 @@ from stoker.data.sources import load_source, local_copies, log_refused
 from stoker.data.transports.object_store import LocalCopies
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
 from stoker.observe.metrics import MetricsLog, RunStats
-from stoker.pipeline.autoscaler import static_budget
-from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
-from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
+from stoker.pipeline.driver import EngineDriver, Measure, check_room, producer_fields
+from stoker.pipeline.engine import EngineSpec, HostShare, Samples
 from stoker.pipeline.messages import Batch, StepReport
-from stoker.pipeline.parts import parts_per_batch
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import MAX_IN_FLIGHT, parts_held
 from stoker.pipeline.scheduler import Scheduler
 from stoker.training.feed import DeviceLoader
 from stoker.training.streams import ops_for
 
 log = logging.getLogger(__name__)
 
-MIN_SLOTS = 4  # the trainer's slots_per_consumer
-# Whole batches each producer may hold. The Loader reads completions and hands out work only inside next(): while the
-# user's loop trains or waits in DDP's all_reduce, a producer holding one batch (the engine's MAX_IN_FLIGHT parts)
-# runs dry; DataLoader's workers keep 2 batches each queued whatever the loop does.
-QUEUED_BATCHES = 2
 OPEN_ENDED = 1 << 40  # the scheduler's last epoch: the ring, not the epoch, bounds what is built ahead
 STATE_VERSION = 1
 
@@ -188,17 +178,6 @@ class _LookaheadBooks:
             getattr(self.stats, entry)(epoch, value)
 
 
-@dataclass
-class _Window:
-    """What the loop did since the last autoscaling decision."""
-
-    started: float
-    wait_s: float = 0.0
-    samples: int = 0
-    steps: int = 0
-    fill: float = 0.0
-
-
 @dataclass(frozen=True)
 class _Pool:
     """Samples of this rank's batches pulled from the ring and not yet handed out. A step none of whose own files
@@ -238,11 +217,10 @@ class Loader:
         self.producers = feed.producers
         self.min_producers = feed.min_producers
         self.max_producers = feed.max_producers
+        self.sections = feed, data_settings  # the engine is built from them at the first iter()
         self.device_setting = _check_device(device)
         self.drop_last = drop_last
         self.channels_last = sections[DeviceSettings].channels_last
-        self.producer_timeout_s = feed.producer_timeout_s
-        self.max_bad_fraction = data_settings.max_bad_fraction
         self.metrics_file = Path(own["metrics_file"]) if own["metrics_file"] is not None else None
         copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
         columns = Columns(data_settings.image_column, data_settings.label_column)
@@ -260,7 +238,7 @@ class Loader:
         self._last_out: tuple[torch.Tensor, torch.Tensor, np.ndarray] | None = None  # a sample handed out
         self.repeated_samples = 0  # handed out twice to keep a batch from being empty (`summary()`)
         self.info: RankInfo | None = None
-        self._engine: Engine | None = None
+        self._engine: EngineDriver | None = None  # the engine's face, from the first iter()
         self._finalizer: weakref.finalize | None = None
         self.batch_ids = np.zeros(0, dtype=np.int64)  # dataset positions of the last batch handed out
         self.paths: Sequence[str] = self.source.paths  # what names position i: a file, SHARD.tar:KEY, Dataset[i]
@@ -270,7 +248,6 @@ class Loader:
         self._iterating = False
         self._built_ahead: Position | None = None  # where the engine's scheduler goes on, once an epoch ends whole
         self._generation = 0  # of the live iterator: an older one refuses to go on
-        self._window: _Window | None = None
         self._step_end: float | None = None  # monotonic, when the last batch was handed out
         self._wait_s: float = 0.0  # of the step being served: its waits (a borrowing step waits for two)
         self._compute_s: float | None = None  # and the loop's time before it, read at its first wait
@@ -386,22 +363,12 @@ class Loader:
         if self.plan.steps_per_epoch == 0:
             raise ValueError(f"batch_size={self.batch_size} x {world} ranks is more than the {len(self.source.paths)}"
                              " samples, with drop_last=True: no batch at all")
-        cores = max(1, available_cores() // max(1, local_world))  # this rank's share of the machine
-        trains_on = ["cuda" if self._on_gpu() else "cpu"]
-        memory = available_memory()
-        counts = ProducerCounts.from_settings(self.producers, self.min_producers, None, self.max_producers,
-                                              static_budget(trains_on, cores), cores, None,
-                                              memory // max(1, local_world) if memory is not None else None)
-        self.num_slots = max(MIN_SLOTS, counts.budget + 2)  # a producer each, and the one being read
-        # The engine's finest split (its ceiling's): a producer holds QUEUED_BATCHES batches' worth at most (or, of
-        # streamed samples, NETWORK_IN_FLIGHT parts where that is more: their reads wait a round trip together).
-        parts = parts_per_batch(self.batch_size, self.num_slots, counts.budget, MAX_IN_FLIGHT)
-        augment: Augment = "none" if isinstance(self.source, DatasetSource) else self.augment
-        held = max(QUEUED_BATCHES * parts, parts_held(self.source))
-        build = Build(self.source, None, augment, self.seed, self.batch_size, self.image_size, self.num_slots,
-                      self.producer_timeout_s, self.max_bad_fraction, max_in_flight=held)
-        check_room(build, counts)
-        self.driver = EngineDriver(build, counts)
+        host = HostShare.measure(["cuda" if self._on_gpu() else "cpu"], local_world)  # this rank's share
+        spec = EngineSpec.from_sections(*self.sections, self.seed, Samples(self.source, image_size=self.image_size),
+                                        host)  # the ring sized from the producers' ceiling
+        self.num_slots = spec.build.num_slots
+        check_room(spec)
+        self.driver = EngineDriver(spec, Measure())  # one loop: its waits are what the autoscaler reads
         self.events = _Events(self.metrics_file)
         self.stats.steps_per_epoch, self.stats.first_rank = self.plan.steps_per_epoch, rank
         self._books = _LookaheadBooks(self.stats)
@@ -626,9 +593,9 @@ class Loader:
     def _drain(self) -> None:
         """Let the batches still being built (an iteration left before its end) finish: their slots are reused."""
         self._require_engine()
-        self.driver.drain(3 * self.producer_timeout_s)
+        self.driver.drain()
 
-    def _require_engine(self) -> Engine:
+    def _require_engine(self) -> EngineDriver:
         if self._engine is None or self.closed:
             raise RuntimeError("this stoker.Loader is closed" if self.closed else "iter() starts the loader")
         return self._engine
@@ -639,41 +606,31 @@ class Loader:
         """A new iteration goes on with the open window, less the time the loop spent between the two (validation,
         a checkpoint; and the last batch's compute, which cannot be told apart from them): windows closed only
         inside an epoch never closed in epochs shorter than one, and the autoscaler then saw nothing at all."""
-        if self._window is not None and self._step_end is not None:
+        if self._engine is not None and self._step_end is not None:
             now = time.monotonic()
-            self._window.started += now - self._step_end
+            self.driver.shift_window(now - self._step_end)
             self._step_end = now  # an iter() that takes no batch: the next one shifts by its own gap only
 
     def _account_wait(self, wait_s: float, entered: float) -> None:
-        if self._first_batch or self._window is None:  # waiting for the very first batch is start-up, as in the
-            self._first_batch, wait_s = False, 0.0  # trainer
-            self._window = _Window(time.monotonic())
+        if self._first_batch or self.driver.window is None:  # waiting for the very first batch is start-up, as in
+            self._first_batch, wait_s = False, 0.0  # the trainer
+            self.driver.open_window(time.monotonic())
         self._wait_s += wait_s  # a step that takes a sample from the next batch waits for two
         if self._compute_s is None:
             self._compute_s = entered - self._last_return if self._last_return is not None else 0.0
-        self._window.wait_s += wait_s
-        self._window.fill += self._require_engine().queue_fill()
+        self._require_engine()
+        self.driver.note_queue()  # the step's wait is in its report (`_record`)
 
     def _record(self, epoch: int, step: int, ids: np.ndarray) -> None:
         """The step's books (exactly once, time split), then, every SCALE_WINDOW_S, the autoscaler's turn."""
         now = self._step_end = time.monotonic()
         global_step = epoch * self.plan.steps_per_epoch + step
-        self.stats.record_step(StepReport(0, epoch, step, global_step, len(ids), 0.0, self._wait_s,
-                                          self._compute_s or 0.0, 0.0, ids, None,
-                                          epoch_steps=self.plan.steps_in(epoch)), now)
+        report = StepReport(0, epoch, step, global_step, len(ids), 0.0, self._wait_s, self._compute_s or 0.0, 0.0,
+                            ids, None, epoch_steps=self.plan.steps_in(epoch))
+        self.stats.record_step(report, now)
         self._wait_s, self._compute_s = 0.0, None  # the next step's, over every batch it pulls
-        window = self._window
-        assert window is not None, "opened by the step's wait"
-        window.samples += len(ids)
-        window.steps += 1
-        elapsed = now - window.started
-        if elapsed >= SCALE_WINDOW_S:
-            self._close_window(window, elapsed)
-            self._window = _Window(now)
-
-    def _close_window(self, window: _Window, elapsed_s: float) -> None:
-        self.driver.close_window(elapsed_s, window.samples, window.steps, window.fill / max(1, window.steps),
-                                 min(1.0, window.wait_s / elapsed_s), train_s=elapsed_s)
+        self.driver.note_step(report)
+        self.driver.tick(now)
 
 
 def _shut_down(driver: EngineDriver, events: _Events, owner_pid: int) -> None:

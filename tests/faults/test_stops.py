@@ -167,7 +167,7 @@ def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_pa
     ring = SlotRing.create(num_slots=2, batch_size=2, image_size=8, num_status=2)
     mailbox, stop = Mailbox(), CONTEXT.Event()
     setup = ProducerSetup(ring.spec, Source(("none.jpg",), np.zeros(1, np.int64)), None, "none", 0)
-    pool = ProducerPool(setup, ring, mailbox, stop, capacity=2, hang_timeout_s=60)
+    pool = ProducerPool(setup, ring, mailbox, stop, capacity=2, producer_timeout_s=60)
     try:
         assert [pool.grow(), pool.grow()] == [0, 1]
         assert pool.shrink()

@@ -30,7 +30,7 @@ def test_the_scheduler_hands_every_sample_to_one_consumer_once_per_epoch(tmp_pat
         for rank, message in scheduler.deliverable():
             if isinstance(message, Batch) and message.slot is not None:
                 delivered[message.epoch].extend(plan.train_work(message.epoch, message.step, rank).sample_ids)
-                scheduler.release(message.slot, rank)
+                scheduler.release(message.slot)
     for epoch in (0, 1):
         assert sorted(delivered[epoch]) == list(range(37))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from stoker.common.config import FeedSettings
 from stoker.pipeline.autoscaler import (
     NOISE_SIGMAS,
     RETRY_WINDOWS,
@@ -16,7 +17,7 @@ from stoker.pipeline.autoscaler import (
     required_gain,
     static_budget,
 )
-from stoker.pipeline.engine import ProducerCounts
+from stoker.pipeline.engine import HostShare, ProducerCounts
 
 
 def window(producers: int, stall: float, samples_per_s: float, queue_fill: float = 0.1,
@@ -294,7 +295,7 @@ def test_a_jump_fills_only_the_cores_the_consumers_leave_free():
     # 2 cores, one CPU consumer: one core is free. Producers busy all the time, a quarter of it their own CPU
     # work (reads the rest), so the free core holds 4 of them: from 2, the jump stops at 4, not at the 8 that
     # both cores (the consumer's too) would hold, nor at the x4 cap (8) or what ends an 80% wait (10).
-    counts = ProducerCounts.from_settings("auto", 1, None, None, fits=static_budget(["cpu"], cores=2), cores=2)
+    counts = ProducerCounts.from_sections(FeedSettings(), HostShare(2, static_budget(["cpu"], cores=2), None))
     scaler = counts.autoscaler()
     assert scaler is not None
     need = replace(window(2, 0.8, 100.0, utilization=1.0), read_share=0.75)
@@ -304,9 +305,9 @@ def test_a_jump_fills_only_the_cores_the_consumers_leave_free():
 def test_the_default_ceiling_on_a_64_core_host():
     # 8 GPUs leave 60 cores free; 8 producers per core would be 512 processes, the cap keeps it at 128.
     gpus = [f"cuda:{i}" for i in range(8)]
-    counts = ProducerCounts.from_settings("auto", 1, None, None, fits=static_budget(gpus, cores=64), cores=64)
+    counts = ProducerCounts.from_sections(FeedSettings(), HostShare(64, static_budget(gpus, cores=64), None))
     assert counts.budget == 128
-    small = ProducerCounts.from_settings("auto", 1, None, None, fits=static_budget(["cpu"], cores=2), cores=2)
+    small = ProducerCounts.from_sections(FeedSettings(), HostShare(2, static_budget(["cpu"], cores=2), None))
     assert small.budget == 16  # 8 per core on the 2-core machine, as measured there
 
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from stoker.observe.diagnosis import TimeSplit, diagnose
-from stoker.observe.metrics import RunStats, WindowTotals, host_share, step_fields, time_shares
+from stoker.observe.metrics import RunStats, step_fields
+from stoker.pipeline.autoscaler import host_share, time_shares
+from stoker.pipeline.driver import WindowTotals
 from stoker.pipeline.messages import StepReport
 
 
@@ -27,7 +29,7 @@ def test_the_host_share_is_a_part_of_the_same_whole_as_the_others():
 
 def test_a_run_keeps_the_host_time_apart_from_the_input_wait():
     stats = RunStats(num_consumers=1, samples_per_epoch=8, steps_per_epoch=4)
-    window = WindowTotals()
+    window = WindowTotals(started=9.5)
     for step, now in enumerate((10.0, 11.0, 12.0)):
         report = _report(step, wait_s=0.1, host_s=0.4)
         stats.record_step(report, now=now)

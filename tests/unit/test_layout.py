@@ -96,15 +96,37 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert _stoker_imports(module) == [(1, "run"), (1, "run"), (2, "common")]
 
 
-def test_the_engine_and_the_loader_take_at_most_eight_parameters():
+def test_the_engine_its_driver_and_the_loader_take_at_most_eight_parameters():
+    """Sections and specs are handed down whole: no constructor of the feed takes its settings one by one."""
     import inspect
 
-    from stoker.pipeline.engine import Engine
+    from stoker.pipeline.driver import EngineDriver
+    from stoker.pipeline.engine import Engine, EngineSpec, ProducerCounts
     from stoker.use.loader import Loader
 
-    for cls in (Engine, Loader):
-        parameters = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-        assert len(parameters) <= 8, (cls.__name__, parameters)
+    for function in (Engine.__init__, EngineDriver.__init__, EngineSpec.from_sections, ProducerCounts.from_sections,
+                     Loader.__init__):
+        parameters = [p for p in inspect.signature(function).parameters if p != "self"]
+        assert len(parameters) <= 8, (function.__qualname__, parameters)
+
+
+def _names(source: Path, name: str) -> list[int]:
+    """Lines where `source` names `name`: imports it, or uses it in code or an annotation."""
+    return sorted({node.lineno for node in ast.walk(ast.parse(source.read_text()))
+                   if isinstance(node, ast.Name) and node.id == name
+                   or isinstance(node, ast.alias) and (node.asname or node.name).split(".")[-1] == name})
+
+
+def test_the_drivers_reach_the_engine_only_through_its_driver():
+    """The controller and the Loader drive the engine through `pipeline/driver.py`, its only face."""
+    named = {module: _names(PACKAGE / module, "Engine") for module in ("run/controller.py", "use/loader.py")}
+    assert named == {"run/controller.py": [], "use/loader.py": []}
+
+
+def test_the_name_finder_sees_an_import_and_an_annotation(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("from stoker.pipeline.engine import Engine\nx: Engine | None = None\nEngineSpec = 1\n")
+    assert _names(module, "Engine") == [1, 2]
 
 
 def test_no_module_imports_one_that_imports_it():

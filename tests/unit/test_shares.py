@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from stoker.observe.metrics import RunStats, time_shares
+from stoker.observe.metrics import RunStats
+from stoker.pipeline.autoscaler import time_shares
 from stoker.pipeline.messages import StepReport
 from stoker.pipeline.pool import Handle, ProducerPool
 from stoker.pipeline.producer import STATUS_IDLE, PartDone
@@ -46,7 +47,7 @@ def test_producers_count_from_when_they_are_ready_and_one_no_task_reached_counts
     # part reached (the slots' parts all held by others) is idle, though: it must count.
     ring = SlotRing.create(num_slots=1, batch_size=1, image_size=8, num_status=3)
     try:
-        pool = ProducerPool(setup=None, ring=ring, mailbox=None, stop=None, capacity=3, hang_timeout_s=60.0)  # type: ignore[arg-type]
+        pool = ProducerPool(setup=None, ring=ring, mailbox=None, stop=None, capacity=3, producer_timeout_s=60.0)  # type: ignore[arg-type]
         forked = time.monotonic_ns() - 10_000_000_000  # 10 s ago
         pool.handles = {i: Handle(i, None, None, forked_ns=forked) for i in range(3)}  # type: ignore[arg-type]
         ring.status[:] = (STATUS_IDLE, 0, forked)  # as the pool writes them at the fork

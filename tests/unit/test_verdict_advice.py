@@ -101,6 +101,7 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     # stoker.Loader.summary() printed "reading the files is slow" while its producers idled: it had a copy of the
     # trainer's producer figures that left the ceiling and the reads out. Both now read the engine's.
     from stoker.observe.metrics import RunStats
+    from stoker.pipeline.driver import EngineDriver
     from stoker.pipeline.engine import Engine
     from stoker.use.loader import Loader
 
@@ -113,8 +114,10 @@ def test_the_loader_gives_the_trainers_verdict_on_the_same_engine_in_its_own_wor
     gauges.timeline = [{"producers": n} for n in (1, 2)]
     gauges.producer_busy, gauges.producer_reading = (4.0, 10.0), (0.01, 4.0)  # idle 60%, reads 0.25%
     gauges.slot_bound_s = 6.0  # ... while batches waited for a free slot
+    driver = EngineDriver.__new__(EngineDriver)  # the engine's face, without its processes
+    driver._engine = engine
     loader = Loader.__new__(Loader)
-    loader.stats, loader._engine, loader.info, loader.repeated_samples = RunStats(1, 100, 0), engine, None, 0
+    loader.stats, loader._engine, loader.info, loader.repeated_samples = RunStats(1, 100, 0), driver, None, 0
     loader.image_size = 32
     for step, now in enumerate((1.0, 2.0, 3.0)):
         loader.stats.record_step(StepReport(0, 0, step, step, 2, 0.0, 0.5, 0.5, 0.0, np.arange(2), None), now)
