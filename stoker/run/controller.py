@@ -156,7 +156,7 @@ class Controller:
                 self._handle(message)
             if self.group.tick(time.monotonic(), self):
                 self._regroup()
-            self.group.check_deadline()
+            self.group.check_deadline(self.finished)
             self.checkpoints.record_commits(self.metrics)
             self.driver.tick(time.monotonic(), decide=not self.finishing)  # every SCALE_WINDOW_S
             self._show()
