@@ -2,7 +2,9 @@
 # Both create .venv and install what they need. Where $(PYTHON) already has torch (a CUDA build on a GPU image or
 # NGC container, often offline), .venv uses that torch and installs only stoker's other dependencies (offline:
 # PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR of wheels). Elsewhere it installs the CPU build of torch where no NVIDIA GPU is
-# present (instead of the multi-GB CUDA build a plain `pip install torch` pulls).
+# present (instead of the multi-GB CUDA build a plain `pip install torch` pulls). A local torch wheel is installed
+# without its dependencies (so pip cannot swap it for another build), then they are installed at once: left to the
+# next install, pip printed "ERROR: ... torch requires filelock, which is not installed" during a set-up that works.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,7 +21,7 @@ export OWN_SITE := import sysconfig; print(sysconfig.get_paths()["purelib"])
 # that builds wheels without the `wheel` package.
 export MODERN_SETUPTOOLS := import setuptools, sys; sys.exit(tuple(map(int, setuptools.__version__.split(".")[:2])) < (70, 1))
 
-.PHONY: demo test lint bench install clean servers
+.PHONY: demo test lint bench install clean servers jpeg-headers
 
 demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 	rm -rf runs/demo
@@ -48,13 +50,22 @@ servers:
 		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nginx-light >/dev/null 2>&1; }; }; } || \
 		echo "nginx could not be installed: the HTTP tests will skip"
 
+# stoker/data/pixels/_jpegcrop.c (crop-aware JPEG decoding) builds against libjpeg-turbo's headers: Debian's
+# libjpeg62-turbo-dev, installed where the machine lets us. Without them the build skips it and JPEGs are decoded
+# whole, to the same pixels (the tests of the crop path then fail, saying the module is missing).
+jpeg-headers:
+	@[ -f /usr/include/jpeglib.h ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ apt-get install -y -q libjpeg62-turbo-dev >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libjpeg62-turbo-dev >/dev/null 2>&1; }; }; } || \
+		echo "libjpeg-turbo's headers could not be installed: JPEGs will be decoded whole"
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check stoker tests
 	$(VENV)/bin/mypy
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py stoker/data/pixels/_jpegcrop.c | jpeg-headers
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 		echo "$(PYTHON) already has torch: .venv uses it"; \
 		$(PYTHON) -m venv --system-site-packages --without-pip $(VENV); \
@@ -66,6 +77,7 @@ $(VENV)/.installed: pyproject.toml
 			$(PIP) install "torch>=2.6"; \
 		elif $(PIP) install -q --no-index --no-deps "$(CPU_TORCH)" 2>/dev/null; then \
 			echo "installed the CPU build of torch found locally"; \
+			$(PIP) install -q "$(CPU_TORCH)"; \
 		else \
 			$(PIP) install "$(CPU_TORCH)" --index-url $(CPU_TORCH_INDEX); \
 		fi; \

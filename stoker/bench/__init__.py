@@ -7,8 +7,10 @@ import argparse
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     from stoker.bench import (
+        anchors,
         autoscale,
         data,
+        decode,
         elastic,
         finetune,
         gpu,
@@ -23,8 +25,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
 
     bench = commands.add_parser("bench", help="benchmarks (each prints a table and writes --json FILE)")
     kinds = bench.add_subparsers(dest="bench", required=True)
+    anchors.add_parser(kinds)
     autoscale.add_parser(kinds)
     data.add_parser(kinds)
+    decode.add_parser(kinds)
     elastic.add_parser(kinds)
     finetune.add_parser(kinds)
     gpu.add_parser(kinds)

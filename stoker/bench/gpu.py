@@ -58,7 +58,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stoker.bench.gpu_runs import measure  # torch: here, so that `stoker bench --help` does not wait for it
-    from stoker.bench.pipeline import generate, photographs_available
+    from stoker.bench.photos import photographs_available
+    from stoker.bench.pipeline import generate
     from stoker.common.devices import check_torch_sees_the_gpus
 
     try:  # what would fail late or mislead, before any image is written

@@ -33,6 +33,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from stoker.bench import photos
 from stoker.common.procs import CONTEXT, Mailbox
 from stoker.common.waiting import waiting
 from stoker.data.formats.folders import scan_image_folder
@@ -43,6 +44,7 @@ from stoker.pipeline.producer import Part, PartDone, ProducerSetup, SampleSource
 from stoker.pipeline.ring import SlotRing
 
 SETS = {"500x375": (500, 375), "2000x1500": (2000, 1500)}
+IMAGE_SETS = (*SETS, "imagenet-like")
 QUALITY = 90
 TRANSPORT_BATCHES = 500  # a batch moves in about half a millisecond: time enough of them
 PREFETCH = MAX_IN_FLIGHT  # batches queued per worker, for DataLoader as for stoker's producers
@@ -52,7 +54,11 @@ STD = np.array([0.229, 0.224, 0.225], np.float32)
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("pipeline", help="stoker's producers against torch DataLoader, same files and cores")
-    parser.add_argument("--generate", type=Path, metavar="DIR", help="write the two image sets into DIR and exit")
+    parser.add_argument("--generate", type=Path, metavar="DIR", help="write the image sets into DIR and exit")
+    parser.add_argument("--images", type=_image_sets, default="photos",
+                        help="comma-separated sets: 500x375 and 2000x1500, mosaics of photographs (--small-images, "
+                        "--large-images; 'photos' is both), imagenet-like, --small-images crops of photographs at "
+                        "ImageNet's shapes and bytes per pixel (stoker/bench/photos.py)")
     parser.add_argument("--data", type=Path, metavar="DIR", help="a folder written by --generate "
                         "(default: generate into a temporary folder first)")
     parser.add_argument("--small-images", type=int, default=512, help="--generate: images in the 500x375 set")
@@ -71,18 +77,19 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.generate:
-        generate(args.generate, args.small_images, args.large_images)
-        print(f"wrote {args.small_images} + {args.large_images} JPEGs (quality {QUALITY}) under {args.generate}")
+        generate_kind(args.generate, args)
+        print(f"wrote {', '.join(args.images)} JPEGs under {args.generate}")
         return 0
     result: dict[str, Any]
+    names = args.images
     if args.transport:
         result = {"transport": measure_transport(args)}
     elif args.data:
-        result = {"sets": [measure_set(args.data / name, name, args) for name in SETS]}
+        result = {"sets": [measure_set(args.data / name, name, args) for name in names]}
     else:
         with tempfile.TemporaryDirectory(prefix="stoker-pipeline-") as scratch:
-            generate(Path(scratch), args.small_images, args.large_images)
-            result = {"sets": [measure_set(Path(scratch) / name, name, args) for name in SETS]}
+            generate_kind(Path(scratch), args)
+            result = {"sets": [measure_set(Path(scratch) / name, name, args) for name in names]}
     if "transport" not in result:
         result["transport"] = measure_transport(args)
     result["setup"] = {"workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
@@ -95,42 +102,34 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- benchmark images ------------------------------------------------------------------------------------------
 
-def photographs_available() -> None:
-    """A clear error, as every other missing optional part gives, instead of `ModuleNotFoundError: sklearn`."""
-    try:
-        import sklearn.datasets  # noqa: F401
-    except ImportError:
-        raise ValueError("the benchmark images are made from scikit-learn's sample photographs: "
-                         "pip install 'stoker[bench]'") from None
+def _image_sets(text: str) -> list[str]:
+    names = [name for part in text.split(",") for name in (SETS if part == "photos" else [part])]
+    unknown = [name for name in names if name not in IMAGE_SETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected names of {', '.join(IMAGE_SETS)} or 'photos'")
+    return names
 
 
-def photographs() -> list[np.ndarray]:
-    """Real photographs that ship inside installed packages (scikit-learn; matplotlib's when present)."""
-    photographs_available()
-    from sklearn.datasets import load_sample_images
-
-    photos = list(load_sample_images().images)
-    try:
-        from matplotlib import cbook
-
-        with cbook.get_sample_data("grace_hopper.jpg") as handle:  # type: ignore[union-attr]  # a file by default
-            photos.append(np.asarray(Image.open(handle).convert("RGB")))
-    except (ImportError, OSError, ValueError):
-        pass
-    return photos
+def generate_kind(folder: Path, args: argparse.Namespace) -> None:
+    """The sets --images names: the mosaic sets, and folder/imagenet-like with --small-images JPEGs."""
+    mosaics = [name in args.images for name in SETS]
+    if any(mosaics):
+        generate(folder, args.small_images if mosaics[0] else 0, args.large_images if mosaics[1] else 0)
+    if photos.NAME in args.images:
+        photos.make_imagenet_like(folder / photos.NAME, args.small_images)
 
 
 def generate(folder: Path, small: int, large: int, seed: int = 0) -> None:
     """Two ImageFolder sets of JPEGs, quality 90, tiled from native-resolution pieces of real photographs (no
     upscaling: upscaled or flat images compress and decode unrealistically fast)."""
-    photos = photographs()
+    pieces = photos.photographs()
     rng = np.random.default_rng(seed)
     with waiting(f"generating {folder}", total=small + large, unit="images") as progress:
         for (name, (width, height)), count in zip(SETS.items(), (small, large)):
             target = folder / name / "photos"
             target.mkdir(parents=True, exist_ok=True)
             for index in range(count):
-                pixels = _mosaic(photos, height, width, rng)
+                pixels = _mosaic(pieces, height, width, rng)
                 Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=QUALITY)
                 progress.advance()
 
@@ -189,7 +188,11 @@ def _rate(batches: Iterator[int], args: argparse.Namespace) -> float:
     started, images = time.perf_counter(), 0
     for _ in range(timed):
         images += next(batches)
-    return images / (time.perf_counter() - started)
+    rate = images / (time.perf_counter() - started)
+    close = getattr(batches, "close", None)
+    if close is not None:  # a generator's finally runs now (a DataLoader's workers stop), not at collection
+        close()
+    return rate
 
 
 def time_stoker(paths: Sequence[str] | None, labels: np.ndarray | None, args: argparse.Namespace,
@@ -261,11 +264,17 @@ class _StokerFeed:
 
 
 def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> float:
+    dataset = TorchvisionStyleDataset(paths, labels, args.image_size, to_float)
+    return _rate(dataloader_batches(dataset, args), args)
+
+
+def dataloader_batches(dataset: Any, args: argparse.Namespace) -> Iterator[int]:
+    """Batch sizes from torch's DataLoader over `dataset` in its best configuration (persistent workers, prefetch
+    PREFETCH, one epoch as long as the measurement); its workers are shut down when the iterator is closed."""
     import torch
     from torch.utils.data import DataLoader, Dataset, RandomSampler
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
-    dataset = TorchvisionStyleDataset(paths, labels, args.image_size, to_float)
     skip, timed = _batches_to_time(args)
     # One epoch covers the whole measurement plus what the workers prefetch beyond it: random order without
     # replacement, the file list walked again whenever it runs out, as shuffle=True does epoch after epoch.
@@ -277,7 +286,7 @@ def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> 
                                          prefetch_factor=PREFETCH)
     iterator = cast(_MultiProcessingDataLoaderIter, iter(loader))  # workers > 0: the multi-process iterator
     try:
-        return _rate((len(labels) for _, labels in iterator), args)
+        yield from (len(labels) for _, labels in iterator)
     finally:
         iterator._shutdown_workers()  # now, not whenever the garbage collector gets to it: the next run is timed
         del iterator

@@ -15,6 +15,8 @@ SYNC_BOUND = 0.15  # averaging more than this share of the step
 SYNC_GOAL = 0.05  # the averaging share a suggested --sync-every aims for
 BUSY_PRODUCERS = 0.80  # producers busy more than this share of their time are the limit
 SLOW_READS = 0.5  # producers spending more than this share of their busy time reading files wait on storage
+# Images/s per device the feed is sized against: MLPerf's ResNet-50 on 8 x H200 trained at about 7,940 per GPU.
+REFERENCE_RATE = 7900
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class TimeSplit:
     cores: int | None = None  # the machine's: a fixed count at one a core gains no CPU by being more
     overlap_allowed: bool = True  # whether the run's other settings allow --overlap-averaging true
     image_size: int | None = None  # the training resolution, which the advice may ask to lower
+    feed_ms_per_image: float | None = None  # the producers' CPU milliseconds per training image (None: not measured)
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def diagnose(split: TimeSplit, spelling: Spelling = FLAGS) -> Verdict:
                                      f"(input waits {split.input_wait:.0%}); try {tries}")
     if split.input_wait >= INPUT_BOUND and split.input_wait >= split.averaging:
         return Verdict("input-bound", f"input-bound: consumers wait {split.input_wait:.0%} of the time; "
-                                      f"{_producer_advice(split, spelling)}")
+                                      f"{_producer_advice(split, spelling)}{_feed_cost(split)}")
     if split.averaging >= SYNC_BOUND:
         overlap = "" if split.overlapped or not split.overlap_allowed else " or --overlap-averaging true"
         return Verdict("sync-bound", f"sync-bound: averaging takes {split.averaging:.0%} of the time; try "
@@ -123,6 +126,29 @@ def _producer_advice(split: TimeSplit, names: Spelling) -> str:
                 f"count; {_fewer_pixels_or_cores(split, names)}")
     smaller = f" or lower {names.image_size}" if _can_shrink(split) else ""
     return f"{_count_now(split, busy)}: give them more cores ({_more_producers(split, names)}){smaller}"
+
+
+def _feed_cost(split: TimeSplit) -> str:
+    """What the feed costs, in the figure a node is sized by: cores per device at REFERENCE_RATE."""
+    if not split.feed_ms_per_image:
+        return ""
+    cores = cores_per_device(split.feed_ms_per_image, REFERENCE_RATE)
+    return (f" (the feed takes {split.feed_ms_per_image:.2f} ms of CPU per image: {cores:.1f} cores per device at "
+            f"{REFERENCE_RATE:,} images/s)")
+
+
+def cores_per_device(ms_per_image: float, images_per_s: float) -> float:
+    """Cores one device needs to be fed `images_per_s` at `ms_per_image` of CPU each."""
+    return ms_per_image * images_per_s / 1000
+
+
+def feed_cores(ms_per_image: dict[str, float] | None, samples_per_s: float, devices: int) -> dict[str, float] | None:
+    """The summary's cores per device: at the run's own rate per device and at REFERENCE_RATE."""
+    if not ms_per_image or devices < 1:
+        return None
+    total = ms_per_image["total"]
+    return {"at_run_rate": round(cores_per_device(total, samples_per_s / devices), 3),
+            "at_reference_rate": round(cores_per_device(total, REFERENCE_RATE), 3), "reference_rate": REFERENCE_RATE}
 
 
 def _can_shrink(split: TimeSplit) -> bool:

@@ -312,6 +312,8 @@ class Engine:
         part = self.pool.finished(done)
         if part is None:
             return
+        if done.cost is not None and part.work.kind == "train":
+            self.gauges.feed_cost += done.cost
         del self.parts[done.part_id]
         if done.skipped:
             epoch = part.work.epoch if part.work.kind == "train" else None

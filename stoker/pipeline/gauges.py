@@ -8,6 +8,9 @@ import time
 from typing import Any, Protocol
 
 from stoker.pipeline.autoscaler import Window, plain_need
+from stoker.pipeline.producer import FeedCost
+
+FEED_STAGES = ("read", "draw", "decode", "resize", "augment")
 
 
 class EventLog(Protocol):
@@ -35,6 +38,7 @@ class ProducerGauges:
         # How fast auto answers: when a window first showed a plain need, and when the first fork came.
         self.plain_need_s: float | None = None
         self.first_fork_s: float | None = None
+        self.feed_cost = FeedCost()  # the producers' CPU by stage over the training images they made
 
     def since_start(self, when: float) -> float:
         return round(when - self.started, 3)
@@ -90,6 +94,16 @@ class ProducerGauges:
 
     # ---- read by the verdict, the live view and the summary -------------------------------------------------------
 
+    def feed_ms_per_image(self) -> dict[str, float] | None:
+        """CPU milliseconds per training image, by stage, `other` (bookkeeping, the clocks, other threads) and
+        `total` (the producers' CPU time as the OS counts it); None before a training image was made."""
+        cost = self.feed_cost
+        if not cost.images:
+            return None
+        stages = {stage: getattr(cost, stage) for stage in FEED_STAGES}
+        per_image = {**stages, "other": max(0.0, cost.total - sum(stages.values())), "total": cost.total}
+        return {name: round(seconds * 1000 / cost.images, 4) for name, seconds in per_image.items()}
+
     def producer_utilization(self) -> float:
         busy, seconds = self.producer_busy
         return busy / seconds if seconds else 0.0
@@ -109,7 +123,8 @@ class ProducerGauges:
         return {"producers": self.timeline[-1]["producers"] if self.timeline else 0,
                 "producer_budget": limit, "producer_utilization": self.producer_utilization(),
                 "producer_ceiling": self.budget, "producer_read_share": self.producer_read_share(),
-                "producer_slot_bound": self.producer_slot_bound()}
+                "producer_slot_bound": self.producer_slot_bound(),
+                "feed_ms_per_image": (self.feed_ms_per_image() or {}).get("total")}
 
     def summary_fields(self, max_alive: int) -> dict[str, Any]:
         """The summary's producer counts, and how fast auto answered a plain need: seconds into the run of the
@@ -117,10 +132,11 @@ class ProducerGauges:
         return {"producers_initial": self.producers_initial,
                 "producers_final": self.timeline[-1]["producers"] if self.timeline else 0,
                 "producers_max": max_alive, "producers_timeline": self.timeline,
-                "autoscale_plain_need_s": self.plain_need_s, "autoscale_first_fork_s": self.first_fork_s}
+                "autoscale_plain_need_s": self.plain_need_s, "autoscale_first_fork_s": self.first_fork_s,
+                "feed_cpu_ms_per_image": self.feed_ms_per_image()}
 
     @staticmethod
     def no_fields() -> dict[str, Any]:
         """`summary_fields` of a run that stopped before the engine started."""
         return {"producers_initial": 0, "producers_final": 0, "producers_max": 0, "producers_timeline": [],
-                "autoscale_plain_need_s": None, "autoscale_first_fork_s": None}
+                "autoscale_plain_need_s": None, "autoscale_first_fork_s": None, "feed_cpu_ms_per_image": None}

@@ -13,7 +13,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import astuple, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -23,7 +23,7 @@ from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_paren
 from stoker.data.formats.folders import Skipped
 from stoker.data.formats.user_dataset import DatasetSource
 from stoker.data.index import PackedIndex, read_file
-from stoker.data.pixels.imaging import Augment, UnusableImage, load_into, make_decode_warnings_errors
+from stoker.data.pixels.imaging import Augment, StageClock, UnusableImage, load_into, make_decode_warnings_errors
 from stoker.data.transports import object_store
 from stoker.pipeline.plan import BatchPlan, sample_rng
 from stoker.pipeline.ring import RingSpec, SlotRing
@@ -93,6 +93,7 @@ class PartDone:
     skipped: dict[int, Skipped]  # sample id -> the file and why it could not be used
     busy_s: float
     read_s: float = 0.0  # of busy_s, the time spent reading files: storage, not the CPU (the verdict tells them apart)
+    cost: FeedCost | None = None  # the CPU the part took, by stage (None: a compaction, or nothing decoded)
 
 
 @dataclass(frozen=True)
@@ -159,30 +160,54 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, parts, outbox, s
             part = replace(part, work=previous.work, first=previous.first, stop=previous.stop)
         previous = part
         skipped: dict[int, Skipped] = {}
-        reads = ReadClock()
+        reads, stages, cpu = ReadClock(), StageClock(), time.process_time()
         if part.compact:
             count = compact_slot(part, ring, status)
         else:
             try:
-                count, skipped = build_batch(part, setup, ring, status, reads, stop)
+                count, skipped = build_batch(part, setup, ring, status, reads, stop, stages)
             except StopRequested:  # the part is left: its slot is unlinked or rebuilt, nothing waits for it
                 return
+        cost = None if part.compact or setup.transport_only else FeedCost(
+            count, reads.cpu, stages.draw, stages.decode, stages.resize, stages.augment, time.process_time() - cpu)
         faults.maybe_inject("producer-result", f"part={part.part_id};", outbox)
-        outbox.send(PartDone(producer, part.part_id, count, skipped, time.perf_counter() - started, reads.seconds))
+        outbox.send(PartDone(producer, part.part_id, count, skipped, time.perf_counter() - started, reads.seconds,
+                             cost))
 
 
 @dataclass
 class ReadClock:
-    """Seconds spent reading files (opening and reading their bytes), apart from decoding them."""
+    """Seconds spent reading files (opening and reading their bytes), apart from decoding them, and the CPU
+    seconds of it."""
 
     seconds: float = 0.0
+    cpu: float = 0.0
 
     def read(self, source: SampleSource, sample_id: int) -> bytes:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         try:
             return source.read(sample_id)
         finally:
             self.seconds += time.perf_counter() - started
+            self.cpu += time.thread_time() - cpu
+
+
+@dataclass(frozen=True)
+class FeedCost:
+    """CPU seconds a producer spent on `images` images, by stage: reading files, making each sample's generator,
+    decoding, crop and resize into the ring's slot, augmenting; `total` is the process's CPU time over the part (the
+    OS's count): the stages and the rest (the bookkeeping, the clocks themselves, other threads)."""
+
+    images: int = 0
+    read: float = 0.0
+    draw: float = 0.0
+    decode: float = 0.0
+    resize: float = 0.0
+    augment: float = 0.0
+    total: float = 0.0
+
+    def __add__(self, other: FeedCost) -> FeedCost:
+        return FeedCost(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
 
 class StopRequested(Exception):
@@ -208,8 +233,8 @@ def _read_ahead(part: Part | None, setup: ProducerSetup) -> None:
         source.read_ahead([int(i) for i in part.work.sample_ids[part.first:part.end] if int(i) not in part.skip])
 
 
-def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.ndarray,
-                reads: ReadClock | None = None, stop: Any = None) -> tuple[int, dict[int, Skipped]]:
+def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.ndarray, reads: ReadClock | None = None,
+                stop: Any = None, stages: StageClock | None = None) -> tuple[int, dict[int, Skipped]]:
     """Write the part's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
     by id). A part that is the whole batch also sets the slot's count; for parts the engine does (`parts.py`)."""
     work = part.work
@@ -235,12 +260,15 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
         if faults.armed():
             faults.maybe_inject("producer", source.paths[sample_id])
         # Drawing a generator costs more than decoding a small PNG: only augmentations that draw get one.
+        drawing = time.thread_time()
         rng = sample_rng(setup.seed, work.kind, work.epoch, sample_id) if augment != "none" else None
+        if stages is not None:
+            stages.draw += time.thread_time() - drawing
         try:
             if isinstance(source, DatasetSource):  # the user's own __getitem__, seeded per sample
                 labels[count] = source.fill(sample_id, images[count], setup.seed, work.epoch)
             else:
-                load_into(reads.read(source, sample_id), images[count], augment, rng)
+                load_into(reads.read(source, sample_id), images[count], augment, rng, stages)
                 labels[count] = source.labels[sample_id]
         except UnusableImage as error:
             skipped[sample_id] = Skipped(source.paths[sample_id], str(error))

@@ -1,4 +1,4 @@
-"""The run's summary (`RUN_DIR/summary.json`, docs/design.md's contract) from what the controller holds."""
+"""The run's summary (`RUN_DIR/summary.json`, docs/contracts.md) from what the controller holds."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 from stoker.common import faults
 from stoker.common.config import TrainConfig
 from stoker.common.files import write_json
-from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose
+from stoker.observe.diagnosis import TimeSplit, Verdict, diagnose, feed_cores
 from stoker.observe.evaluation import val_summary
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.observe.summary import Ledger, exactly_once_breach
@@ -136,6 +136,8 @@ def run_summary(run: RunFacts, status: str, error: str | None) -> dict[str, Any]
         "host_fraction": run.stats.host_fractions(),
         "verdict": run.verdict,
         "throughput_samples_per_s": round(run.stats.throughput(), 2),
+        "feed_cores_per_device": feed_cores(run.producers.get("feed_cpu_ms_per_image"), run.stats.throughput(),
+                                            at_end),
         "val_accuracy": last_val.accuracy if last_val else None,
         "val_loss": last_val.loss if last_val else None,
         "train_loss": run.stats.latest_train_loss(),

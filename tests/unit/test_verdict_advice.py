@@ -328,3 +328,25 @@ def test_no_verdict_advises_what_the_run_already_does_or_a_setting_it_cannot_tak
             if name in ("producers", "max_producers") and decoding:  # more, on cores each busy with one already
                 assert split.producers < (split.cores or 0), (verdict.text, "no core left for another producer")
     assert seen == {"input-bound", "sync-bound", "host-bound"}
+
+
+def test_an_input_bound_verdict_gives_the_cores_per_device_the_feed_needs():
+    """The figure a node is sized by: 1.15 ms of CPU an image is 9.1 cores per device at 7,900 images/s."""
+    split = TimeSplit(compute=0.5, input_wait=0.4, averaging=0.0, producers=4, producer_budget=4,
+                      producer_utilization=0.97, sync_every=1, auto=False, cores=4, feed_ms_per_image=1.15)
+    assert "1.15 ms of CPU per image: 9.1 cores per device at 7,900 images/s" in diagnose(split).text
+
+
+def test_the_feed_cost_per_image_is_the_stages_of_training_parts_and_the_rest():
+    from stoker.observe.diagnosis import feed_cores
+    from stoker.pipeline.producer import FeedCost
+
+    gauges = ProducerGauges(2, SimpleNamespace(write=lambda *a, **k: None))
+    assert gauges.feed_ms_per_image() is None
+    gauges.feed_cost += FeedCost(100, read=0.01, draw=0.0, decode=0.06, resize=0.02, augment=0.0, total=0.1)
+    gauges.feed_cost += FeedCost(100, read=0.01, draw=0.0, decode=0.06, resize=0.02, augment=0.0, total=0.1)
+    figures = gauges.feed_ms_per_image()
+    assert figures == {"read": 0.1, "draw": 0.0, "decode": 0.6, "resize": 0.2, "augment": 0.0, "other": 0.1,
+                       "total": 1.0}
+    assert feed_cores(figures, samples_per_s=2000, devices=2) == {
+        "at_run_rate": 1.0, "at_reference_rate": 7.9, "reference_rate": 7900}

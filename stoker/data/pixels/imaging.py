@@ -1,8 +1,9 @@
 """Decode and augment one image straight into a preallocated uint8 HWC array.
 
 The crop box is chosen from the header's dimensions first; JPEGs are then decoded by libjpeg-turbo at the
-smallest 1/2, 1/4 or 1/8 scale that keeps the box at least as large as the output (so nothing is upsampled that a
-full decode would not), and OpenCV resizes the box into the destination. Other formats go through Pillow with an
+smallest M/8 scale that keeps the box at least as large as the output (so nothing is upsampled that a full decode
+would not), only the rows and columns around the box where the extension _jpegcrop is built, and OpenCV resizes the
+box into the destination. Other formats go through Pillow with an
 explicit format list; every mode (grayscale, palette, RGBA, CMYK, 16-bit) becomes 3-channel RGB.
 """
 
@@ -13,6 +14,7 @@ import math
 import os
 import struct
 import threading
+import time
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -26,6 +28,11 @@ from PIL import Image
 from stoker.common.choices import Augment
 from stoker.data.pixels.policies import POLICIES, apply_policy
 
+try:  # libjpeg-turbo's partial decoding, built from _jpegcrop.c; without it JPEGs are decoded whole, to the same pixels
+    from stoker.data.pixels import _jpegcrop
+except ImportError:
+    _jpegcrop = None  # type: ignore[assignment]
+
 FLIPPED = ("standard", "trivial", "randaug")  # the augmentations with a random horizontal flip
 
 # Pillow decodes only these; most Pillow CVEs are in formats it would otherwise auto-detect.
@@ -34,10 +41,21 @@ MAX_IMAGE_PIXELS = 64_000_000
 # What one decode may hold at its peak (the decoded image and every copy the conversion to RGB makes), estimated
 # from the header before anything is decoded; more is refused as bad input. A 64-Mpixel RGB photo takes 704 MiB.
 MAX_DECODE_BYTES = 1 << 30
+# One sample's encoded bytes, read whole into memory (a producer has up to 64 reads in flight): a 64-Mpixel JPEG
+# holds 10-30 MB. A larger member is listed as refused, never read: a shard's index, or a server, may claim any size.
+MAX_SAMPLE_BYTES = 64 << 20
+
+
+def too_large(size: int) -> str:
+    """Why a sample of `size` encoded bytes is not read."""
+    return f"{size} bytes, more than the {MAX_SAMPLE_BYTES} one image may hold"
 CENTER_CROP_FRACTION = 0.875  # resize short side to size/0.875, then center-crop: the usual validation recipe
 SCALE_RANGE = (0.08, 1.0)
 RATIO_RANGE = (3 / 4, 4 / 3)
 JPEG_MAGIC = b"\xff\xd8"
+# Pixels decoded around a crop box beyond it: fancy upsampling reads a chroma sample's neighbours (at most 4:1:1's
+# 4 pixels away), so the box's own pixels come out as in the whole decode.
+REGION_MARGIN = 4
 JPEG_EOI = b"\xff\xd9"  # end of image: a complete JPEG ends with it (entropy-coded data can never hold it)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PNG_IEND = b"IEND\xaeB`\x82"  # the last chunk's type and CRC: a whole PNG ends with them
@@ -120,28 +138,51 @@ def choose_box(height: int, width: int, augment: Augment,
     return box, augment in FLIPPED and bool(rng.integers(0, 2))
 
 
-def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+@dataclass
+class StageClock:
+    """CPU seconds of the calling thread per stage of load_into, summed over calls: decode (header, entropy decode,
+    IDCT, colour conversion), resize (crop, resize and flip, written straight into `out`: for a producer, the ring's
+    slot) and augment (TrivialAugment, RandAugment); the caller adds `draw`, making the sample's generator (0.1 ms
+    of a 1.3 ms image here). A producer has one thread: its clock is the process's."""
+
+    draw: float = 0.0
+    decode: float = 0.0
+    resize: float = 0.0
+    augment: float = 0.0
+
+
+def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+              clock: StageClock | None = None) -> None:
     """Decode `data`, crop and resize into `out` (H, W, 3 uint8), then TrivialAugment or RandAugment where asked.
-    Raises UnusableImage for bad files."""
-    _crop_into(data, out, augment, rng)
+    Raises UnusableImage for bad files. With `clock`, the CPU time of each stage is added to it."""
+    started, resized = time.thread_time(), clock.resize if clock else 0.0
+    try:
+        _crop_into(data, out, augment, rng, clock)
+    finally:
+        if clock is not None:
+            clock.decode += time.thread_time() - started - (clock.resize - resized)
     if augment in POLICIES and rng is not None:  # after the crop's draws, from the same generator
+        started = time.thread_time()
         apply_policy(out, augment, rng)
+        if clock is not None:
+            clock.augment += time.thread_time() - started
 
 
-def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+               clock: StageClock | None) -> None:
     if not data:
         raise UnusableImage("empty file")
     chunks = png_chunks(data) if data[:8] == PNG_MAGIC else None
     try:
         if data[:2] == JPEG_MAGIC:
-            _jpeg_into(data, out, augment, rng)
+            _jpeg_into(data, out, augment, rng, clock)
             return
         if _is_plain_png(data):
-            _png_into(data, out, augment, rng)
+            _png_into(data, out, augment, rng, clock)
             return
     except _NeedsPillow:
         pass
-    _pillow_into(data, out, augment, rng, chunks)
+    _pillow_into(data, out, augment, rng, chunks, clock)
 
 
 class _NeedsPillow(Exception):
@@ -149,7 +190,8 @@ class _NeedsPillow(Exception):
     or cannot be asked about (a side over its limit, another thread alive, an OpenCV limit)."""
 
 
-def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+               clock: StageClock | None = None) -> None:
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as error:
@@ -160,20 +202,98 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
         raise _NeedsPillow
     box, flip = choose_box(height, width, augment, rng)
     out_h, out_w = out.shape[:2]
-    # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor.
+    # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor (M/8).
     min_h = math.ceil(height * out_h / box.height)
     min_w = math.ceil(width * out_w / box.width)
     # libjpeg-turbo decodes damaged scan data without error and only warns: a file cut short gets its missing part
     # grey, one with a zeroed stretch ending in a whole EOI decodes the zeros as pixels. Strict, every warning is an
     # error, and it costs nothing on a good file (the same decode: measured in docs/benchmarks.md).
     try:
-        image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
+        if _jpegcrop is not None:
+            image, scaled = _decode_region(data, box, height, width, scale_eighths(height, width, min_h, min_w))
+        else:
+            image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
+            scaled = _scaled_box(box, image.shape[0] / height, image.shape[1] / width)
     except ValueError as error:
         raise UnusableImage(_jpeg_failure(str(error))) from None
-    scale_y, scale_x = image.shape[0] / height, image.shape[1] / width
-    scaled = Box(int(box.top * scale_y), int(box.left * scale_x),
-                 max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
-    resize_box_into(image, scaled, flip, out)
+    resize_box_into(image, scaled, flip, out, clock)
+
+
+def scale_eighths(height: int, width: int, min_height: int, min_width: int) -> int:
+    """The smallest M (1-8) for which libjpeg-turbo's M/8 decode is at least min_height x min_width, a minimum past
+    the image's own side taken as that side: simplejpeg's choice (tested), so both decodes have the same scale."""
+    min_height, min_width = min(min_height, height), min(min_width, width)
+    for eighths in range(1, 8):
+        if -(-height * eighths // 8) >= min_height and -(-width * eighths // 8) >= min_width:
+            return eighths
+    return 8
+
+
+def shrink(data: bytes, max_side: int, quality: int) -> bytes | None:
+    """The image as a JPEG at `quality` whose longer side is `max_side`, or None where the file is to be kept as it
+    is: its longer side is `max_side` or less (never upscaled), or it cannot be decoded (the run reports it). The
+    pixels are those training decodes (same modes to RGB, no EXIF rotation), shrunk by area averaging."""
+    size = _stored_size(data)
+    if size is None or max(size) <= max_side:
+        return None
+    height, width = size
+    scale = max_side / max(height, width)
+    target = (max(1, round(width * scale)), max(1, round(height * scale)))
+    try:  # at twice the size or more, then area averaging: a plain reduced-size decode blurs less evenly
+        pixels = _decode_whole(data, 2 * target[1], 2 * target[0])
+    except UnusableImage:
+        return None
+    small = cv2.resize(pixels, target, interpolation=cv2.INTER_AREA)
+    return cast(bytes, simplejpeg.encode_jpeg(np.ascontiguousarray(small), quality=quality, colorspace="RGB",
+                                              colorsubsampling="420"))
+
+
+def _stored_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from the header, or None where there is no readable header."""
+    try:
+        if data[:2] == JPEG_MAGIC:
+            height, width = simplejpeg.decode_jpeg_header(data)[:2]
+            return height, width
+        with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
+            return image.height, image.width
+    except (ValueError, OSError, SyntaxError, EOFError, Image.DecompressionBombError):
+        return None
+
+
+def _decode_whole(data: bytes, min_height: int, min_width: int) -> np.ndarray:
+    """The whole image as RGB, a JPEG at the smallest scale at least min_height x min_width; UnusableImage where
+    training would refuse it."""
+    header = simplejpeg.decode_jpeg_header(data) if data[:2] == JPEG_MAGIC else None  # read by _stored_size before
+    if header is not None and header[2] not in ("CMYK", "YCCK"):
+        _check_pixels(header[0], header[1])
+        try:
+            return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_height,
+                                                           min_width=min_width, strict=True))
+        except ValueError as error:
+            raise UnusableImage(_jpeg_failure(str(error))) from None
+    return _pillow_pixels(data, png_chunks(data) if data[:8] == PNG_MAGIC else None)
+
+
+def _scaled_box(box: Box, scale_y: float, scale_x: float) -> Box:
+    return Box(int(box.top * scale_y), int(box.left * scale_x),
+               max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
+
+
+def _decode_region(data: bytes, box: Box, height: int, width: int, eighths: int) -> tuple[np.ndarray, Box]:
+    """Only the rows and columns of the M/8 image that `box` covers, with REGION_MARGIN pixels around them (the
+    context fancy upsampling reads), through libjpeg-turbo's partial decode, and the box within that region. The
+    box's pixels are those of the whole decode (tested bitwise), so the output is the same either way. The other
+    rows are entropy-decoded only: a damaged or cut file is refused whatever the crop, as by the whole decode."""
+    scaled_h, scaled_w = -(-height * eighths // 8), -(-width * eighths // 8)  # libjpeg's jdiv_round_up
+    scaled = _scaled_box(box, scaled_h / height, scaled_w / width)
+    top, left = min(max(scaled.top, 0), scaled_h - 1), min(max(scaled.left, 0), scaled_w - 1)
+    first_row, end_row = max(0, top - REGION_MARGIN), min(scaled_h, top + scaled.height + REGION_MARGIN)
+    first_column, end_column = max(0, left - REGION_MARGIN), min(scaled_w, left + scaled.width + REGION_MARGIN)
+    assert _jpegcrop is not None
+    pixels, decoded_left, decoded_width = _jpegcrop.decode(
+        data, eighths, first_row, first_column, end_row - first_row, end_column - first_column)
+    image = np.frombuffer(pixels, np.uint8).reshape(end_row - first_row, decoded_width, 3)
+    return image, Box(top - first_row, left - decoded_left, scaled.height, scaled.width)
 
 
 def _check_jpeg_strictly(data: bytes) -> None:
@@ -254,7 +374,8 @@ def _is_plain_png(data: bytes) -> bool:
         and data[25] in PLAIN_PNG_COLOUR_TYPES
 
 
-def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None) -> None:
+def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
+              clock: StageClock | None = None) -> None:
     """Through libpng, when it has nothing to say: the same pixels as Pillow's decode, in less than half its time
     on small images (no Python per image). A file libpng decodes with a warning (a bad ancillary chunk, an odd
     colour profile) goes to Pillow, as every PNG did before. One it refuses is unusable, even where Pillow would
@@ -272,7 +393,7 @@ def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     if said:
         raise _NeedsPillow  # before any draw: Pillow's path makes the same draws from the same generator
     box, flip = choose_box(height, width, augment, rng)
-    resize_box_into(image, box, flip, out)
+    resize_box_into(image, box, flip, out, clock)
 
 
 # Where libpng's stderr goes during a decode: (pid, memory file), one per process (a forked child makes its own: a
@@ -349,12 +470,18 @@ def _jpeg_failure(message: str) -> str:
 
 
 def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-                 chunks: list[tuple[bytes, int, int]] | None = None) -> None:
+                 chunks: list[tuple[bytes, int, int]] | None = None, clock: StageClock | None = None) -> None:
+    pixels = _pillow_pixels(data, chunks)
+    box, flip = choose_box(pixels.shape[0], pixels.shape[1], augment, rng)
+    resize_box_into(pixels, box, flip, out, clock)
+
+
+def _pillow_pixels(data: bytes, chunks: list[tuple[bytes, int, int]] | None = None) -> np.ndarray:
+    """The whole image as RGB through Pillow; UnusableImage with the reason where it cannot be."""
     try:
         with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
             _check_pixels(image.height, image.width)
             _check_decode_bytes(image)
-            box, flip = choose_box(image.height, image.width, augment, rng)
             pixels = to_rgb_array(image)
             lacking = chunks is not None and _may_lack_rows(image) and not _png_image_data_complete(data, chunks)
         if lacking:
@@ -372,7 +499,7 @@ def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.
     except (OSError, SyntaxError, ValueError, EOFError) as error:
         kind = "truncated" if "truncated" in str(error) else "corrupt image"  # Pillow: "image file is truncated"
         raise UnusableImage(f"{kind}: {error}") from None
-    resize_box_into(pixels, box, flip, out)
+    return pixels
 
 
 def _png_unopened(data: bytes, chunks: list[tuple[bytes, int, int]]) -> str:
@@ -452,8 +579,9 @@ def _wide_to_gray8(image: Image.Image) -> np.ndarray:
     return gray
 
 
-def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) -> None:
+def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray, clock: StageClock | None = None) -> None:
     """Resize the box of `image` into `out` without an intermediate copy of the result."""
+    started = time.thread_time()
     top = min(max(box.top, 0), image.shape[0] - 1)
     left = min(max(box.left, 0), image.shape[1] - 1)
     crop = image[top:top + box.height, left:left + box.width]
@@ -464,3 +592,5 @@ def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray) ->
     cv2.resize(crop, (out.shape[1], out.shape[0]), dst=out, interpolation=interpolation)
     if flip:
         cv2.flip(out, 1, dst=out)
+    if clock is not None:
+        clock.resize += time.thread_time() - started

@@ -1,0 +1,94 @@
+"""`stoker bench decode`: CPU milliseconds per image of decode + RandomResizedCrop + flip into a preallocated slot,
+the producer's own work, crop-aware against whole-image decoding, on a folder's JPEGs as they are and packed with
+`stoker pack --max-side`. One process, one thread, the passes of every variant interleaved; each figure is the
+median over passes of the process's CPU time per image, beside the stage clocks (`imaging.StageClock`) of the same
+passes, whose sum must come within 10% of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+EXTENSIONS = (".jpg", ".jpeg")
+
+
+def add_parser(kinds: argparse._SubParsersAction) -> None:
+    parser = kinds.add_parser("decode", help="CPU ms per image: decode + random crop + flip, crop-aware against "
+                                             "whole, original against --max-side packed")
+    parser.add_argument("--data", type=Path, required=True, help="an ImageFolder of JPEGs (e.g. the ImageNet-like set "
+                                                                  "of `stoker bench pipeline --generate`)")
+    parser.add_argument("--max-side", type=int, nargs="*", default=[256], help="also pack the folder at these sides "
+                                                                              "(default 256)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    sets = {"original": _folder_jpegs(args.data)}
+    with tempfile.TemporaryDirectory(prefix="stoker-bench-decode-") as scratch:
+        for side in args.max_side:
+            sets[f"--max-side {side}"] = _packed_jpegs(args.data, Path(scratch) / str(side), side)
+    rows = measure(sets, args.image_size, args.passes)
+    for row in rows:
+        print(f"{row['set']:<16} {row['decoder']:<11} {row['cpu_ms_per_image']:6.3f} ms/image "
+              f"(stages {row['stage_ms_per_image']:.3f}; passes {' '.join(f'{v:.3f}' for v in row['passes'])})")
+    if args.json:
+        args.json.write_text(json.dumps({"image_size": args.image_size, "passes": args.passes, "rows": rows},
+                                        indent=1) + "\n")
+    return 0
+
+
+def _folder_jpegs(folder: Path) -> list[bytes]:
+    files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in EXTENSIONS)
+    if not files:
+        raise SystemExit(f"stoker: error: {folder}: no JPEG files")
+    return [p.read_bytes() for p in files]
+
+
+def _packed_jpegs(folder: Path, out: Path, side: int) -> list[bytes]:
+    from stoker.data.formats.pack import Shrink, pack
+
+    found = []
+    for shard in pack(folder, out, 1 << 40, shrink=Shrink(side)):
+        with tarfile.open(shard) as archive:
+            for member in archive.getmembers():
+                if member.name.lower().endswith(EXTENSIONS):
+                    found.append(archive.extractfile(member).read())  # type: ignore[union-attr]
+    return found
+
+
+def measure(sets: dict[str, list[bytes]], size: int, passes: int) -> list[dict[str, Any]]:
+    import numpy as np
+
+    from stoker.data.pixels import imaging
+
+    crop_aware = imaging._jpegcrop
+    decoders = {"crop-aware": crop_aware, "whole": None} if crop_aware is not None else {"whole": None}
+    out = np.empty((size, size, 3), np.uint8)
+    seconds: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    try:
+        for number in range(passes):
+            for name, images in sets.items():
+                for decoder, module in decoders.items():
+                    imaging._jpegcrop = module  # type: ignore[assignment]
+                    rng, clock = np.random.default_rng(number), imaging.StageClock()
+                    started = time.process_time()
+                    for data in images:
+                        imaging.load_into(data, out, "standard", rng, clock)
+                    spent = time.process_time() - started
+                    seconds.setdefault((name, decoder), []).append((spent, clock.decode + clock.resize))
+    finally:
+        imaging._jpegcrop = crop_aware
+    return [{"set": name, "decoder": decoder, "images": len(sets[name]),
+             "cpu_ms_per_image": round(statistics.median(s for s, _ in runs) * 1000 / len(sets[name]), 4),
+             "stage_ms_per_image": round(statistics.median(c for _, c in runs) * 1000 / len(sets[name]), 4),
+             "passes": [round(s * 1000 / len(sets[name]), 4) for s, _ in runs]}
+            for (name, decoder), runs in seconds.items()]

@@ -1,0 +1,112 @@
+"""Crop-aware JPEG decoding: the region libjpeg-turbo decodes holds the whole decode's pixels, so every crop and
+augmentation gives the same bytes as decoding the image whole; damage anywhere in the file still refuses it."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import simplejpeg
+from PIL import Image
+
+from stoker.data.pixels import _jpegcrop, imaging
+from stoker.data.pixels.imaging import UnusableImage, load_into, scale_eighths
+from tests.conftest import photograph_jpeg, scan_data_start
+
+imaging.make_decode_warnings_errors()
+
+ENCODINGS = {  # Pillow's options: each chroma layout libjpeg upsamples differently, progressive, restart markers
+    "444": {"subsampling": 0}, "422": {"subsampling": 1}, "420": {"subsampling": 2},
+    "progressive": {"progressive": True}, "restarts": {"restart_marker_rows": 1}, "grey": {},
+}
+
+
+def jpeg(size: tuple[int, int], encoding: str, seed: int = 0) -> bytes:
+    """A crop of a real photograph (never upscaled) at `size` (width, height), encoded as asked."""
+    photo = Image.open(io.BytesIO(photograph_jpeg(seed % 2, False)))
+    left, top = (seed * 37) % (photo.width - size[0] + 1), (seed * 23) % (photo.height - size[1] + 1)
+    image = photo.crop((left, top, left + size[0], top + size[1]))
+    if encoding == "grey":
+        image = image.convert("L")
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=90, **ENCODINGS[encoding])
+    return buffer.getvalue()
+
+
+SIZES = [(500, 375), (375, 500), (333, 257), (17, 9), (1, 40), (40, 1), (640, 40)]
+
+
+@pytest.mark.parametrize("encoding", list(ENCODINGS))
+def test_a_region_holds_the_whole_decodes_pixels_at_every_scale(encoding):
+    rng, margin = np.random.default_rng(0), imaging.REGION_MARGIN
+    for size in SIZES:
+        data = jpeg(size, encoding)
+        for eighths in range(1, 9):
+            height, width = -(-size[1] * eighths // 8), -(-size[0] * eighths // 8)
+            whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=height, min_width=width)
+            assert whole.shape[:2] == (height, width)
+            for _ in range(6):
+                rows, columns = int(rng.integers(1, height + 1)), int(rng.integers(1, width + 1))
+                top, left = int(rng.integers(0, height - rows + 1)), int(rng.integers(0, width - columns + 1))
+                # with REGION_MARGIN pixels around the box, as imaging asks: the context fancy upsampling reads
+                first_row, end_row = max(0, top - margin), min(height, top + rows + margin)
+                first_column, end_column = max(0, left - margin), min(width, left + columns + margin)
+                pixels, decoded_left, decoded_width = _jpegcrop.decode(
+                    data, eighths, first_row, first_column, end_row - first_row, end_column - first_column)
+                region = np.frombuffer(pixels, np.uint8).reshape(end_row - first_row, decoded_width, 3)
+                assert decoded_left <= first_column and decoded_left + decoded_width >= end_column
+                got = region[top - first_row:top - first_row + rows, left - decoded_left:left - decoded_left + columns]
+                np.testing.assert_array_equal(got, whole[top:top + rows, left:left + columns])
+
+
+def test_a_narrow_box_decodes_only_the_columns_around_it():
+    data = jpeg((500, 375), "420")
+    pixels, decoded_left, decoded_width = _jpegcrop.decode(data, 8, 100, 200, 50, 40)
+    assert len(pixels) == 50 * decoded_width * 3
+    assert decoded_left <= 200 and decoded_left + decoded_width >= 240 and decoded_width <= 40 + 2 * 16
+
+
+def test_scale_is_the_one_simplejpeg_picks():
+    """The region's scale and the whole decode's must agree, or the pixels differ: checked at each threshold."""
+    for height, width in [(375, 500), (257, 333), (9, 17), (1, 40)]:
+        data = jpeg((width, height), "420")
+        edges = sorted({-(-side * eighths // 8) + step for side in (height, width) for eighths in range(1, 9)
+                        for step in (0, 1)})
+        for min_height in edges:
+            for min_width in edges:
+                eighths = scale_eighths(height, width, min_height, min_width)
+                shape = simplejpeg.decode_jpeg(data, min_height=min_height, min_width=min_width).shape[:2]
+                assert shape == (-(-height * eighths // 8), -(-width * eighths // 8))
+
+
+@pytest.mark.parametrize("augment", ["standard", "none", "trivial", "randaug"])
+@pytest.mark.parametrize("encoding", ["420", "444", "progressive", "grey"])
+def test_crop_aware_decoding_gives_the_bytes_of_the_whole_decode(augment, encoding, monkeypatch):
+    """Every augmentation, output size and file shape: the same bytes with the extension as without it."""
+    files = [jpeg(size, encoding, seed) for seed, size in enumerate(SIZES)]
+    for side in (224, 64):  # the small files' boxes are smaller than both: upscaled from the whole-size decode
+        outputs = []
+        for module in (_jpegcrop, None):
+            monkeypatch.setattr(imaging, "_jpegcrop", module)
+            rng = np.random.default_rng(7)
+            out = np.zeros((len(files) * 12, side, side, 3), np.uint8)
+            for index in range(len(out)):
+                load_into(files[index % len(files)], out[index], augment, rng if augment != "none" else None)
+            outputs.append(out)
+        np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+def test_damage_outside_the_crop_still_refuses_the_file(progressive):
+    """Rows above and below the box are entropy-decoded too: a zeroed stretch anywhere is seen, whatever the crop
+    (stopping at the box's last row trained on the zeros for most crops)."""
+    data = photograph_jpeg(0, progressive)
+    start = scan_data_start(data)
+    tenth = (len(data) - 2 - start) // 10
+    for where in (1, 5, 8):
+        zeroed = data[:start + where * tenth] + bytes(tenth) + data[start + (where + 1) * tenth:]
+        rng = np.random.default_rng(where)
+        for _ in range(40):
+            with pytest.raises(UnusableImage, match="^(corrupt JPEG|truncated)"):
+                load_into(zeroed, np.zeros((224, 224, 3), np.uint8), "standard", rng)
