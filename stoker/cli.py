@@ -24,6 +24,7 @@ from stoker.common.config import (
     load_toml,
     make_config,
 )
+from stoker.common.procs import LOG_DATEFMT, LOG_FORMAT
 from stoker.common.terminal import EscapedArguments
 
 USAGE_ERROR = 2
@@ -129,7 +130,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATEFMT)
     # The report's INFO lines ("Using categorical units ...", "generated new fontManager") are no news to a user;
     # a user's own model or dataset module keeps its INFO lines.
     logging.getLogger("matplotlib").setLevel(logging.WARNING)

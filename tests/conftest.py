@@ -8,6 +8,7 @@ import io
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +38,14 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 # inherited by every process a test starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+# A background job of a non-interactive shell (`make test &`, `nohup make test &`, a CI script's job) starts with
+# SIGINT ignored, and an ignored disposition survives exec: every process a test starts would ignore the Ctrl-C the
+# test sends it, and the run, the pack or the user's loop would go on (and be left behind). The suite tests what a
+# user at a terminal gets: here, in pytest and in each xdist worker, SIGINT gets Python's handler back, which exec
+# resets to the default in every child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # `make test` runs most tests in 3 pytest-xdist workers at once: the leave-no-trace checks look only at what this
 # worker's tests started. Every process a test starts inherits this mark, orphaned or not; a segment's name holds
@@ -187,11 +196,40 @@ def _with_visible_devices(environment) -> dict:
 
 @pytest.fixture(autouse=True)
 def leaves_no_trace():
-    """Every test ends with no stoker process alive and no stoker segment in /dev/shm."""
+    """Every test ends with no stoker process alive and no stoker segment in /dev/shm. One that fails so is
+    failed, and what it left is removed first, so that the next test (and the shell after `make test`) starts
+    clean."""
     yield
     processes, segments = wait_for_no_trace()
+    if processes or segments:
+        clear_traces([pid for pid, _ in processes], segments)
     assert not processes, f"stoker processes left behind: {processes}"
     assert not segments, f"shared-memory segments left behind: {segments}"
+
+
+def clear_traces(pids: list[int], segments: list[str]) -> None:
+    """Kill the stoker processes `pids` and the processes of this session above them up to this one (a helper
+    script that started a Loader, a CLI the test could not stop), then remove those of `segments` and the
+    semaphores that no live process holds any more."""
+    from stoker.pipeline import semaphores
+
+    doomed: set[int] = set()
+    for pid in pids:
+        while pid not in doomed and pid > 1 and pid != os.getpid() and _ours(pid):
+            doomed.add(pid)
+            fields = procs.stat_fields(pid)
+            pid = int(fields[1]) if fields else 0
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) and (procs.stat_fields(pid) or ["Z"])[0] != "Z" for pid in doomed):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    for name in segments:
+        ring.remove_if_unheld(os.path.join(ring.SHM_DIR, name))
+    semaphores.sweep_dead_semaphores()
 
 
 @pytest.fixture(scope="session")

@@ -228,7 +228,8 @@ class DeviceSettings:
     GROUP: ClassVar[str] = DEVICES
 
     devices: Annotated[str, Setting(
-        "auto (every visible GPU; without one, two CPU consumers, one on a 1-core machine) | cpu:N | cuda | "
+        "auto (every visible GPU; without one, two CPU consumers sharing each step's batch, one on a 1-core "
+        "machine) | cpu:N | cuda | "
         "cuda:0,1", "SPEC", may_change_on_resume=True, machine_local=True)] = "auto"
     precision: Annotated[Literal["fp32", "bf16", "fp16"], Setting(
         "fp32 | bf16 | fp16: autocast over fp32 weights (fp16 with a gradient scaler)", "P")] = "fp32"

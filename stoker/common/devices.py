@@ -18,15 +18,19 @@ def check_devices_form(spec: str) -> str:
     return spec
 
 
-def resolve_devices(spec: str) -> list[str]:
-    """One device string per consumer; asking for a GPU that is not there is a user error, raised here."""
+def resolve_devices(spec: str, batch_size: int | None = None) -> list[str]:
+    """One device string per consumer; asking for a GPU that is not there is a user error, raised here. `auto` on
+    the CPU splits one batch of `batch_size` over its consumers (`shares_one_batch`): never more of them than the
+    batch has samples."""
     import torch  # here: the other helpers count cores for commands that never touch a device (`--help`)
 
     if spec.startswith("cpu:"):
         return ["cpu"] * int(spec.split(":")[1])
     check_torch_sees_the_gpus()
     if spec == "auto":
-        return resolve_devices("cuda") if torch.cuda.is_available() else ["cpu"] * default_cpu_consumers()
+        if torch.cuda.is_available():
+            return resolve_devices("cuda")
+        return ["cpu"] * min(default_cpu_consumers(), batch_size or default_cpu_consumers())
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if available == 0:
         raise ValueError(f"devices={spec!r}: no CUDA device is visible (use 'auto' or 'cpu:N')")
@@ -94,9 +98,17 @@ def default_cpu_consumers() -> int:
     """On a CPU-only machine, two consumers of half the cores each (one on one core). Measured on 2 cores: two
     single-threaded consumers trained 1.10x one with both threads on the built-in set and 1.17x on 64 px photos
     (intra-op threads split a small model's convolutions poorly; processes split the batch), three 0.97x two.
-    Beyond 2 cores this is unmeasured and kept at two: more consumers would also make the global batch grow with
-    the machine."""
+    Beyond 2 cores this is unmeasured and kept at two. The two share one batch (`shares_one_batch`)."""
     return min(2, available_cores())
+
+
+def shares_one_batch(spec: str, devices: list[str]) -> bool:
+    """Whether the consumers of `devices` split one `--batch-size` a step between them instead of taking one each:
+    `--devices auto` without a GPU, where the CPU is the one device, split into processes only because they train
+    it faster. An automatic choice must not change what the run learns: the global batch, the steps and the
+    learning rate are those of `cpu:1` (one CPU device per machine); `cpu:N`, written out, is N devices of
+    `--batch-size` each."""
+    return spec == "auto" and len(devices) > 1 and all(device == "cpu" for device in devices)
 
 
 def threads_per_consumer(devices: list[str]) -> int:

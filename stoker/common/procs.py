@@ -40,6 +40,17 @@ def name_process(title: str) -> None:
     setproctitle.setproctitle(title)
 
 
+# The command line's log lines: the time, the level, the message; children forked from a zygote log the same way.
+LOG_FORMAT, LOG_DATEFMT = "%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"
+
+
+def log_as_the_controller() -> None:
+    """A child forked from a zygote (a fresh interpreter, not the controller's copy) has no logging set up: its
+    warnings reached the terminal bare, without the time every other line carries."""
+    if not logging.root.handlers:
+        logging.basicConfig(level=logging.WARNING, format=LOG_FORMAT, datefmt=LOG_DATEFMT)
+
+
 def stoker_processes() -> list[tuple[int, str]]:
     """(pid, title) of every live stoker process on this machine, found by the titles `name_process` sets."""
     found = []

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import queue
+import select
 import signal
 import threading
+import time
+from collections.abc import Callable
 from multiprocessing import context, forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing import process as mp_process
 from typing import Any, cast
@@ -29,6 +33,8 @@ from stoker.common.procs import (
     signals_blocked_for_children,
     stat_fields,
 )
+
+log = logging.getLogger(__name__)
 
 # The controller's pid, the zygote's title and how to import the controller's main module, set only in the
 # environment a zygote is started with: importing this module makes a process a zygote only there (a test or a type
@@ -46,6 +52,10 @@ _environment = threading.Lock()
 # Whether this process's main module is stoker's own command line, which starts nothing and touches neither CUDA
 # nor torch's threads as it is imported: consumers are forked only then (`CONSUMERS`).
 _main_is_stokers = False
+# A zygote forks a child in milliseconds (seconds while it still imports): one that has not answered a fork in
+# FORK_ANSWER_S, or has been stopped (SIGSTOP, a debugger) for STOPPED_S of it, is not answering, and is replaced.
+FORK_ANSWER_S = 60.0
+STOPPED_S = 2.0
 
 
 class Lease:
@@ -119,6 +129,29 @@ class Zygote:
         pid = self.pid()
         fields = stat_fields(pid) if pid is not None else None
         return bool(fields and fields[0] not in ("Z", "X"))
+
+    def state(self) -> str | None:
+        """The zygote's state letter from /proc (`T`: stopped), None when there is none."""
+        pid = self.pid()
+        fields = stat_fields(pid) if pid is not None else None
+        return fields[0] if fields else None
+
+    def answers(self, ready: Callable[[float], bool]) -> bool:
+        """Whether `ready(timeout)` comes true before the zygote is found not answering (FORK_ANSWER_S in all,
+        or STOPPED_S stopped). Waits in short steps: a signal's handler runs between them."""
+        started, stopped_since = time.monotonic(), None
+        while not ready(0.1):
+            now = time.monotonic()
+            stopped_since = (stopped_since or now) if self.state() in ("T", "t") else None
+            if now - started > FORK_ANSWER_S or (stopped_since is not None and now - stopped_since > STOPPED_S):
+                return False
+        return True
+
+    def replace(self) -> None:
+        """A zygote that does not answer is killed (the children forked from it get their parent-death signal);
+        the next fork starts a new one."""
+        with self._lock:
+            self._stop()
 
     def ended_before_forking(self, error: BaseException) -> str:
         """What a start that failed because the zygote ended says; the zygote's own traceback, above, says why."""
@@ -220,12 +253,62 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             context.set_spawning_popen(None)
-        self.sentinel, w = self._zygote_server.connect_to_new_process(cast(Any, self)._fds)
-        _parent_w = os.dup(w)  # the child's sentinel of its parent, as multiprocessing keeps it
-        self.finalizer = util.Finalize(self, cast(Any, util).close_fds, (_parent_w, self.sentinel))
-        with open(w, "wb", closefd=True) as f:
-            f.write(buf.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
+        zygote = self._zygote_server._zygote
+        for _ in range(2):  # a zygote that does not answer is replaced once
+            self.sentinel, w = self._zygote_server.connect_to_new_process(cast(Any, self)._fds)
+            _parent_w = os.dup(w)  # the child's sentinel of its parent, as multiprocessing keeps it
+            self.finalizer = util.Finalize(self, cast(Any, util).close_fds, (_parent_w, self.sentinel))
+            if _write_all(w, buf.getbuffer(), zygote) and zygote.answers(
+                    lambda timeout: bool(select.select([self.sentinel], [], [], timeout)[0])):
+                self.pid = forkserver.read_signed(self.sentinel)
+                return
+            self.finalizer()
+            log.warning("%s (pid %s) did not answer a fork (stopped?): replacing it", zygote.title, zygote.pid())
+            zygote.replace()
+        raise ConnectionError(f"{zygote.title} did not answer a fork, twice")
+
+    def poll(self, flag: int = os.WNOHANG) -> int | None:
+        """As multiprocessing's, and a child whose zygote has not said it ended (stopped: it reaps nothing) is
+        found dead by its own /proc entry, with the status it ended with."""
+        code = super().poll(os.WNOHANG)
+        if code is None and (status := _zombie_status(self.pid)) is not None:
+            self.returncode = code = status
+        if code is None and flag != os.WNOHANG:
+            return self.wait()
+        return code
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return None
+            select.select([self.sentinel], [], [], left)
+        return code
+
+
+def _write_all(fd: int, data: memoryview, zygote: Zygote) -> bool:
+    """Write the child's start-up data into its pipe (closed after): False when the zygote stops answering first
+    (more than a pipe holds waits for the child to read it, and a stopped zygote forks none)."""
+    os.set_blocking(fd, False)
+    try:
+        while data:
+            if not zygote.answers(lambda timeout: bool(select.select([], [fd], [], timeout)[1])):
+                return False
+            data = data[os.write(fd, data):]
+        return True
+    finally:
+        os.close(fd)
+
+
+def _zombie_status(pid: int | None) -> int | None:
+    """A child that ended and was not reaped yet: its exit code, or minus the signal that killed it, from the
+    status /proc/PID/stat keeps for its parent (field 52); None while it runs or once it is gone."""
+    fields = stat_fields(pid) if pid is not None else None
+    if not fields or fields[0] != "Z" or len(fields) < 50:
+        return None
+    status = int(fields[49])
+    return -(status & 0x7F) if status & 0x7F else (status >> 8) & 0xFF
 
 
 def _context_with(process_class: type) -> Any:

@@ -320,19 +320,30 @@ def drawn(runs: list[RunRecord]) -> Any:
         axes.grid(alpha=0.3)
         if len(runs) > 1:
             axes.legend(fontsize=8)
-    verdicts = "; ".join((run.summary.get("verdict") or {}).get("text", "") for run in runs)
-    figure.suptitle(verdicts, fontsize=9)
+    figure.suptitle("\n".join(_headline(run) for run in runs), fontsize=9)
     figure.tight_layout()
     return figure
+
+
+def _headline(run: RunRecord) -> str:
+    """The figure's title for a run: its verdict, after what ended it where it did not complete."""
+    verdict = (run.summary.get("verdict") or {}).get("text", "")
+    status, error = run.summary.get("status"), run.summary.get("error")
+    if status == "failed" and error:
+        first = printable(error.splitlines()[0])
+        return f"FAILED: {textwrap.shorten(first, 160, placeholder=' ...')}\n{verdict}"
+    return f"{status.upper()}: {verdict}" if status == "interrupted" else verdict
 
 
 def _draw_split(axes, runs: list[RunRecord]) -> None:
     labels, shares = [], defaultdict(list)
     for run in runs:
         summary = run.summary
+        died = {loss["consumer"]: loss["died_s"] for loss in summary.get("consumers_lost") or []}
         for rank in range(summary["num_consumers"]):
             prefix = f"{run.name} " if len(runs) > 1 else ""
-            labels.append(f"{prefix}consumer {rank}")
+            death = f" (died at {died[rank]:.0f} s)" if rank in died else ""
+            labels.append(f"{prefix}consumer {rank}{death}")
             compute = (summary.get("compute_fraction") or [0.0] * summary["num_consumers"])[rank]
             wait, averaging = summary["input_stall_fraction"][rank], summary["averaging_fraction"][rank]
             host = (summary.get("host_fraction") or [0.0] * summary["num_consumers"])[rank]

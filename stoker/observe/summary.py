@@ -139,12 +139,14 @@ def part_times(stats: RunStats) -> dict[str, Any]:
 
 def whole_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """The throughput, the time shares and the producer counts over every part that recorded its times (parts
-    written by a stoker before they did are left out): samples over time in training steps, each share of the
-    consumers' summed seconds, as `time_shares` defines it for one part."""
-    timed = [part for part in parts if _has_times(part, len(parts[-1]["consumer_s"]))]
+    written by a stoker before they did are left out): samples over time in training steps, over every such part
+    whatever its consumers; each share of the consumers' summed seconds, as `time_shares` defines it for one part,
+    over the parts with this part's consumer count (a consumer of another count's part is not this one's)."""
+    consumers = len(parts[-1]["consumer_s"])
+    timed = [part for part in parts if _has_throughput(part)]
+    alike = [part for part in timed if _has_consumer_times(part, consumers)]
     samples, train_s = sum(p["samples_trained"] for p in timed), sum(p["train_s"] for p in timed)
-    ranks = [[sum(p["consumer_s"][rank][i] for p in timed) for i in range(5)]
-             for rank in range(len(parts[-1]["consumer_s"]))]
+    ranks = [[sum(p["consumer_s"][rank][i] for p in alike) for i in range(5)] for rank in range(consumers)]
     shares = [time_shares(compute, wait, averaging, wall, host) for compute, wait, averaging, host, wall in ranks]
     hosts = [host_share(compute, wait, averaging, wall, host) for compute, wait, averaging, host, wall in ranks]
     return {"throughput_samples_per_s": round(samples / train_s, 2) if train_s > 0 else 0.0,
@@ -157,10 +159,13 @@ def whole_figures(parts: list[dict[str, Any]]) -> dict[str, Any]:
             "producers_max": max(p.get("producers_max", 0) for p in parts)}
 
 
-def _has_times(part: dict[str, Any], consumers: int) -> bool:
+def _has_throughput(part: dict[str, Any]) -> bool:
+    return isinstance(part.get("samples_trained"), int) and isinstance(part.get("train_s"), (int, float))
+
+
+def _has_consumer_times(part: dict[str, Any], consumers: int) -> bool:
     times = part.get("consumer_s")
-    return (isinstance(part.get("samples_trained"), int) and isinstance(part.get("train_s"), (int, float))
-            and isinstance(times, list) and len(times) == consumers
+    return (isinstance(times, list) and len(times) == consumers
             and all(isinstance(row, list) and len(row) == 5 and all(isinstance(x, (int, float)) for x in row)
                     for row in times))
 

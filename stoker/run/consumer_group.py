@@ -190,12 +190,14 @@ class ConsumerGroup:
         self._kill_stuck()
         if not (self.membership.regrouping or run.closing):
             self._start_again(now)
-        if not run.saving:
+        if run.closing:
+            self._give_up_joiners()
+        elif not run.saving:
             self._admit_joiners()
         return self.membership.ready(run.finished)
 
-    def check_deadline(self) -> None:
-        self.membership.check_deadline()
+    def check_deadline(self, finished: dict[int, Any]) -> None:
+        self.membership.check_deadline(finished)
 
     def _check(self, run: RunState) -> None:
         finished = run.finished
@@ -211,7 +213,7 @@ class ConsumerGroup:
                 self.read_last(rank)
                 if rank in finished:
                     continue
-                cause = f"consumer {rank} (pid {process.pid}) {describe_exit(process)}"
+                cause = self._death(rank, process)
                 if self.zygote is not None and not self.zygote.alive():
                     cause += ": the zygote consumers are forked from died, and every consumer with it"
                 if not self.membership.elastic or not run.trained:  # before the first step: starting up
@@ -221,9 +223,10 @@ class ConsumerGroup:
 
     # ---- a consumer's death, when the others go on --------------------------------------------------------------
 
+    def _death(self, consumer: int, process: Any) -> str:
+        return told_death(consumer, process, self.failure_causes.pop(consumer, None))
+
     def _lose(self, consumer: int, cause: str) -> None:
-        if reported := self.failure_causes.pop(consumer, None):
-            cause = f"{cause}: {reported.splitlines()[0]}"
         loss = self.membership.lose(consumer, cause)  # below --min-consumers: the run fails
         if loss is None:  # started again, died before it joined
             log.warning("%s before it joined the others", cause)
@@ -286,10 +289,19 @@ class ConsumerGroup:
         process = self.starting_again.pop(consumer, None)
         if process is None or not process.is_alive():
             return  # from a start that died meanwhile (its death was counted)
-        if closing:
-            process.kill()
-            return
         self.joiners.add(consumer)
+        if closing:
+            self._give_up_joiners()
+
+    def _give_up_joiners(self) -> None:
+        """The run ends (its last batches are handed over, or it stops): a consumer ready to rejoin would need a
+        regroup its peers, finishing, never take part in. It is stopped (in neither `consumers_rejoined` nor
+        `consumers_left_out`, as a restart still starting at the end)."""
+        for consumer in sorted(self.joiners):
+            log.warning("consumer %d was ready to rejoin as the run ended: not taken back", consumer)
+            self.processes[consumer].kill()
+            self.processes[consumer].join(timeout=5.0)
+        self.joiners = set()
 
     def _admit_joiners(self) -> None:
         if not self.joiners or self.membership.regrouping:
@@ -359,3 +371,10 @@ class ConsumerGroup:
         if self.local_store is not None:
             self.local_store.close()
         self.agreement = self.store = None
+
+
+def told_death(consumer: int, process: Any, reported: str | None) -> str:
+    """How a consumer ended: its own error where it reported one (it then exits with code 0, which says nothing
+    of why: "exited with code 0" named a consumer that had failed), else how its process ended."""
+    how = "failed" if reported is not None and process.exitcode == 0 else describe_exit(process)
+    return f"consumer {consumer} (pid {process.pid}) {how}" + (f": {reported.splitlines()[0]}" if reported else "")

@@ -141,7 +141,8 @@ class Controller:
         self.group.start(self.driver.ring_spec, self.plan.reference, self.metrics)
         faults.maybe_inject("controller", "consumers started")
         self.metrics.write("start", devices=self.devices, producers=self.prepared.engine.counts.initial,
-                           config=config.as_json(), resume_from=self.resume_from)
+                           config=config.as_json(), resume_from=self.resume_from, global_batch=self.plan.per_step,
+                           lr=config.lr * self.plan.lr_scale)
 
     def _loop(self) -> None:
         self.driver.open_window(time.monotonic())
@@ -155,7 +156,7 @@ class Controller:
                 self._handle(message)
             if self.group.tick(time.monotonic(), self):
                 self._regroup()
-            self.group.check_deadline()
+            self.group.check_deadline(self.finished)
             self.checkpoints.record_commits(self.metrics)
             self.driver.tick(time.monotonic(), decide=not self.finishing)  # every SCALE_WINDOW_S
             self._show()

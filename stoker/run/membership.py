@@ -46,9 +46,10 @@ class Loss:
 
 
 def with_losses(verdict: Verdict, losses: list[Loss]) -> Verdict:
-    """The verdict, with what each death cost: "consumer 2 died (the others went on from step 812): 0.4 s without
-    training, 0 step(s) trained again; 2 consumer(s) from then"."""
-    told = [f"consumer {loss.consumer} died (the others went on from step {loss.agreed_step + 1}): "
+    """The verdict, with what each death cost: "consumer 2 died (the others went on from the state after step 811):
+    0.4 s without training, 0 step(s) trained again; 2 consumer(s) from then", in the words of the regroup's log
+    line ("2 consumer(s) go on from the state after step 811")."""
+    told = [f"consumer {loss.consumer} died (the others went on from the state after step {loss.agreed_step}): "
             + (f"{loss.without_training_s:.1f} s without training, " if loss.without_training_s is not None else "")
             + f"{loss.steps_taken_back} step(s) trained again; {loss.consumers_after} consumer(s) from then"
             for loss in losses if loss.recovered_s is not None]
@@ -134,7 +135,12 @@ class Membership:
         """A consumer started again is ready: the others are told to leave their group, and all form a new one with
         it, which gets a survivor's state."""
         self.stranded[consumer] = Stranded(consumer, self.current, 1 << 62, "started again")
-        if consumer in self.members:  # said again: the regroup it was to join was overtaken by a later one
+        if consumer in self.members:  # said again: the group it was to join broke, or was overtaken, before it
+            if consumer not in self.fresh:  # got the others' state: it still holds none, and has not rejoined
+                mine = [index for index, joined in enumerate(self.rejoined) if joined["consumer"] == consumer]
+                if mine:
+                    del self.rejoined[mine[-1]]
+            self.fresh.add(consumer)
             return
         self.members = sorted([*self.members, consumer])
         self.fresh.add(consumer)
@@ -154,6 +160,7 @@ class Membership:
             raise StokerRunError(cause)
         holding = [c for c in survivors if c not in self.fresh]  # those started again hold no state yet
         if len(holding) < self.min_consumers:
+            self.members = survivors  # the summary's consumers_at_end says the count the error gives
             raise StokerRunError(f"{cause}; {len(holding)} consumer(s) left, fewer than min_consumers="
                                  f"{self.min_consumers}")
         now = time.monotonic()
@@ -194,13 +201,14 @@ class Membership:
         return self.regrouping and any(c not in self.fresh for c in waiting) and all(
             c in self.stranded for c in waiting)
 
-    def check_deadline(self) -> None:
-        """A survivor that never leaves the broken group (stuck in its device) ends the run."""
+    def check_deadline(self, finished: dict[int, Any]) -> None:
+        """A survivor that never leaves the broken group (stuck in its device) ends the run; one that finished is
+        not waited for."""
         if self.regrouping_since is None:
             return
         waited = time.monotonic() - self.regrouping_since
         if waited > 2 * self.timeout_s:
-            missing = [c for c in self.members if c not in self.stranded]
+            missing = [c for c in self.members if c not in self.stranded and c not in finished]
             raise StokerRunError(f"consumer(s) {missing} did not leave the broken group within {waited:.0f} s "
                                  "(2 x collective_timeout_s) after a consumer died")
 

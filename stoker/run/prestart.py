@@ -22,7 +22,7 @@ from stoker.common.config import (
     names_where,
     takes,
 )
-from stoker.common.devices import available_cores, oversubscription, resolve_devices
+from stoker.common.devices import available_cores, oversubscription, resolve_devices, shares_one_batch
 from stoker.common.files import write_json
 from stoker.common.positions import Position
 from stoker.data.sources import Data, load_data
@@ -107,7 +107,7 @@ def sample_counts(data: Data) -> dict[str, int]:
 
 def prepare(config: TrainConfig) -> RunPlan:
     """Every check before any process starts, in the order a user meets them; the run folder locked last."""
-    devices = resolve_devices(config.devices)
+    devices = resolve_devices(config.devices, config.batch_size)
     if warning := oversubscription(devices, available_cores()):
         log.warning("%s", warning)
     machines = cluster.from_environment(len(devices))
@@ -115,7 +115,7 @@ def prepare(config: TrainConfig) -> RunPlan:
     elastic = config.section(AveragingSettings).continues_after_failure(len(devices), machines.nodes, on_gpus)
     check_membership_settings(config, len(devices), machines.multi, on_gpus)
     data = load_data(config)
-    plan = _epoch_plan(config, data, machines.world)
+    plan = _epoch_plan(config, data, machines, shares_one_batch(config.devices, devices))
     # A slot holds a batch of --batch-size, or with --global-batch fixed the largest share a consumer may take.
     fewest = config.min_consumers if elastic else machines.world
     engine = EngineSpec.from_sections(config.section(FeedSettings), config.section(DataSettings), config.seed,
@@ -141,15 +141,22 @@ def prepare(config: TrainConfig) -> RunPlan:
     return RunPlan(config, devices, machines, elastic, data, plan, engine, run_dir, run_lock, resumed)
 
 
-def _epoch_plan(config: TrainConfig, data: Data, world: int) -> EpochPlan:
+def _epoch_plan(config: TrainConfig, data: Data, machines: Cluster, one_batch: bool) -> EpochPlan:
+    """`one_batch`: the consumers of a machine split one `--batch-size` (`--devices auto` on the CPU): the plan of
+    one consumer a machine (the reference count), its global batch fixed."""
     if config.batch_size > len(data.train):
         raise ValueError(f"batch_size={config.batch_size} is larger than the training set "
                          f"({len(data.train)} images)")
-    plan = EpochPlan(len(data.train), len(data.val or ()), config.batch_size, world, config.seed,
-                     config.drop_last, fixed_global=config.global_batch == "fixed")
+    plan = EpochPlan(len(data.train), len(data.val or ()), config.batch_size, machines.world, config.seed,
+                     config.drop_last, reference_consumers=machines.nodes if one_batch else None,
+                     fixed_global=one_batch or config.global_batch == "fixed")
     if plan.steps_per_epoch == 0:
         raise ValueError(f"drop_last=true with {len(data.train)} training images leaves no step: one takes "
-                         f"{config.batch_size * world} (batch_size x {world} consumers)")
+                         f"{plan.per_step}")
+    if one_batch:
+        log.info("devices auto: %d CPU consumers share each step's batch of %d, as cpu:1 trains it (cpu:%d would "
+                 "train %d a step)", machines.local_consumers, config.batch_size, machines.local_consumers,
+                 config.batch_size * machines.local_consumers)
     if warning := ema_warning(config.ema, plan.steps_per_epoch * config.epochs):
         log.warning("%s", warning)
     return plan

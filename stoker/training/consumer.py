@@ -32,7 +32,14 @@ from stoker.common.config import (
     RecipeSettings,
 )
 from stoker.common.devices import available_cores
-from stoker.common.procs import POLL_S, ChildError, ParentWatch, exit_with_parent, name_process
+from stoker.common.procs import (
+    POLL_S,
+    ChildError,
+    ParentWatch,
+    exit_with_parent,
+    log_as_the_controller,
+    name_process,
+)
 from stoker.pipeline.messages import (
     Batch,
     ConsumerFailed,
@@ -112,6 +119,7 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop, generation=None) ->
     """Process entry point. `generation`: the controller's count of regroups (a shared integer), None when the
     survivors of a death do not go on."""
     name_process(f"stoker consumer {setup.rank}")
+    log_as_the_controller()
     exit_with_parent()
     ring = SlotRing.attach(setup.ring)
     doing, finished = "starting", False
@@ -270,8 +278,7 @@ class Replica:
         broken: Exception | None = None
         if self.setup.joining:
             faults.wait_for_file(faults.JOIN_AFTER_ENV, self._check_stopped)
-            self.outbox.send(Joining(self.setup.local_rank))
-            self._join(self._next_regroup(ready))
+            broken = self._join_as_new(ready)
         while True:
             try:
                 if broken is not None:
@@ -314,15 +321,36 @@ class Replica:
         one it names, in the group it names. Nothing of the broken group's is kept: batches it sent are dropped
         (the controller takes their slots back), a step in flight is void (the state goes back to before it)."""
         log.warning("consumer %d: the group broke (%s): waiting for the survivors' new group", self.setup.rank,
-                    str(error).splitlines()[0][:200])
-        abort_group()
+                    recovery.in_brief(error))
+        if dist.is_initialized():  # not when a new group failed to form
+            abort_group()
         self.clock.pause()
         self.report_steps()
         assert self.agreed is not None, "only an elastic replica rejoins"
         if not self.agreed.kept:  # resumed between two averagings, and none since: no state all replicas hold
             raise error
-        self._strand(f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+        self._strand(f"{type(error).__name__}: {recovery.in_brief(error)}")
         self._join(self._next_regroup(ready))
+
+    def _join_as_new(self, ready) -> Exception | None:
+        """A consumer started again joins at the next regroup. A group that breaks before this consumer holds the
+        others' state (another joiner or a death came meanwhile) is joined again at the next one, as the newcomer
+        it still is; one that breaks after is returned, to be left as any member leaves it."""
+        while True:
+            self.outbox.send(Joining(self.setup.local_rank))
+            try:
+                self._join(self._next_regroup(ready))
+                return None
+            except Exception as error:
+                if self.agreed is None or not is_group_error(error):
+                    raise
+                if self.agreed.kept:
+                    return error
+                log.warning("consumer %d: the group it was joining broke (%s): joining the next one",
+                            self.setup.local_rank, recovery.in_brief(error))
+                if dist.is_initialized():
+                    abort_group()
+                self.setup = replace(self.setup, joining=True)
 
     def _strand(self, reason: str) -> None:
         """Tell the controller this consumer left its group, holding the agreed states it keeps."""
@@ -352,8 +380,7 @@ class Replica:
             self._apply_state(self.agreed.at(regroup.agreed_step))
             self.agreed.kept = [kept for kept in self.agreed.kept if kept[0] <= regroup.agreed_step]
         self.setup = replace(self.setup, rank=regroup.rank, world_size=regroup.world_size, joining=False)
-        self.store = _join_group(self.setup, dist.PrefixStore(f"stoker-group-{regroup.generation}/",
-                                                              self.base_store))
+        self.store = self._form_group(regroup.generation)
         self.host_group = exchange.host_group()
         self.averager.regroup(regroup.world_size)
         if regroup.fresh:
@@ -366,6 +393,16 @@ class Replica:
             self.best = _BestModel(self.setup.best_model, self.setup.model_card, resumed=True)
         log.info("consumer %d is rank %d of %d from the state after step %d", self.setup.local_rank,
                  regroup.rank, regroup.world_size, regroup.agreed_step)
+
+    def _form_group(self, generation: int) -> dist.Store:
+        """Form the new group under a fresh prefix once every member arrived (`recovery.all_arrive`): a member that
+        dies meanwhile never arrives, the controller moves on without it, and this consumer is stranded again
+        (GroupLost) instead of waiting the collective timeout out in init_process_group."""
+        faults.maybe_inject("consumer", f"consumer={self.setup.local_rank},regroup={generation};")
+        store = dist.PrefixStore(f"stoker-group-{generation}/", self.base_store)
+        recovery.all_arrive(store, self.setup.world_size, self._check_alive,
+                            self.setup.averaging.collective_timeout_s)
+        return _join_group(self.setup, store)
 
     def _hand_over_state(self, regroup: Regroup, fresh: bool) -> None:
         """A consumer started again gets the agreed state from `regroup.source`: the weights (the same on every

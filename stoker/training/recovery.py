@@ -12,6 +12,7 @@ other), never two, since the next averaging needs every peer.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,35 @@ def done(work: Any) -> None:
 def all_reduce(tensor: torch.Tensor, op: Any = None) -> None:
     """`dist.all_reduce`, waited for by `done`."""
     done(dist.all_reduce(tensor, async_op=True) if op is None else dist.all_reduce(tensor, op=op, async_op=True))
+
+
+# Where in gloo's sources an error was raised ("[/__w/pytorch/.../gloo/transport/tcp/pair.cc:537] "): no news to a user.
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
+def in_brief(error: BaseException, limit: int = 200) -> str:
+    """An error of the group as a person reads it in a log line: its first line without gloo's source location,
+    its first sentence (gloo adds "This is typically caused by ..."), never cut mid-word."""
+    lines = str(error).splitlines()
+    text = _SOURCE_LOCATION.sub("", lines[0]) if lines else type(error).__name__
+    sentence = text.split(". ", 1)[0]
+    return sentence if len(sentence) <= limit else sentence[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def all_arrive(store: dist.Store, world_size: int, check: Callable[[], None], timeout_s: float) -> None:
+    """Before a new group forms (init_process_group, which waits for every member until the collective timeout):
+    each member counts itself in under the group's fresh prefix and waits, in short steps that call `check` (it
+    raises once the controller moves on), until all have. A member that dies meanwhile never arrives; the
+    controller forms a group again without it, and the others leave this one at once. (A death between the last
+    arrival and the group's forming is not seen so: the collective timeout remains the bound there.) The count is
+    kept in the store, not through a store of Python's, which gloo's threads would call back into."""
+    store.add("arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("arrived", 0) < world_size:
+        check()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out after {timeout_s:g} s waiting for the new group's members")
+        time.sleep(WATCH_S)
 
 
 class GroupLost(Exception):

@@ -26,11 +26,13 @@ def train(textures, out, *extra, env=None):
 
 @pytest.fixture(scope="module")
 def slow_input_run(textures, tmp_path_factory):
-    """Every file read waits 25 ms and one producer does all the reading: input-bound. Two slots per consumer: the
-    batches built while the consumer starts (seconds on a loaded machine) cover two of the 15 steps, not four.
-    Not quiet, TensorBoard on."""
+    """Every file read waits 25 ms and one producer does all the reading: input-bound by construction, whatever
+    the machine's load. One consumer, so no averaging competes with the wait (two consumers averaging on two
+    loaded cores read "sync-bound"). Two slots per consumer: the batches built while the consumer starts (seconds
+    on a loaded machine) cover two of the 15 steps, not four. Not quiet, TensorBoard on."""
     out = tmp_path_factory.mktemp("slow_input")
-    result = train(textures, out, "--producers", "1", "--slots-per-consumer", "2", "--log-every-s", "0.5",
+    result = train(textures, out, "--devices", "cpu:1", "--producers", "1", "--slots-per-consumer", "2",
+                   "--log-every-s", "0.5",
                    "--tensorboard", "true", "--report", "true", env={"STOKER_READ_LATENCY_MS": "25"})
     return out, result
 
@@ -41,7 +43,9 @@ def test_slow_input_source_is_called_input_bound(slow_input_run):
 
 
 def test_slow_device_step_is_called_compute_bound(textures, tmp_path):
-    result = train(textures, tmp_path, "--quiet", "--producers", "2", env={"STOKER_STEP_TIME_MS": "80"})
+    # One consumer: no averaging to compete with the 80 ms step on a loaded machine.
+    result = train(textures, tmp_path, "--quiet", "--devices", "cpu:1", "--producers", "2",
+                   env={"STOKER_STEP_TIME_MS": "80"})
     verdict = read_summary(tmp_path)["verdict"]
     assert verdict["kind"] == "compute-bound", verdict
     # --quiet: no progress lines, and no per-epoch validation lines either (they were printed anyway)

@@ -101,3 +101,30 @@ def test_after_a_resume_the_rate_and_the_shares_are_the_whole_run_s_and_the_tabl
     row = next(line for line in describe([RunRecord("run", {**whole, "verdict": None}, {})]).splitlines()
                if line.startswith("samples/s"))
     assert row.split()[1:] == ["31", "(1,152", "in", "36.9", "s", "of", "steps)"], row
+
+
+def test_after_a_resume_on_another_count_the_rate_is_still_the_whole_run_s(tmp_path):
+    """Issue 53 (14): a run on cpu:2 resumed on cpu:1 reported the resumed part's samples/s alone (its first part,
+    with two consumers' times, was left out of every figure) beside the whole run's wall time. Part 1 trained 512
+    samples in 20.0 s of steps on two consumers; the resumed part trains 640 in 16.9 s on one: 1,152 samples in
+    36.9 s. The time shares are per consumer, so they cover the parts with this part's consumers."""
+    import json
+
+    first = {"start_step": 0, "end_step": 8, "status": "interrupted", "wall_s": 25.0,
+             "throughput_samples_per_s": 25.6, "samples_trained": 512, "train_s": 20.0,
+             "consumer_s": [[10.0, 10.0, 0.0, 0.0, 20.0]] * 2, "producers_initial": 1, "producers_max": 3}
+    (tmp_path / "summary.json").write_text(json.dumps({"segments": [first]}))
+    stats, ledger = RunStats(1, 1152, 18), Ledger()
+    ledger.resume(None, tmp_path, stats)
+    for step in range(10):  # 64 samples each, the first starting at 0.9 s and the last ending at 17.8 s
+        stats.record_step(StepReport(0, 0, 8 + step, 8 + step, 64, 1.0, 0.0, 0.1, 0.0, np.arange(64), None),
+                          now=1.0 + step * 16.8 / 9)
+    part = {"status": "completed", "epochs": 1, "steps": 10, "train_loss": 1.0, "wall_s": 18.0,
+            "throughput_samples_per_s": round(stats.throughput(), 2), "producers_initial": 2, "producers_max": 2,
+            "producers_final": 2, "num_consumers": 1}
+    whole = ledger.whole_run(part, stats, start_step=8, start_epoch=0)
+    assert whole["throughput_samples_per_s"] == 31.22 and whole["samples_trained"] == 1152
+    assert whole["train_s"] == 36.9 and whole["wall_s"] == 43.0
+    assert whole["segments"][-1]["throughput_samples_per_s"] == 37.87  # the part's own figure, named per part
+    assert whole["input_stall_fraction"] == [0.0]  # the one consumer of this part never waited
+    assert ledger.so_far(stats)["throughput_samples_per_s"] == 31.22  # the live view's last line says the same

@@ -85,3 +85,27 @@ def test_comparing_two_runs_lists_the_settings_that_differ(tmp_path):
     listed = text.split("settings that differ:\n", 1)[1].splitlines()
     assert [line.split()[0] for line in listed] == ["lr", "sync_every"]  # not out, which always differs
     assert listed[0].split()[1:] == ["0.05", "0.1"]
+
+
+def test_a_failed_runs_report_says_it_failed_and_the_dead_consumers_bar_says_when_it_died():
+    """Issue 53 (4): a failed run's report.png showed a verdict and no failure, and the dead consumer's bar looked
+    as busy as the survivors'."""
+    import matplotlib.pyplot as plt
+
+    from stoker.observe.report import RunRecord, drawn
+
+    summary = {"status": "failed", "num_consumers": 3, "compute_fraction": [0.8] * 3,
+               "input_stall_fraction": [0.1] * 3, "averaging_fraction": [0.05] * 3,
+               "error": "consumer 2 (pid 41) killed by SIGKILL; 0 consumer(s) left, fewer than min_consumers=1\ntrace",
+               "verdict": {"text": "compute-bound: devices busy 80% of the time"},
+               "consumers_lost": [{"consumer": 1, "died_s": 12.4}, {"consumer": 2, "died_s": 30.0}]}
+    figure = drawn([RunRecord("run", summary, {"pipeline": [], "val": [], "step": []})])
+    try:
+        title = figure._suptitle.get_text()
+        assert title.startswith("FAILED: consumer 2 (pid 41) killed by SIGKILL; 0 consumer(s) left") and "trace" \
+            not in title and "compute-bound" in title
+        split = next(axes for axes in figure.axes if axes.get_title() == "where each consumer's time went")
+        assert [label.get_text() for label in split.get_yticklabels()] == [
+            "consumer 0", "consumer 1 (died at 12 s)", "consumer 2 (died at 30 s)"]
+    finally:
+        plt.close(figure)

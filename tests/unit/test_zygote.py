@@ -260,7 +260,7 @@ def _blocked_signals(pid: int) -> int:
         return int(next(line.split()[1] for line in status if line.startswith("SigBlk")), 16)
 
 
-def _train_slowly(textures, run_dir, through: str = "cli", tmp_path=None) -> subprocess.Popen:
+def _train_slowly(textures, run_dir, through: str = "cli", tmp_path=None, extra: tuple = ()) -> subprocess.Popen:
     """A `cpu:2` run of 4 epochs whose steps are held 300 ms each (the consumers live for 60 of them while a test
     looks at them), started by stoker's command line or by a user's script calling `stoker.train`."""
     train, val = textures
@@ -270,7 +270,7 @@ def _train_slowly(textures, run_dir, through: str = "cli", tmp_path=None) -> sub
     if through == "cli":
         command = [sys.executable, "-m", "stoker", "train", "--data", str(train), "--val", str(val), "--devices",
                    "cpu:2", "--batch-size", "8", "--image-size", "32", "--epochs", "4", "--report", "false",
-                   "--quiet", "--out", str(run_dir)]
+                   "--quiet", "--out", str(run_dir), *extra]
     else:
         script = tmp_path / "users_script.py"
         script.write_text(f"import stoker\nif __name__ == '__main__':\n    stoker.train(**{settings!r})\n")
@@ -346,3 +346,55 @@ def test_a_killed_consumers_zygote_fails_the_run_naming_it(textures, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert controller.returncode == 1 and summary["status"] == "failed", stderr[-3000:]
     assert "the zygote consumers are forked from died, and every consumer with it" in summary["error"]
+
+
+def _producers_zygote_stopped_and_a_producer_killed(controller: subprocess.Popen) -> int:
+    """Once the run trains: its producers' zygote stopped (SIGSTOP) and one of its producers killed; the zygote's
+    pid. The zygote reaps nothing while stopped, so multiprocessing never hears of the death from it."""
+    _consumers_of(controller)
+    ours = set(descendants(controller.pid))
+    (zygote_pid,) = [pid for pid, title in stoker_processes() if pid in ours and title == "stoker zygote"]
+    producer = next(pid for pid, title in stoker_processes() if title.startswith("stoker producer")
+                    and _parent(pid) == zygote_pid)
+    os.kill(zygote_pid, signal.SIGSTOP)
+    os.kill(producer, signal.SIGKILL)
+    return zygote_pid
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_producers_zygote_is_replaced_and_its_dead_producer_noticed(textures, tmp_path):
+    """Issue 53 (3): a killed producer of a stopped zygote was never noticed (its part never built again: training
+    stalled, then the consumers were killed as stuck), and the controller blocked forever forking its
+    replacement. Now the death is read from the producer's own /proc entry, and the zygote, stopped past
+    STOPPED_S, is replaced: the run completes with every sample once."""
+    run_dir = tmp_path / "run"
+    controller = _train_slowly(textures, run_dir, extra=("--producers", "2"))
+    try:
+        zygote_pid = _producers_zygote_stopped_and_a_producer_killed(controller)
+        _, stderr = controller.communicate(timeout=180)
+    finally:
+        controller.kill()
+        controller.communicate()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert controller.returncode == 0 and summary["status"] == "completed", stderr[-3000:]
+    assert summary["duplicate_samples"] == summary["missing_samples"] == 0 and summary["skipped_files"] == []
+    assert f"stoker zygote (pid {zygote_pid}) did not answer a fork (stopped?): replacing it" in stderr
+    assert _gone({zygote_pid}, 30)
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_while_the_producers_zygote_is_stopped_ends_the_run(textures, tmp_path):
+    """Before, the controller sat in the read of the stopped zygote's answer and a first SIGTERM did nothing."""
+    run_dir = tmp_path / "run"
+    controller = _train_slowly(textures, run_dir, extra=("--producers", "2"))
+    try:
+        zygote_pid = _producers_zygote_stopped_and_a_producer_killed(controller)
+        time.sleep(0.5)  # the replacement's fork is under way
+        controller.send_signal(signal.SIGTERM)
+        _, stderr = controller.communicate(timeout=120)
+    finally:
+        controller.kill()
+        controller.communicate()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert controller.returncode == 130 and summary["status"] == "interrupted", stderr[-3000:]
+    assert _gone({zygote_pid}, 30)
