@@ -253,7 +253,7 @@ class _Popen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             context.set_spawning_popen(None)
-        zygote = self._zygote_server._zygote
+        zygote = self._zygote_server.zygote
         for _ in range(2):  # a zygote that does not answer is replaced once
             self.sentinel, w = self._zygote_server.connect_to_new_process(cast(Any, self)._fds)
             _parent_w = os.dup(w)  # the child's sentinel of its parent, as multiprocessing keeps it

@@ -115,7 +115,8 @@ def prepare(config: TrainConfig) -> RunPlan:
     elastic = config.section(AveragingSettings).continues_after_failure(len(devices), machines.nodes, on_gpus)
     check_membership_settings(config, len(devices), machines.multi, on_gpus)
     data = load_data(config)
-    plan = _epoch_plan(config, data, machines, shares_one_batch(config.devices, devices))
+    one_batch = shares_one_batch(config.devices, devices)
+    plan = _epoch_plan(config, data, machines, one_batch)
     # A slot holds a batch of --batch-size, or with --global-batch fixed the largest share a consumer may take.
     fewest = config.min_consumers if elastic else machines.world
     engine = EngineSpec.from_sections(config.section(FeedSettings), config.section(DataSettings), config.seed,
@@ -126,6 +127,10 @@ def prepare(config: TrainConfig) -> RunPlan:
     check_producer_timeout(producer_timeout_s=config.producer_timeout_s,
                        collective_timeout_s=config.collective_timeout_s, world=machines.world)
     _check_model(config, len(data.train.classes))
+    if one_batch:  # said once the settings passed: a user error stays one line
+        log.info("devices auto: %d CPU consumers share each step's batch of %d, as cpu:1 trains it (cpu:%d would "
+                 "train %d a step)", machines.local_consumers, config.batch_size, machines.local_consumers,
+                 config.batch_size * machines.local_consumers)
     run_dir = Path(config.out or config.resume or rundir.default_run_dir())
     # Held until the run ends: taken before the folder is looked at, so two starts cannot both find it free.
     run_lock = rundir.RunDirLock(run_dir, machines.node)
@@ -153,10 +158,6 @@ def _epoch_plan(config: TrainConfig, data: Data, machines: Cluster, one_batch: b
     if plan.steps_per_epoch == 0:
         raise ValueError(f"drop_last=true with {len(data.train)} training images leaves no step: one takes "
                          f"{plan.per_step}")
-    if one_batch:
-        log.info("devices auto: %d CPU consumers share each step's batch of %d, as cpu:1 trains it (cpu:%d would "
-                 "train %d a step)", machines.local_consumers, config.batch_size, machines.local_consumers,
-                 config.batch_size * machines.local_consumers)
     if warning := ema_warning(config.ema, plan.steps_per_epoch * config.epochs):
         log.warning("%s", warning)
     return plan
