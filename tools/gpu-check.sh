@@ -38,13 +38,17 @@ timed() {  # timed NAME LOG SECONDS COMMAND...: the command under a time limit, 
 
 missing=$("$PYTHON" - <<'EOF'
 import importlib
-names = "torch numpy PIL simplejpeg cv2 pydantic rich matplotlib setproctitle obstore pycurl pytest pytest_timeout sklearn"
+# obstore and pycurl are not asked for: only remote sources use them, and this machine reads local files
+names = "torch numpy PIL simplejpeg cv2 pydantic rich matplotlib setproctitle pytest pytest_timeout sklearn"
 missing = []
 for name in names.split():
     try:
-        importlib.import_module(name)
+        module = importlib.import_module(name)
     except Exception as error:  # an ImportError, or a module that fails as it loads (cv2 without libGL)
         missing.append(f"{name} ({type(error).__name__}: {error})")
+        continue
+    if name == "cv2" and not hasattr(module, "IMREAD_COLOR_RGB"):  # stoker reads it at import: OpenCV 4.11
+        missing.append(f"cv2 (OpenCV {getattr(module, '__version__', '?')}: stoker needs 4.11 or later)")
 print("; ".join(missing))
 EOF
 )

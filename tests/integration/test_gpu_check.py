@@ -47,3 +47,18 @@ def test_the_gpu_check_names_a_missing_package_before_it_runs_anything(tmp_path)
     assert result.returncode == 2
     assert "missing Python packages, nothing was run: simplejpeg (ImportError" in result.stdout
     assert not (out / "gpu-tests.txt").exists()
+
+
+def test_the_gpu_check_refuses_an_opencv_older_than_4_11(tmp_path):
+    """stoker reads cv2.IMREAD_COLOR_RGB (OpenCV 4.11) at import: an older OpenCV would pass an import check, then
+    fail every run."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "cv2.py").write_text("__version__ = '4.10.0'\nIMREAD_COLOR = 1\n")  # shadows the real one
+    out = tmp_path / "gpu-check"
+    environment = {**os.environ, "PYTHONPATH": str(hidden), "GPU_CHECK_OUT": str(out)}
+    result = subprocess.run(["bash", str(ROOT / "tools" / "gpu-check.sh"), sys.executable], cwd=tmp_path,
+                            env=environment, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "cv2 (OpenCV 4.10.0: stoker needs 4.11 or later)" in result.stdout
+    assert not (out / "gpu-tests.txt").exists()
