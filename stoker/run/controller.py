@@ -364,8 +364,10 @@ class Controller:
         setups = consumer_setups(self.config, self.devices, self.cluster, store, self.engine.ring.spec,
                                  self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
                                  reference.steps_per_epoch, self.resume_from, self.run_dir)
+        one_sample = self.plan.one_sample_batches()  # the compile warm-up's size 1 only where the run meets it
         self.setups = [replace(setup, start_step=self.start_at.global_step, elastic=self.elastic,
-                               checkpoint_consumers=self.checkpoint_consumers) for setup in setups]
+                               checkpoint_consumers=self.checkpoint_consumers, one_sample=one_sample)
+                       for setup in setups]
         for rank, setup in enumerate(self.setups):
             self.ready_queues.append(CONTEXT.Queue())
             self.consumers.append(self._start_consumer(rank, setup))

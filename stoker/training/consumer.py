@@ -98,6 +98,8 @@ class ConsumerSetup:
     start_step: int = 0  # the global step this part of the run starts at
     elastic: bool = False  # survivors of a peer's death go on (`--on-consumer-failure`): keep the agreed states
     checkpoint_consumers: int = 0  # on resume: the consumers whose states the checkpoint holds (0: world_size)
+    # (train, validation): whether the plan can give this run a batch of one sample (the warm-up compiles it only then)
+    one_sample: tuple[bool, bool] = (True, True)
     joining: bool = False  # started again after a death: joins the group at the next regroup, with a peer's state
 
     @property
@@ -221,7 +223,8 @@ class Replica:
         # Before the first collective: a peer's compile must not time it out (one started again joins later).
         if setup.hardware.compile:
             warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
-                           setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
+                           setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size,
+                           setup.one_sample)
             if not setup.joining:
                 warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
         if setup.joining:

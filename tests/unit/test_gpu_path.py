@@ -128,6 +128,112 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
     torch._dynamo.reset()
 
 
+
+def _counting_aot_backend() -> tuple[list[int], object]:
+    """aot_eager that counts its forward graphs: AOTAutograd runs over the real model (functionalization, the
+    mutated BatchNorm buffers, inputs that are views of one flat storage), the graphs then run eagerly."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiles = [0]
+
+    def forward_compiler(graph, example_inputs):
+        compiles[0] += 1
+        return make_boxed_func(graph.forward)
+
+    return compiles, aot_autograd(fw_compiler=forward_compiler,
+                                  bw_compiler=lambda graph, example_inputs: make_boxed_func(graph.forward))
+
+
+def test_aot_autograd_trains_the_flat_bucket_model_as_eager_does_at_every_warm_up_size():
+    """Every parameter and BatchNorm buffer is a view of one flat storage and the running stats are mutated inside
+    the graph: compiled through AOTAutograd (aot_eager, no C compiler) after the warm-up, a flattened resnet8's
+    gradients, running stats and outputs in train and eval match eager's at each size the warm-up compiled (half
+    the batch, the batch, 1), and nothing compiles again."""
+    import copy
+
+    import torch._dynamo
+
+    from stoker.training import accel, warmup
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = build_model("resnet8", 10)
+    flatten_float_state(eager)
+    model = copy.deepcopy(eager)
+    flatten_float_state(model)
+    assert len({t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+                if t.is_floating_point()}) == 1
+    compiles, backend = _counting_aot_backend()
+    forward = accel.compiled(model, threads=1, backend=backend)
+    warmup.warm_up(model, forward, accel.MixedPrecision("fp32", torch.device("cpu")), torch.device("cpu"), 8, 32,
+                   10, channels_last=True)
+    warmed = compiles[0]
+    assert warmed > 0
+    for size in warmup.warm_up_sizes(8):
+        images = torch.randn(size, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+        labels = torch.arange(size) % 10
+        for module, run in ((eager, eager), (model, forward)):
+            module.train()
+            module.zero_grad(set_to_none=True)
+            F.cross_entropy(run(images), labels).backward()
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            assert torch.allclose(a.grad, b.grad, atol=1e-5), (size, name)
+        for (name, a), b in zip(eager.named_buffers(), model.buffers()):  # running stats, updated in the graph
+            assert torch.allclose(a.float(), b.float(), atol=1e-6), (size, name)
+        eager.eval()
+        model.eval()
+        with torch.no_grad():
+            assert torch.allclose(eager(images), forward(images), atol=1e-5), size
+    assert compiles[0] == warmed
+    torch._dynamo.reset()
+
+
+class _BatchNormHead(torch.nn.Module):
+    """A user model whose head is a BatchNorm1d: it cannot train on a batch of one sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                            torch.nn.Flatten(), torch.nn.Linear(8, 10))
+        self.head = torch.nn.BatchNorm1d(10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
+
+
+def test_a_plan_says_where_it_can_give_a_batch_of_one_sample():
+    from stoker.pipeline.plan import EpochPlan
+
+    def plan(train, val, consumers, **options):
+        return EpochPlan(train, val, 8, consumers, 0, **options).one_sample_batches()
+
+    assert plan(64, 16, 2) == (False, False)  # whole steps, validation shards of 8
+    assert plan(65, 16, 2) == (True, False)  # the last step's one sample: a share of 1 beside one of 0
+    assert plan(66, 16, 2) == (True, False)  # two: one each
+    assert plan(68, 16, 2) == (False, False)  # four: two each
+    assert plan(65, 16, 2, drop_last=True) == (False, False)  # no short last step
+    assert plan(64, 17, 1) == (False, True) and plan(64, 18, 2) == (False, True)  # a shard of 9: 8 then 1
+    assert plan(64, 16, 2, start_offset=15, start_step=1) == (True, False)  # resumed: 49 left, its last step 1
+
+
+@pytest.mark.parametrize("one_sample", [(False, False), (False, True)])
+def test_the_warm_up_trains_at_one_sample_only_where_the_plan_gives_one(one_sample):
+    """A model with a BatchNorm1d head cannot train on one sample: a run whose plan never gives one must not fail
+    at its warm-up (it used to train at size 1 always); where the plan gives one, the warm-up meets it at start."""
+    from stoker.training import accel, warmup
+
+    model = _BatchNormHead()
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    precision = accel.MixedPrecision("fp32", torch.device("cpu"))
+    warmup.warm_up(model, model, precision, torch.device("cpu"), 8, 16, 10, channels_last=False,
+                   one_sample=one_sample)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        warmup.warm_up(model, model, precision, torch.device("cpu"), 8, 16, 10, channels_last=False,
+                       one_sample=(True, one_sample[1]))
+
+
 def test_a_consumer_still_compiling_does_not_time_out_the_others(tmp_path):
     """The consumers meet through the store after compiling: a late one holds the others there, not in a
     collective with a 60 s timeout."""
