@@ -40,7 +40,17 @@ from stoker.observe.summary import Ledger, exactly_once_breach, read_accounting
 from stoker.pipeline.autoscaler import StepStamp, static_budget
 from stoker.pipeline.driver import SCALE_WINDOW_S, EngineDriver, check_room
 from stoker.pipeline.engine import Build, Engine, ProducerCounts, producer_fields
-from stoker.pipeline.messages import ConsumerFailed, Finish, Finished, Save, Saved, SlotFree, StepReport, ValReport
+from stoker.pipeline.messages import (
+    ConsumerFailed,
+    Finish,
+    Finished,
+    Save,
+    Saved,
+    SlotFree,
+    StartupPhase,
+    StepReport,
+    ValReport,
+)
 from stoker.pipeline.parts import most_parts_in_flight
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.pool import check_hang_timeout, parts_held
@@ -53,6 +63,7 @@ from stoker.run.lifecycle import Interrupted, Lifecycle
 from stoker.run.membership import Membership, check_membership_settings, with_losses
 from stoker.run.outcome import RunFacts, run_summary
 from stoker.run.setups import consumer_setups
+from stoker.run.startup_watch import StartupTimeout, StartupWatch
 from stoker.training.consumer import ConsumerSetup, consumer_main
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
@@ -368,9 +379,11 @@ class Controller:
         self.setups = [replace(setup, start_step=self.start_at.global_step, elastic=self.elastic,
                                checkpoint_consumers=self.checkpoint_consumers, one_sample=one_sample)
                        for setup in setups]
+        self.startup = StartupWatch(self.config.collective_timeout_s)
         for rank, setup in enumerate(self.setups):
             self.ready_queues.append(CONTEXT.Queue())
             self.consumers.append(self._start_consumer(rank, setup))
+            self.startup.start(rank)
 
     def _start_consumer(self, rank: int, setup: ConsumerSetup) -> Any:
         outbox = self.mailbox.open()
@@ -397,6 +410,7 @@ class Controller:
             for message in self.driver.pump(POLL_S, dispatch=not regrouping):  # the producers' go to the engine
                 self._handle(message, window)
             self._check_consumers()
+            self._check_startup()
             self._kill_stuck_consumers()
             self._start_consumers_again()
             self._admit_joiners()
@@ -479,6 +493,8 @@ class Controller:
             self.membership.strand(message)
         elif isinstance(message, Joining):
             self._joining(message.rank)
+        elif isinstance(message, StartupPhase):
+            self.startup.reported(message.rank, message.phase)
         elif isinstance(message, ConsumerFailed):
             if self.membership.elastic:  # it ends now; its death is what the survivors regroup after
                 self.failure_causes[message.rank] = str(message.error)
@@ -506,6 +522,12 @@ class Controller:
             self.metrics.write("replica_check", global_step=report.global_step, identical=identical)
             if not identical:
                 log.error("replicas differ after the averaging of step %d", report.global_step)
+
+    def _check_startup(self) -> None:
+        try:
+            self.startup.check()
+        except StartupTimeout as error:
+            raise StokerRunError(str(error)) from None
 
     def _check_consumers(self) -> None:
         for consumer, process in list(self.starting_again.items()):

@@ -47,7 +47,7 @@ from stoker.pipeline.messages import (
     ValReport,
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.training import accel, exchange, model_file, recovery, warmup, wire
+from stoker.training import accel, exchange, model_file, recovery, startup, warmup, wire
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
@@ -121,7 +121,9 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop, generation=None) ->
     ring = SlotRing.attach(setup.ring)
     doing, finished = "starting", False
     try:
+        startup.begin(outbox, setup.local_rank)
         replica = Replica(setup, ring, outbox, stop, generation)
+        startup.end()
         doing = "training"
         replica.serve(ready)
         finished = True
@@ -521,11 +523,13 @@ class Replica:
 
     def _restore(self, folder: Path) -> None:
         """Rank 0 reads the checkpoint and hands every replica the averaged model and its own state."""
+        startup.phase(startup.RESTORING)
         work = self._rank_zero_work("resume")
         model_state = exchange.load_model(work, folder, self.setup.rank)
         if model_state is not None:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
+        startup.phase(startup.RESTORING)  # the replicas' own states: read from the checkpoint too
         self._apply_state(exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size,
                                             group=self.host_group, saved=self.setup.checkpoint_consumers))
 
@@ -667,21 +671,25 @@ def compile_threads(device: str, num_threads: int, local_consumers: int) -> int:
 
 
 def _connect_store(setup: ConsumerSetup) -> dist.Store:
+    startup.phase(startup.STORE)
     if setup.store.local:
         bind_to_loopback()
     return setup.store.connect(setup.world_size, setup.averaging.collective_timeout_s)
 
 
 def _join_group(setup: ConsumerSetup, store: dist.Store) -> dist.Store:
+    startup.phase(startup.GROUP)
     timeout = timedelta(seconds=setup.averaging.collective_timeout_s)
     options = group_options(torch.device(setup.device))
     os.environ.update(options.env)  # read when the backend starts, so before init
     dist.init_process_group(options.backend, store=store, rank=setup.rank, world_size=setup.world_size,
                             timeout=timeout, **options.init_kwargs)
+    startup.phase(startup.BUILDING)  # what follows the group's start in the replica's
     return store
 
 
 def _broadcast_initial_state(averager: Averager) -> None:
     """Every replica starts from rank 0's initialization."""
+    startup.phase(startup.INITIAL_STATE)
     for tensor in [*averager.float_buckets, *averager.int_tensors]:
         dist.broadcast(tensor, src=0)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from stoker.training import startup
 from stoker.training.accel import MixedPrecision
 
 COMPILE_ALLOWANCE_S = 1800.0  # a cold inductor compile of a large model on a busy machine: minutes, not hours
@@ -35,6 +36,7 @@ def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], p
     training share, and a validation batch, of one sample (`EpochPlan.one_sample_batches`): size 1 is warmed up
     only in the modes where it can occur. A BatchNorm cannot train on one value per channel (a 1x1 last stage, a
     BatchNorm1d head), so a run that never meets such a batch must not fail on one at its warm-up."""
+    startup.phase(startup.COMPILING)
     saved = [tensor.detach().clone() for tensor in (*model.parameters(), *model.buffers())]
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -86,6 +88,7 @@ def wait_for_peers(store: dist.Store, name: str, world_size: int, alive: Callabl
                    allowance_s: float = COMPILE_ALLOWANCE_S) -> None:
     """Every rank has reached `name` (through the store: no collective is enqueued while a peer still compiles).
     `alive()` raises when this process must stop."""
+    startup.phase(startup.PEERS_COMPILING)
     key = f"stoker-ready/{name}"
     store.add(key, 1)
     deadline = time.monotonic() + allowance_s
