@@ -63,6 +63,7 @@ from stoker.pipeline.pool import MAX_IN_FLIGHT, parts_held
 from stoker.pipeline.scheduler import Scheduler
 from stoker.training.feed import DeviceLoader
 from stoker.training.streams import ops_for
+from stoker.use.rank_gpu import rank_gpu
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def read_rank() -> tuple[int, int]:
 
 
 def resolve_device(device: str | None) -> torch.device | None:
-    """The rank's own device, never simply cuda:0 (see `rank_gpu` for 'cuda')."""
+    """The rank's own device, never simply cuda:0 (see `rank_gpu.rank_gpu` for 'cuda')."""
     if device is None:
         return None
     if device == "auto":
@@ -105,18 +106,6 @@ def resolve_device(device: str | None) -> torch.device | None:
         raise ValueError(f"device={device!r} is {resolved}, but {torch.cuda.device_count()} CUDA device(s) are "
                          "visible (LOCAL_RANK and CUDA_VISIBLE_DEVICES say which this rank gets)")
     return resolved
-
-
-def rank_gpu() -> int:
-    """'cuda' for this rank: the current device once CUDA is initialized (the user's `torch.cuda.set_device`),
-    the only one where a rank sees one GPU (SLURM's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES), else
-    cuda:LOCAL_RANK (torchrun on a machine whose GPUs every rank sees)."""
-    if torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    local = os.environ.get("LOCAL_RANK")
-    if torch.cuda.device_count() == 1 or local is None:
-        return 0
-    return int(local)
 
 
 class EpochSampler:

@@ -392,3 +392,30 @@ def test_the_loader_s_cuda_is_the_rank_s_own_gpu(monkeypatch):
     _cuda_of(monkeypatch, visible=4, initialized=False, local_rank="6")
     with pytest.raises(ValueError, match="LOCAL_RANK"):
         resolve_device("cuda")
+
+
+def test_the_loader_s_cuda_is_the_rank_s_own_gpu_when_the_script_never_called_set_device(monkeypatch):
+    """A torchrun script that moves its model with `.to(f"cuda:{local_rank}")` and never calls set_device: CUDA is
+    initialized with device 0 current on every rank. Rank 3's Loader must not feed GPU 0."""
+    from stoker.use.loader import resolve_device
+
+    _cuda_of(monkeypatch, visible=8, initialized=True, current=0, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    _cuda_of(monkeypatch, visible=1, initialized=True, current=0, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # its one visible GPU
+
+
+def test_the_loader_s_cuda_is_the_device_the_process_group_is_bound_to(monkeypatch, tmp_path):
+    """`init_process_group(device_id=...)` names the rank's GPU whatever else says: a real (gloo) default group,
+    whose bound device is set as NCCL's init would set it (there is no GPU here)."""
+    from stoker.use.loader import resolve_device
+
+    _cuda_of(monkeypatch, visible=8, initialized=True, current=5, local_rank="3")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.group.WORLD.bound_device_id = torch.device("cuda", 6)
+        assert resolve_device("cuda") == torch.device("cuda", 6)
+        dist.group.WORLD.bound_device_id = None  # not bound: the user's set_device
+        assert resolve_device("cuda") == torch.device("cuda", 5)
+    finally:
+        dist.destroy_process_group()
