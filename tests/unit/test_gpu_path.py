@@ -419,3 +419,52 @@ def test_the_loader_s_cuda_is_the_device_the_process_group_is_bound_to(monkeypat
         assert resolve_device("cuda") == torch.device("cuda", 5)
     finally:
         dist.destroy_process_group()
+
+
+def test_eval_and_predict_copy_each_batch_to_the_gpu_without_waiting_for_it(monkeypatch):
+    """A recording fake CUDA device at torch's API boundary (its tensors stay on the CPU): every copy to it is
+    recorded with whether it was pinned and non-blocking. A blocking copy, or one from pageable memory, makes the
+    host wait for the device's stream: per batch, that is a synchronization per batch. Only the replica's set-up
+    (the model, the normalization constants) may copy blocking; each batch's pixels and labels go from pinned
+    memory, non-blocking, and nothing is read back (.item, .cpu, .tolist) until the pass ends."""
+    from stoker.training.model_file import ModelCard
+    from stoker.use import evaluate
+    from stoker.use.inference import LoadedModel
+
+    copies: list[tuple[str, bool, bool]] = []
+    reads: list[str] = []
+    to, pin = torch.Tensor.to, torch.Tensor.pin_memory
+
+    def fake_to(self, *args, **kwargs):
+        target = next((a for a in (*args, kwargs.get("device")) if isinstance(a, (torch.device, str))), None)
+        if target is not None and torch.device(target).type == "cuda":
+            copies.append(("batch" if running else "set-up", bool(kwargs.get("non_blocking")),
+                           getattr(self, "_pinned", False)))
+            return to(self, "cpu", *(a for a in args if not isinstance(a, (torch.device, str))),
+                      **{k: v for k, v in kwargs.items() if k != "device"})
+        return to(self, *args, **kwargs)
+
+    def fake_pin(self):
+        pinned = self.clone()
+        pinned._pinned = True
+        return pinned
+
+    for name in ("item", "cpu", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (
+            reads.append(_n) if running else None, _o(self, *a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    running = False
+    card = ModelCard("resnet8", tuple(str(k) for k in range(10)), 32)
+    replicas = evaluate.Replicas(LoadedModel(build_model("resnet8", 10).eval(), card, Path("m.pt"),
+                                             torch.device("cpu")), ["cuda:0"])
+    running = True
+    for _ in range(4):
+        pixels = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # as the Loader's
+        logits = replicas.run(pixels)
+        evaluate.to_device(torch.tensor([1, 2]), torch.device("cuda:0"))
+    assert logits.shape == (2, 10)
+    per_batch = [(non_blocking, pinned) for when, non_blocking, pinned in copies if when == "batch"]
+    assert per_batch == [(True, True)] * 8, copies  # pixels and labels, 4 batches
+    assert reads == []
