@@ -68,6 +68,7 @@ from stoker.training.consumer import ConsumerSetup, consumer_main
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
+from stoker.training.memory_share import fixed_share_note
 from stoker.training.model_file import BEST_MODEL_FILE
 from stoker.training.models import build_model, check_model
 from stoker.training.recovery import Joining, Regroup, Stranded
@@ -376,9 +377,11 @@ class Controller:
                                  self.data.train.classes, reference.steps_per_epoch * self.config.epochs,
                                  reference.steps_per_epoch, self.resume_from, self.run_dir)
         one_sample = self.plan.one_sample_batches()  # the compile warm-up's size 1 only where the run meets it
+        note = fixed_share_note(self.config.batch_size, self._largest_share(), self.cluster.world,
+                                self.config.global_batch)
         self.setups = [replace(setup, start_step=self.start_at.global_step, elastic=self.elastic,
-                               checkpoint_consumers=self.checkpoint_consumers, one_sample=one_sample)
-                       for setup in setups]
+                               checkpoint_consumers=self.checkpoint_consumers, one_sample=one_sample,
+                               share_note=note) for setup in setups]
         self.startup = StartupWatch(self.config.collective_timeout_s)
         for rank, setup in enumerate(self.setups):
             self.ready_queues.append(CONTEXT.Queue())

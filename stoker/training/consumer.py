@@ -53,6 +53,7 @@ from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
 from stoker.training.feed import DeviceLoader
 from stoker.training.groups import optimizer_groups
+from stoker.training.memory_share import explaining_out_of_memory
 from stoker.training.models import build_model
 from stoker.training.recipe import Recipe, RecipeSpec
 from stoker.training.recovery import AgreedStates, GroupLost, Joining, Regroup, Stranded, is_group_error
@@ -100,6 +101,7 @@ class ConsumerSetup:
     checkpoint_consumers: int = 0  # on resume: the consumers whose states the checkpoint holds (0: world_size)
     # (train, validation): whether the plan can give this run a batch of one sample (the warm-up compiles it only then)
     one_sample: tuple[bool, bool] = (True, True)
+    share_note: str = ""  # why a batch may exceed --batch-size (`memory_share`): said with an out-of-memory error
     joining: bool = False  # started again after a death: joins the group at the next regroup, with a peer's state
 
     @property
@@ -279,7 +281,8 @@ class Replica:
                                     while_idle=self._check_group)
             wait_s = time.perf_counter() - waited_from
             if isinstance(message, Batch) and message.kind == "train":
-                self.train_step(message, wait_s)
+                with explaining_out_of_memory(self.setup.share_note):
+                    self.train_step(message, wait_s)
                 continue
             self.report_steps()  # the controller hears of every step before anything else happens
             self.clock.pause()

@@ -27,3 +27,4 @@ def test_a_consumer_hung_as_it_starts_fails_the_run_within_its_bound_naming_the_
     assert summary["status"] == "failed"
     assert f"consumer 0 never finished starting: it has been {phase} for" in summary["error"], summary["error"]
     assert elapsed < 120, elapsed  # the bound is 6 s from the phase's start; the run's own start is the rest
+

@@ -433,7 +433,7 @@ def test_eval_and_predict_copy_each_batch_to_the_gpu_without_waiting_for_it(monk
 
     copies: list[tuple[str, bool, bool]] = []
     reads: list[str] = []
-    to, pin = torch.Tensor.to, torch.Tensor.pin_memory
+    to = torch.Tensor.to
 
     def fake_to(self, *args, **kwargs):
         target = next((a for a in (*args, kwargs.get("device")) if isinstance(a, (torch.device, str))), None)
