@@ -54,7 +54,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every run (medians shown)")
     parser.add_argument("--workers", type=int, default=max(1, available_cores() - 1),
                         help="stoker's producers at most = DataLoader workers (default: every core but one)")
-    parser.add_argument("--data", type=Path, help="a folder written by `bench pipeline --generate` (skip writing)")
+    parser.add_argument("--data", type=Path, help="a folder written by `bench pipeline --generate` or by an earlier "
+                        "--data run (skip writing); where it holds no images yet, the JPEGs are written there and kept")
     parser.add_argument("--runs", default=",".join(RUN_KINDS),
                         help="comma-separated runs to measure (default: all of them)")
     parser.add_argument("--json", type=Path,
@@ -65,7 +66,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from stoker.bench.gpu_runs import measure  # torch: here, so that `stoker bench --help` does not wait for it
-    from stoker.bench.pipeline import generate, photographs_available
+    from stoker.bench.pipeline import photographs_available
     from stoker.common.devices import check_torch_sees_the_gpus
 
     try:  # what would fail late or mislead, before any image is written
@@ -87,12 +88,21 @@ def run(args: argparse.Namespace) -> int:
 
         args.images = images_needed(args)
     if args.data is not None:
+        if not (args.data / SET).is_dir():
+            _write(args.data, args.images)
         return _report(measure(args.data / SET, args, kinds, skipped, lambda result: _save(result, args)), args)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-gpu-") as scratch:
-        started = time.perf_counter()
-        generate(Path(scratch), args.images, 0)
-        print(f"wrote {args.images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
+        _write(Path(scratch), args.images)
         return _report(measure(Path(scratch) / SET, args, kinds, skipped, lambda result: _save(result, args)), args)
+
+
+def _write(folder: Path, images: int) -> None:
+    """The JPEGs, written in a process per core."""
+    from stoker.bench.pipeline import generate
+
+    started = time.perf_counter()
+    generate(folder, images, 0, processes=available_cores())
+    print(f"wrote {images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def _kinds(runs: str) -> tuple[str, ...]:

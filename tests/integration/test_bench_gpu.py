@@ -137,3 +137,21 @@ def test_a_dev_shm_too_small_for_the_ring_skips_the_stoker_run_first_with_the_si
     err = capsys.readouterr().err
     assert "needs 7" in err and "--shm-size=" in err and "the others are measured" in err
     assert gpu._runs_shm_cannot_hold(args, ("ceiling",)) == {}
+
+
+def test_the_jpegs_are_written_in_parallel_the_same_whichever_process_writes_a_chunk(tmp_path, monkeypatch):
+    import hashlib
+
+    from stoker.bench import pipeline
+    from stoker.bench.pipeline import generate
+
+    monkeypatch.setattr(pipeline, "CHUNK", 8)  # the chunks are cut here; each process is told its own
+    CHUNK = 8
+    def digests(folder):
+        files = sorted((folder / "500x375" / "photos").iterdir())
+        return [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+
+    generate(tmp_path / "a", CHUNK + 3, 0, processes=2)
+    generate(tmp_path / "b", CHUNK + 3, 0, processes=3)
+    assert len(digests(tmp_path / "a")) == CHUNK + 3
+    assert digests(tmp_path / "a") == digests(tmp_path / "b")
