@@ -1,4 +1,5 @@
-"""Run in a throwaway venv that has kornia and albumentations (never a dependency of stoker): docs/design.md, "The training recipe".
+"""Run in a throwaway venv that has kornia and albumentations (never a dependency of stoker); figures:
+docs/consumers.md, "The training recipe".
 Hand-written recipe ops against kornia's (and albumentations' draws), CPU, one thread: medians of interleaved
 repeats, per batch (device-side ops) or per image (producer-side policy)."""
 import random

@@ -1,21 +1,10 @@
-"""`stoker bench autoscale`: fixed M = 1..K against `--producers auto`, on four workloads, in one run.
+"""`stoker bench autoscale`: fixed producer counts against `--producers auto`, workload by workload, in one run.
 
-- **a** input-bound: 2000x1500 JPEG photos, a model with almost no compute on one CPU consumer (decoding is the
-  work: more producers than the cores the consumer leaves free pay while the consumer waits);
-- **b** compute-heavy: a CPU consumer training resnet14 on the built-in textures (auto must not starve it);
-- **c** simulated latency: every file read waits `--read-latency-ms`, every step holds its consumer `--step-ms`;
-- **d** simulated GPU consumer: the photos of (a), every step a `--step-ms` sleep that leaves the core free;
-- **e** the latency workload: every file read waits 25 ms (remote storage), 500x375 JPEGs, the model of (a),
-  64 px, batch 32, 2 epochs, fixed 4 and 16 producers (`--counts`) at the default slots against auto. Input
-  capacity must follow the producers, not the slots: 16 at least 3.5x 4, auto at least 0.9 of the best;
-- **f**, **g**, **h** held out (shapes reviewers measured, whole runs of 20-40 s across epochs): reads waiting
-  25 ms over 3 epochs of 2,000 500x375 JPEGs at 64 px; the photos of (a) over 12 short epochs; a new user's run,
-  500x375 at 128 px with resnet8 over 8 epochs. Fixed 1, 2, 4, 8, 16 and 32 against auto, whole runs compared.
-
-Auto runs with its defaults (no --max-producers). Throughput is measured on the second half of each run's steps,
-the same way for every run, so auto's warm-up shows in `settle_s`, not in the steady-state ratio; with
-`--repeats R` every configuration runs R times (interleaved) and the median counts.
-"""
+Workloads a-d (input-bound photos, a compute-heavy CPU consumer, simulated latency, a simulated GPU consumer), e
+(reads waiting 25 ms: input capacity must follow the producers, not the slots) and f, g, h (held-out shapes, whole
+runs across epochs). Auto runs with its defaults (no --max-producers); throughput is taken over the second half of
+each run's steps, so auto's warm-up shows in `settle_s`, and with `--repeats R` every configuration runs R times,
+interleaved, and the median counts. Each workload and its figures: docs/benchmarks.md."""
 
 from __future__ import annotations
 

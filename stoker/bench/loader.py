@@ -1,19 +1,11 @@
 """`stoker bench loader`: stoker.Loader against torch's DataLoader in the same input-bound 2-rank DDP loop.
 
-The loop is a user's torchrun script: 2 ranks on gloo, a model with almost no compute (one strided convolution and
-a linear layer under DDP), 500x375 JPEGs, RandomResizedCrop 224 and flip. Three feeds, each in its best form:
-  loader             stoker.Loader(device="cpu"): producers autoscaled, normalized float batches
-  dataloader_pillow  DataLoader with the torchvision recipe (Pillow decode, crop, resize, flip, ToTensor, Normalize)
-  dataloader_stoker  DataLoader whose workers decode with stoker's own `load_into` (uint8), normalized in the loop
-DataLoader runs with persistent workers, pinned memory where there is a GPU to pin for, and the worker count per
-rank that was fastest in a sweep measured in the same run. Two shapes: `--steps` timed steps after `--warmup` in one
-epoch (the steady rate), or with `--epochs E` whole runs of E epochs, timed from before the feed is made to the last
-step, so start-up and every epoch boundary count as a user's script meets them (several short epochs: where users
-meet a feed first). Each repeat runs every feed once, one feed later each
-time (interleaved); medians of the repeats are reported, with the ratios to each DataLoader. Beside the rate, the
-CPU time every process of the run (ranks, producers or workers) spent per sample over the timed steps: on a machine
-that others load, a feed's share of the cores moves from run to run, its CPU cost per sample much less.
-"""
+The loop is a user's torchrun script (gloo, a model with almost no compute, 500x375 JPEGs, RandomResizedCrop 224 and
+flip). Three feeds, each in its best form: `loader` (stoker.Loader), `dataloader_pillow` (the torchvision recipe) and
+`dataloader_stoker` (workers decoding with stoker's `load_into`), DataLoader with persistent workers at the fastest
+worker count of a sweep in the same run. `--steps` times the steady rate, `--epochs E` whole runs, start-up included.
+Repeats are interleaved; beside samples/s it reports every process's CPU time per sample, the steadier figure on a
+machine that others load."""
 
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
-"""The zygotes: the processes producers and CPU consumers are forked from, so that a new one costs a fork, not an
-interpreter.
+"""The zygotes: the processes producers and CPU consumers are forked from, so that a new one costs a fork (tens of
+milliseconds), not an interpreter's imports (seconds on two cores when the autoscaler starts a dozen).
 
-A spawned producer is a new interpreter that imports numpy, OpenCV, simplejpeg and Pillow (and runs the main
-script again) before its first part: a quarter of a second of a core, seconds when the autoscaler starts a dozen
-on two cores. A spawned consumer imports torch and the training code: two seconds of a core each, paid again by
-every consumer of a run and by every consumer started again after a death. A zygote is a forkserver of stoker's
-own (multiprocessing's `ForkServer`, a private instance: a user's forkserver, a DataLoader's for example, is never
-touched) with this module and its children's modules preloaded: it pays those imports once and forks each child
-from there in milliseconds. The producers' zygote imports no torch, so a producer's memory stays its own.
-
-What spawn gave a child still holds. A zygote is a fresh interpreter (no copied threads or locks); it imports the
-main script as a spawned child would (its command line, path and folder too), so CUDA is no more initialized there
-than in a spawned child: a guarded script's import starts nothing. Consumers are forked only on CPU devices under
-stoker's command line (`consumers_may_fork`): a user's script's top-level code runs in the zygote, and CUDA
-initialized there or torch's OpenMP threads started there would be unusable in every fork; on a GPU machine's many
-cores the imports cost little. A zygote is started with SIGINT and SIGTERM blocked, so every child is born with
-them blocked, and shares the controller's resource tracker. The parent-death chain: a zygote asks the kernel for
-SIGKILL at its parent's death, each child for SIGKILL at the zygote's, and a child also watches the controller
-itself (`procs.ParentWatch`). The kernel's signal follows the thread that forked, not the process, so a zygote is
-started from a thread of its own that lives as long as the process (a Loader first iterated in a short-lived thread
-would otherwise lose its zygote, and every producer, with that thread).
-
-One zygote of each kind per process, kept while any user of the process has children from it (a Loader for
-training and one for validation share the producers'), restarted if it dies, and killed when the last one
-closes. The producers' zygote holds nothing a kill can lose; the consumers' takes every consumer forked from it
-(their parent-death signal is its), which the controller names as the cause. Children see the environment the
-controller had when their zygote started.
-"""
+Each is a private forkserver of stoker's own (a user's, a DataLoader's, is never touched) with its children's modules
+preloaded and the main script imported as a spawned child would; it is started with SIGINT and SIGTERM blocked, from
+a thread that lives as long as the process (the kernel's parent-death signal follows the thread that forked). Why
+consumers fork only on CPU devices under stoker's command line: docs/producers.md, "Zygotes"; the parent-death chain:
+docs/faults.md."""
 
 from __future__ import annotations
 

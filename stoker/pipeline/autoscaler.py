@@ -1,31 +1,10 @@
 """When to fork another producer and when to retire one: measured, not assumed.
 
-Every window the controller reports how long consumers waited for input, their training rate (samples per second
-of the time they spent in training steps, so a validation pass or a checkpoint does not read as a slowdown), how
-full the ready queues were and how busy producers were. The policy forks while consumers wait and the last fork
-raised the rate; a fork that did not pay is retired (the newest producer) and the count it reached becomes the
-limit for a while, after which it tries again (a workload can change). Producers may outnumber the cores the
-consumers leave free: a consumer that waits for input does not use its core. Nothing a fork in training does goes
-untested (before the first step there is no rate to test against: see below):
-if it slowed busy consumers (CPU consumers competing for cores, a GPU consumer's feeding thread), the rate falls
-and it is retired; a consumer that does not wait never gets another producer. Queues that stay full while
-producers idle retire one too.
-
-When the need is plain (consumers waiting much of a window while every producer is busy) the policy forks at once,
-from the first window of training, and by as many as the cores the consumers leave free hold: a producer that
-spends its busy time waiting for reads uses little of a core. Every fork is a trial, a start-up one too: it is
-judged against the rate before it (for a start-up fork, the rate of the window that showed the need) and a jump
-that did not pay is retired whole. A count is judged on the steps that ended after its producers were all working,
-by each step's own end time, not by when its report arrived.
-
-Before any consumer has taken a batch (consumers import torch and build their model for seconds), busy producers
-with the ring not full fork at once to what the machine's cores hold at their measured share of a core, so a run
-whose reads wait is at its count by the first step; these forks have no trial (there is no rate yet): decoding
-producers past the free cores go back when the ring's start-up windows pass with no step waiting for its batch,
-and the engine forks only what memory holds.
-
-The policy holds no clock and touches no process: windows in, decisions out, so recorded measurements replay.
-"""
+A consumer that waits for input does not use its core, so the core count cannot say how many producers pay. Each
+1-second window the controller reports the consumers' wait and training rate, the queues' fill and how busy the
+producers were; the policy forks while consumers wait, keeps a fork only when it raised the rate, and retires what did
+not pay or sits idle. It holds no clock and touches no process: windows in, decisions out, so recorded measurements
+replay in unit tests. The rules and their figures: docs/producers.md, "Producer autoscaling"."""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """A batch built in parts: several producers fill one slot at once, so input capacity follows the producers, not
-the slots.
+the slots (one producer per whole batch capped a consumer at `slots_per_consumer` batches being built: 16 producers
+no faster than 4).
 
-One producer per whole batch capped a consumer at `slots_per_consumer` batches being built, whatever the cores
-(measured: 16 producers no faster than 4). Here each issued batch is split into parts of consecutive samples of its
-plan; every part is built on its own, written by whichever producer is free into its own rows of the slot. A part
-compacts over unusable files within its rows; when every part is in, the slot's count is set, and if a part came
-back short a compaction (a part of its own, run by a producer: the engine never touches pixels) moves the parts'
-rows down so the slot holds its samples contiguously, in plan order, as a batch built whole would. A producer lost
-on a part costs that part, not its batch.
-
-The number of parts follows the producers: enough parts in flight that every producer can hold `max_in_flight`
-parts (the engine sizes them for the pool's default `MAX_IN_FLIGHT`), never parts smaller than `MIN_PART_SAMPLES`
-(each part is a message each way), and one part (the batch built whole, as before) where the slots already give
-every producer work. The engine sizes them for the producers running or, under auto, the count its next jump may
-reach within 8 a core (`Engine._parts_for`): sized for the ceiling (128 parts in flight for the built-in demo),
-batches came in parts of 4 and the demo lost 2-9% of its rate to the messages; sized for the producers running, a
-x16 jump's new producers waited a second for the whole batches the first one held. A change of count splits the
-batches issued after it.
-"""
+Each issued batch is split into parts of consecutive samples of its plan, written by whichever producer is free into
+its own rows of the slot; a compaction (a producer's task: the engine never touches pixels) moves a short part's rows
+down, so the slot holds what a batch built whole holds. A lost producer costs its part, not its batch. How many parts,
+and why: docs/producers.md, "The ring, parts and the producers' figures"."""
 
 from __future__ import annotations
 

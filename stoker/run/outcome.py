@@ -1,4 +1,4 @@
-"""The run's summary (`RUN_DIR/summary.json`, docs/design.md's contract) from what the controller holds."""
+"""The run's summary (`RUN_DIR/summary.json`, docs/contracts.md) from what the controller holds."""
 
 from __future__ import annotations
 

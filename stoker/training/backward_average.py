@@ -1,20 +1,11 @@
 """Every-step averaging hidden behind backward, with the same arithmetic as averaging after the step.
 
-Backward produces the gradients of the last layers first. The flat parameter state (see `averager`) is cut into
-groups of consecutive parameters, taken from the end, of about `GROUP_BYTES` each. When every gradient of a group
-has been accumulated (a post-accumulate-grad hook), the optimizer steps that group's parameters alone and the
-group's all_reduce starts asynchronously, so averaging the late layers overlaps the backward of the early ones.
-After backward the consumer steps what no hook stepped, the remaining groups and the buffers (BatchNorm
-statistics) are sent, and `finish` waits for all of them and divides, before the next forward.
-
-Why the result is the same: the optimizer's update is per parameter (SGD, AdamW: a parameter's update reads its
-own gradient and state only), so stepping group by group gives the bits one step gives; the all_reduce of a slice
-sums the same numbers as the all_reduce of the whole (with 2 replicas each element is a + b whatever the cut;
-with more, gloo's ring may add them in another order: float rounding); weighting and dividing are elementwise.
-
-Groups are sent in one fixed order (the order backward usually completes them), whatever order they complete in,
-so every replica issues the same collectives in the same order, also one that had no samples and ran no backward.
-"""
+The flat state (see `averager`) is cut into groups of consecutive parameters from the last layer back; when a group's
+gradients are all accumulated, the optimizer steps that group alone and its all_reduce starts, so averaging the late
+layers overlaps the backward of the early ones, and `finish` waits and divides before the next forward. The result is
+the same because the optimizer's update is per parameter and a slice's sum is the whole's, element by element.
+Groups go in one fixed order, so every replica, one without samples too, issues the same collectives. Details:
+docs/consumers.md, "Averaging strategies"."""
 
 from __future__ import annotations
 

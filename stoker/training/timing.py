@@ -1,19 +1,10 @@
 """Where a consumer's time goes, measured where the work happens: waiting for input, computing, averaging.
 
-On the CPU a call has finished its work when it returns, and the host clock times it. On a GPU the host only
-enqueues: `perf_counter` around an NCCL all_reduce measures the enqueueing (about 0) and charges the collective to
-whatever synchronizes next. So a step's phases are marked with events on the compute stream, and turned into
-seconds once the device has reached them (the consumer reads them every few steps, never forcing a synchronization
-per step). On a GPU the device's idle gap between the end of the previous step and the start of this one is split
-in two: input wait, the part of the gap in which the consumer was blocked waiting for the batch (at most the time
-it waited), and host time, the rest (Python launching kernels, the slot-to-pinned copy, the host catching up).
-Only input wait says that more producers would help; a host-bound device needs less Python per sample. The host
-waiting for a batch while the device still works through queued steps is neither.
-
-The host runs at most `max_ahead` steps ahead of the device: each step begins once the step that many before it has
-ended there (a blocking event: the host sleeps). So a report finds every step but the last one or two done, and
-reads them without draining the device (`ready`).
-"""
+On the CPU a call's work is done when it returns and the host clock times it. On a GPU the host only enqueues, and a
+host clock around an NCCL call would charge the collective to whatever synchronizes next: a step's phases are events
+on the compute stream, read every few steps without a synchronization, and the device's idle gap is split into input
+wait (the consumer blocked for its batch) and host time (the rest), since only input wait says more producers would
+help. The host runs at most `max_ahead` steps ahead, on blocking events. Details: docs/gpus.md."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import stoker
 
 PACKAGE = Path(stoker.__file__).parent
-# Lowest first, as docs/design.md draws them. The top two are siblings: `run` conducts `stoker train`, `use` is
+# Lowest first, as docs/architecture.md draws them. The top two are siblings: `run` conducts `stoker train`, `use` is
 # stoker outside it (the Loader, a trained model, eval and predict); neither imports the other.
 LAYERS = ["common", "data", "pipeline", "training", "observe"]
 TOP = ["run", "use"]

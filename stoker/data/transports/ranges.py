@@ -1,23 +1,10 @@
 """A process's ranged reads of samples: libcurl's multi interface, driven by one thread.
 
-A sample in a remote shard is one ranged GET of a few KB, and a producer keeps dozens of them in flight to hide
-the round trip. What each one costs in CPU is taken from the cores that decode images. Measured here on 3,000
-reads of 2.5 KB from nginx on loopback, 32 in flight: obstore's `get` from 32 threads 107-123 us of CPU a read,
-libcurl's easy handles from 32 threads 123 us, obstore's `get_async` under asyncio 190-213 us, and libcurl's multi
-interface from one thread 20-23 us: one thread driving all of a process's requests, with no hand-off per request.
-(Submitted a part at a time, with its futures, a read costs 33-37 us here.)
-
-S3 and GCS objects are read through URLs their store signs (`remote.py`); the signature sits in the query string,
-so a range and an If-Match header can be added. A URL refused with 400 or 403 is signed again and asked once more
-(temporary credentials end). Errors name the object as the user gave it, never a signed URL.
-
-Every request asks If-Match on the (strong) ETag the index was made from; 412 means the object changed. A request that
-fails (no answer within REQUEST_TIMEOUT_S, a dropped connection, 500, 502, 503, 504, 408, 429) is tried again after
-a back-off, at most RETRIES times. Whatever happens, queued behind other reads or retried, a read is settled within
-READ_DEADLINE_S (and a sweep's interval) of its submission: inside the default producer timeout of 20 s, so a
-producer waiting for a sample is never taken for hung. A server that answers a range with the whole object (it
-ignores Range) is refused at once: stoker's reads need ranges.
-"""
+A sample in a remote shard is one ranged GET of a few KB, dozens in flight per producer, and each read's CPU comes
+from the cores that decode images: one thread driving every request, with no hand-off per request, costs a third of
+obstore's threads (docs/benchmarks.md, remote shards). Every read asks If-Match on the ETag the index was made from,
+is retried with back-off and is settled within READ_DEADLINE_S of its submission, inside the default producer
+timeout; signed URLs come from `object_store.py`. Details: docs/data.md, "Remote shards"."""
 
 from __future__ import annotations
 
