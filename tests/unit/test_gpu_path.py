@@ -309,7 +309,8 @@ def test_a_consumer_aborts_its_group_after_a_failure_or_a_stop_and_destroys_it_o
 
     class Outbox:
         def send(self, message) -> None:
-            calls.append(f"sent {type(message).__name__}")
+            if type(message).__name__ != "StartupPhase":  # its start-up's phases (stoker.training.startup)
+                calls.append(f"sent {type(message).__name__}")
 
     class Replica:
         def __init__(self, *args) -> None:
