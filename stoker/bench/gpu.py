@@ -5,16 +5,19 @@ resolution and precision, on one device:
   ceiling     stoker's own training step (the consumer's flat-bucket model, memory format, normalization, precision
               and fused SGD) on one batch resident on the device: no input at all, the most the device can do
   stoker      `stoker train` with producers on every core but the consumer's (--producers auto), one consumer,
-              timed over its first epoch after 5 warm-up steps (no checkpoint inside the window)
+              timed inside its first epoch (no checkpoint inside the window)
   dataloader  torch's DataLoader at its steady state (a sampler spanning the whole measurement: no epoch refill in
               it), pin_memory=True, non-blocking copies, persistent workers, as many worker processes as stoker's
               producers, normalization on the device as stoker does; once with the Pillow recipe (decode,
               RandomResizedCrop, flip) and once with stoker's own decoder, so the ratio separates pipeline design
               from decoder speed
-All are timed with the same device events (the consumer's StepClock: input stall is the device's idle time while
-the loop was blocked for its batch), each run in a process of its own (GPU memory given back between runs), in
---repeats interleaved repeats; the table shows medians. `--device cpu` with tiny sizes runs the same code on a
-machine without a GPU (the test suite does).
+Every system with input is timed from its steady state: after 5 warm-up steps it keeps stepping until one step's
+`next()` blocks (its wait for the batch is over 5% of a warm-up step and over 1 ms: whatever was queued before the
+clock started is gone), at most 4 x workers steps, then --steps steps are timed; the figures say how many steps
+were skipped. All are timed with the same device events (the consumer's StepClock: input stall is the device's
+idle time while the loop was blocked for its batch; host, its idle time for the host), each run in a process of
+its own (GPU memory given back between runs), in --repeats interleaved repeats; the table shows medians.
+`--device cpu` with tiny sizes runs the same code on a machine without a GPU (the test suite does).
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--channels-last", choices=["true", "false"], default="true")
-    parser.add_argument("--images", type=int, default=12800,
-                        help="JPEGs to generate: stoker is timed over one epoch of them, after 5 warm-up steps")
-    parser.add_argument("--steps", type=int, default=40, help="timed steps for the ceiling and the DataLoader")
+    parser.add_argument("--images", type=int,
+                        help="JPEGs to generate (default: enough for stoker's first epoch to hold the warm-up, the "
+                             "most steps skipped and --steps timed steps)")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps of every run (its steady-state window)")
+    parser.add_argument("--steps-ahead", type=int, default=3, choices=range(1, 9), metavar="N",
+                        help="steps the host may run ahead of the GPU, in stoker and in the other runs' step "
+                             "(stoker's --steps-ahead; the first GPU runs compare 2 and 3)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every run (medians shown)")
     parser.add_argument("--workers", type=int, default=max(1, available_cores() - 1),
                         help="stoker's producers at most = DataLoader workers (default: every core but one)")
-    parser.add_argument("--data", type=Path, help="a folder written by `bench pipeline --generate` (skip writing)")
+    parser.add_argument("--data", type=Path, help="a folder written by `bench pipeline --generate` or by an earlier "
+                        "--data run (skip writing); where it holds no images yet, the JPEGs are written there and kept")
     parser.add_argument("--runs", default=",".join(RUN_KINDS),
                         help="comma-separated runs to measure (default: all of them)")
     parser.add_argument("--json", type=Path,
@@ -59,7 +67,6 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from stoker.bench.gpu_runs import measure  # torch: here, so that `stoker bench --help` does not wait for it
     from stoker.bench.photos import photographs_available
-    from stoker.bench.pipeline import generate
     from stoker.common.devices import check_torch_sees_the_gpus
 
     try:  # what would fail late or mislead, before any image is written
@@ -76,13 +83,26 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.images is None:
+        from stoker.bench.gpu_runs import images_needed
+
+        args.images = images_needed(args)
     if args.data is not None:
+        if not (args.data / SET).is_dir():
+            _write(args.data, args.images)
         return _report(measure(args.data / SET, args, kinds, skipped, lambda result: _save(result, args)), args)
     with tempfile.TemporaryDirectory(prefix="stoker-bench-gpu-") as scratch:
-        started = time.perf_counter()
-        generate(Path(scratch), args.images, 0)
-        print(f"wrote {args.images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
+        _write(Path(scratch), args.images)
         return _report(measure(Path(scratch) / SET, args, kinds, skipped, lambda result: _save(result, args)), args)
+
+
+def _write(folder: Path, images: int) -> None:
+    """The JPEGs, written in a process per core."""
+    from stoker.bench.pipeline import generate
+
+    started = time.perf_counter()
+    generate(folder, images, 0, processes=available_cores())
+    print(f"wrote {images} JPEGs in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def _kinds(runs: str) -> tuple[str, ...]:
@@ -118,15 +138,20 @@ def _save(result: dict[str, Any], args: argparse.Namespace) -> None:
 def _report(result: dict[str, Any], args: argparse.Namespace) -> int:
     """The table of medians; exit status 1 when a run failed (its cells read 'failed', its error is below)."""
     print(f"{result['device']}, {result['image_size']} px, batch {result['batch_size']}, {result['precision']}, "
-          f"channels_last={result['channels_last']}, {result['workers']} workers/producers")
-    print(f"medians of {result['repeats']} interleaved repeats, each run in its own process")
-    print(f"{'model':10} {'ceiling/s':>10} {'stoker/s':>10} {'stall':>6} {'DL Pillow/s':>12} {'stall':>6} "
-          f"{'DL stoker-dec/s':>16} {'stall':>6} {'stoker/ceiling':>15} {'stoker/DL':>10} {'same decoder':>13}")
+          f"channels_last={result['channels_last']}, {result['workers']} workers/producers, "
+          f"{result['steps_ahead']} steps ahead")
+    print(f"medians of {result['repeats']} interleaved repeats, each run in its own process, {result['steps']} timed "
+          f"steps from the steady state (skip: steps skipped to reach it; host: the device's idle share for the host)")
+    print(f"{'model':10} {'ceiling/s':>10} {'stoker/s':>10} {'stall':>6} {'host':>6} {'skip':>5} {'DL Pillow/s':>12} "
+          f"{'stall':>6} {'host':>6} {'skip':>5} {'DL stoker-dec/s':>16} {'stall':>6} {'skip':>5} "
+          f"{'stoker/ceiling':>15} {'stoker/DL':>10} {'same decoder':>13}")
     for row in result["rows"]:
         ceiling, stoker, pillow, same = (row.get(kind, {}) for kind in RUN_KINDS)
-        print(f"{row['model']:10} {_rate(ceiling):>10} {_rate(stoker):>10} {_stall(stoker):>6} {_rate(pillow):>12} "
-              f"{_stall(pillow):>6} {_rate(same):>16} {_stall(same):>6} {_times(row['stoker_vs_ceiling']):>15} "
-              f"{_times(row['stoker_vs_dataloader']):>10} {_times(row['stoker_vs_dataloader_same_decoder']):>13}")
+        print(f"{row['model']:10} {_rate(ceiling):>10} {_rate(stoker):>10} {_share(stoker, 'input_stall'):>6} "
+              f"{_share(stoker, 'host'):>6} {_skip(stoker):>5} {_rate(pillow):>12} {_share(pillow, 'input_stall'):>6} "
+              f"{_share(pillow, 'host'):>6} {_skip(pillow):>5} {_rate(same):>16} {_share(same, 'input_stall'):>6} "
+              f"{_skip(same):>5} {_times(row['stoker_vs_ceiling']):>15} {_times(row['stoker_vs_dataloader']):>10} "
+              f"{_times(row['stoker_vs_dataloader_same_decoder']):>13}")
     failed = [run for run in result["runs"] if "error" in run]
     for run in failed:
         print(f"{run['model']} {run['kind']} (repeat {run['repeat']}) failed: {run['error']}")
@@ -138,8 +163,13 @@ def _rate(figures: dict[str, Any]) -> str:
     return "-" if not figures else "failed" if "error" in figures else f"{figures['samples_per_s']:.1f}"
 
 
-def _stall(figures: dict[str, Any]) -> str:
-    return "-" if not figures or "error" in figures else f"{figures['input_stall']:.1%}"
+def _share(figures: dict[str, Any], name: str) -> str:
+    return "-" if not figures or "error" in figures or name not in figures else f"{figures[name]:.1%}"
+
+
+def _skip(figures: dict[str, Any]) -> str:
+    return "-" if not figures or "error" in figures or "skipped_steps" not in figures \
+        else str(figures["skipped_steps"])
 
 
 def _times(ratio: float | None) -> str:

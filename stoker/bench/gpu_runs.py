@@ -26,6 +26,14 @@ from stoker.common.devices import available_cores
 WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
 KINDS = ("ceiling", "stoker", "dataloader_pillow", "dataloader_stoker_decoder")
 PREFETCH = 2  # DataLoader's default prefetch_factor
+# Steady state. A system with input queued before the clock started (the DataLoader's `prefetch_factor x workers`
+# batches, dispatched at `iter()` and ready while step 0 autotunes; stoker's ring) reads faster than it can produce
+# until that backlog is gone. So after the warm-up every system keeps stepping until one step's input blocks: its
+# wait for the batch is longer than BLOCKED_SHARE of a step (the median warm-up step after the first, wait
+# included), and at least BLOCKED_MIN_S (handing over a batch that is ready takes less). That step opens the timed
+# window. At most `max_skipped(workers)` steps are skipped (a system that never waits has no backlog to drain).
+BLOCKED_SHARE = 0.05
+BLOCKED_MIN_S = 0.001
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +47,8 @@ def measure(folder: Path, args: argparse.Namespace, kinds: Sequence[str] = KINDS
     result: dict[str, Any] = {
         "device": _device_name(args.device), "image_size": args.image_size, "batch_size": args.batch_size,
         "precision": args.precision, "channels_last": args.channels_last == "true", "workers": args.workers,
-        "repeats": args.repeats, "rows": [], "runs": []}
+        "repeats": args.repeats, "steps": getattr(args, "steps", None),
+        "steps_ahead": steps_ahead(args), "rows": [], "runs": []}
     for model in args.models.split(","):
         result["rows"].append(_measure_model(folder, model, args, kinds, skipped or {}, result, saved))
         saved(result)
@@ -76,7 +85,8 @@ def _medians(results: list[dict[str, Any]]) -> dict[str, Any]:
     if not measured:
         return {"error": results[0]["error"]}
     figures: dict[str, Any] = {key: statistics.median(r[key] for r in measured)
-                               for key in ("samples_per_s", "input_stall")}
+                               for key in ("samples_per_s", "input_stall", "host", "skipped_steps")
+                               if all(key in r for r in measured)}
     figures["repeats"] = [r["samples_per_s"] for r in measured]
     return figures
 
@@ -102,6 +112,21 @@ def _in_own_process(kind: str, folder: Path, model: str, args: argparse.Namespac
         return pool.submit(run_one, kind, folder, model, vars(args)).result()
 
 
+def blocked_threshold_s(step_s: float) -> float:
+    """The wait for a batch above which its `next()` counts as blocked (see BLOCKED_SHARE)."""
+    return max(BLOCKED_MIN_S, BLOCKED_SHARE * step_s)
+
+
+def max_skipped(workers: int) -> int:
+    """The most steps skipped looking for the steady state: twice the most batches a DataLoader prefetches."""
+    return 2 * PREFETCH * workers
+
+
+def images_needed(args: argparse.Namespace) -> int:
+    """JPEGs enough for stoker's first epoch to hold its warm-up, the most steps skipped, and the timed window."""
+    return (WARMUP_STEPS + max_skipped(args.workers) + args.steps) * args.batch_size
+
+
 def run_one(kind: str, folder: Path, model: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One measurement, in the process it was sent to."""
     args = argparse.Namespace(**settings)
@@ -118,7 +143,6 @@ class _Step:
     consumer's precision and its fused SGD; timed with the consumer's `StepClock` events."""
 
     def __init__(self, model: str, args: argparse.Namespace, num_classes: int) -> None:
-        from stoker.common.config import DeviceSettings
         from stoker.training import accel
         from stoker.training.averager import Averager
         from stoker.training.models import build_model
@@ -141,7 +165,7 @@ class _Step:
         mean_255, inv_std_255 = (c.to(self.device) for c in normalization_constants(MEAN, STD))
         self.normalize: Callable[[torch.Tensor], torch.Tensor] = lambda pixels: normalize_pixels(
             pixels, mean_255, inv_std_255, memory_format)
-        self.clock = StepClock(self.ops, DeviceSettings().steps_ahead)  # as deep as the consumer's
+        self.clock = StepClock(self.ops, steps_ahead(args))  # as deep as the consumer's (`--steps-ahead`)
         self.marks: list[Any] = []
 
     def step(self, pixels: torch.Tensor, labels: torch.Tensor, host_wait_s: float,
@@ -159,13 +183,23 @@ class _Step:
         self.clock.computed()
         self.marks.append(self.clock.end(averaged=False))
 
-    def figures(self, batch_size: int) -> dict[str, float]:
-        """Samples/s and input stall over the steps after WARMUP_STEPS, from the device timeline (idle gap before
-        each step, and its compute), as stoker's are read from its step events."""
-        times = [self.clock.seconds(marks) for marks in self.marks[WARMUP_STEPS:]]
-        wall = sum(t.wait_s + t.host_s + t.compute_s + t.averaging_s for t in times)
-        return {"samples_per_s": round(len(times) * batch_size / wall, 1),
-                "input_stall": round(sum(t.wait_s for t in times) / wall, 4)}
+    def figures(self, batch_size: int, first: int = WARMUP_STEPS) -> dict[str, float]:
+        """Samples/s, input stall and host share over the steps from `first` on, from the device timeline (idle
+        gap before each step, split into input wait and host time, and its compute), as stoker's are read from
+        its step events."""
+        times = [self.clock.seconds(marks) for marks in self.marks[first:]]
+        return _window_figures([{"samples": batch_size, "wait_s": t.wait_s, "host_s": t.host_s,
+                                 "compute_s": t.compute_s, "averaging_s": t.averaging_s} for t in times])
+
+
+def _window_figures(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """A timed window's figures from its steps' timings (the device's wall time is their sum)."""
+    wall = sum(r["wait_s"] + r.get("host_s", 0.0) + r["compute_s"] + r["averaging_s"] for r in steps)
+    if not steps or wall <= 0:
+        raise RuntimeError("no timed steps")
+    return {"samples_per_s": round(sum(r["samples"] for r in steps) / wall, 1),
+            "input_stall": round(sum(r["wait_s"] for r in steps) / wall, 4),
+            "host": round(sum(r.get("host_s", 0.0) for r in steps) / wall, 4), "steps": len(steps)}
 
 
 def time_ceiling(model: str, args: argparse.Namespace) -> dict[str, float]:
@@ -178,7 +212,7 @@ def time_ceiling(model: str, args: argparse.Namespace) -> dict[str, float]:
     labels = torch.arange(args.batch_size, device=trainer.device) % 10
     for _ in range(WARMUP_STEPS + args.steps):
         trainer.step(pixels, labels, host_wait_s=0.0)
-    return trainer.figures(args.batch_size)
+    return {**trainer.figures(args.batch_size), "skipped_steps": 0}  # no input: nothing queued to drain
 
 
 def time_stoker(folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -191,27 +225,37 @@ def time_stoker(folder: Path, model: str, args: argparse.Namespace) -> dict[str,
         summary = stoker.train(data=folder, val_fraction=0.0, model=model, devices=devices, producers="auto",
                                max_producers=args.workers, initial_producers=args.workers,
                                batch_size=args.batch_size, image_size=args.image_size, epochs=1,
+                               steps_ahead=steps_ahead(args),
                                precision=args.precision, channels_last=args.channels_last == "true",
                                out=Path(out) / "run", report=False, show_progress=False)
         if summary["status"] != "completed":
             raise RuntimeError(f"stoker train {summary['status']}: {summary.get('error')}")
-        figures = steady_figures(Path(out) / "run" / "metrics.jsonl")
+        figures = steady_figures(Path(out) / "run" / "metrics.jsonl", args.steps, max_skipped(args.workers))
     return {**figures, "producers_final": summary["producers_final"]}
 
 
-def steady_figures(metrics: Path) -> dict[str, float]:
-    """Samples/s and input stall of epoch 0's steps after the first WARMUP_STEPS, from the consumer's own step
-    timings: on a GPU they are the device's timeline (compute, averaging, and the idle gap before each step, input
-    wait and host time), so their sum is the device's wall time for those steps."""
-    steps = [record for record in map(json.loads, metrics.read_text().splitlines())
-             if record["event"] == "step" and record["epoch"] == 0]
-    timed = sorted(steps, key=lambda record: record["global_step"])[WARMUP_STEPS:]
-    wall = sum(r["wait_s"] + r.get("host_s", 0.0) + r["compute_s"] + r["averaging_s"] for r in timed)
-    if not timed or wall <= 0:
-        raise RuntimeError(f"stoker ran {len(steps)} steps in its first epoch: too few to time after "
-                           f"{WARMUP_STEPS} warm-up steps (raise --images)")
-    return {"samples_per_s": round(sum(r["samples"] for r in timed) / wall, 1),
-            "input_stall": round(sum(r["wait_s"] for r in timed) / wall, 4)}
+def steady_figures(metrics: Path, steps: int, most_skipped: int) -> dict[str, Any]:
+    """Samples/s, input stall and host share of `steps` steps of epoch 0 from its steady state (after the
+    WARMUP_STEPS, from the first step whose input wait counts as blocked, or after `most_skipped` steps), from the
+    consumer's own step timings: on a GPU they are the device's timeline (compute, averaging, and the idle gap
+    before each step, input wait and host time), so their sum is the device's wall time for those steps.
+    A step's wait here is the device's idle time for input (on the CPU, the loop's whole wait)."""
+    records = [record for record in map(json.loads, metrics.read_text().splitlines())
+               if record["event"] == "step" and record["epoch"] == 0]
+    ordered = sorted(records, key=lambda record: record["global_step"])
+    warm = ordered[1:WARMUP_STEPS]
+    threshold = blocked_threshold_s(statistics.median(
+        r["wait_s"] + r.get("host_s", 0.0) + r["compute_s"] + r["averaging_s"] for r in warm) if warm else 0.0)
+    skipped = 0
+    while WARMUP_STEPS + skipped < len(ordered) and skipped < most_skipped \
+            and ordered[WARMUP_STEPS + skipped]["wait_s"] <= threshold:
+        skipped += 1
+    timed = ordered[WARMUP_STEPS + skipped:WARMUP_STEPS + skipped + steps]
+    if len(timed) < steps:
+        raise RuntimeError(f"stoker ran {len(ordered)} steps in its first epoch: too few to time {steps} steps after "
+                           f"{WARMUP_STEPS} warm-up steps and {skipped} skipped to its steady state (raise --images "
+                           f"to {(WARMUP_STEPS + most_skipped + steps)} batches' worth)")
+    return {**_window_figures(timed), "skipped_steps": skipped}
 
 
 def time_dataloader(folder: Path, model: str, args: argparse.Namespace, decoder: str) -> dict[str, float]:
@@ -225,7 +269,8 @@ def time_dataloader(folder: Path, model: str, args: argparse.Namespace, decoder:
     index = scan_image_folder(folder)
     trainer = _Step(model, args, num_classes=len(index.classes))
     dataset = _dataset(index, args.image_size, decoder)
-    total = WARMUP_STEPS + args.steps
+    most_skipped = max_skipped(args.workers)
+    total = WARMUP_STEPS + most_skipped + args.steps
     sampler = RandomSampler(dataset, num_samples=(total + PREFETCH * args.workers) * args.batch_size,
                             generator=torch.Generator().manual_seed(0))
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
@@ -233,12 +278,31 @@ def time_dataloader(folder: Path, model: str, args: argparse.Namespace, decoder:
                         prefetch_factor=PREFETCH, worker_init_fn=_seed_worker)
     iterator = iter(loader)
     try:
-        for _ in range(total):
-            waited, (pixels, labels) = _timed_next(iterator)
-            trainer.step(pixels, labels, host_wait_s=waited, to_device=_copier(pixels, labels, trainer.device))
-        return trainer.figures(args.batch_size)
+        step_s = [_loop_step(iterator, trainer)[1] for _ in range(WARMUP_STEPS)]
+        skipped = _to_steady_state(iterator, trainer, blocked_threshold_s(statistics.median(step_s[1:] or step_s)),
+                                   most_skipped)
+        for _ in range(args.steps - 1):  # the step that blocked opened the window
+            _loop_step(iterator, trainer)
+        return {**trainer.figures(args.batch_size, first=WARMUP_STEPS + skipped), "skipped_steps": skipped}
     finally:
         iterator._shutdown_workers()  # type: ignore[attr-defined]  # now: the next run is timed
+
+
+def _loop_step(iterator: Iterator, trainer: _Step) -> tuple[float, float]:
+    """One step on the next batch: (the wait for it, the whole loop iteration) in seconds, on the host's clock."""
+    asked = time.perf_counter()
+    waited, (pixels, labels) = _timed_next(iterator)
+    trainer.step(pixels, labels, host_wait_s=waited, to_device=_copier(pixels, labels, trainer.device))
+    return waited, time.perf_counter() - asked
+
+
+def _to_steady_state(iterator: Iterator, trainer: _Step, threshold_s: float, most_skipped: int) -> int:
+    """Step until a batch's `next()` waits longer than `threshold_s` (the prefetched backlog is gone), at most
+    `most_skipped` steps before that one; that step is the timed window's first. Returns the steps skipped."""
+    skipped = 0
+    while _loop_step(iterator, trainer)[0] <= threshold_s and skipped < most_skipped:
+        skipped += 1
+    return skipped
 
 
 def _timed_next(iterator: Iterator) -> tuple[float, Any]:
@@ -303,6 +367,13 @@ def _copier(pixels: torch.Tensor, labels: torch.Tensor, device: torch.device
             ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
     """The batch's host-to-device copy, enqueued inside the step (after the clock's begin, as stoker's is)."""
     return lambda: (pixels.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+
+
+def steps_ahead(args: argparse.Namespace) -> int:
+    """`--steps-ahead` (stoker's default where the caller gave none)."""
+    from stoker.common.config import DeviceSettings
+
+    return getattr(args, "steps_ahead", None) or DeviceSettings().steps_ahead
 
 
 def _device_name(device: str) -> str:

@@ -119,9 +119,27 @@ def generate_kind(folder: Path, args: argparse.Namespace) -> None:
         photos.make_imagenet_like(folder / photos.NAME, args.small_images)
 
 
-def generate(folder: Path, small: int, large: int, seed: int = 0) -> None:
+def generate(folder: Path, small: int, large: int, seed: int = 0, processes: int = 1) -> None:
     """Two ImageFolder sets of JPEGs, quality 90, tiled from native-resolution pieces of real photographs (no
-    upscaling: upscaled or flat images compress and decode unrealistically fast)."""
+    upscaling: upscaled or flat images compress and decode unrealistically fast). `processes` > 1: written in
+    that many processes, in chunks of CHUNK images, each drawn from its own seed (other pixels than one process
+    writes, alike in kind)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    if processes <= 1:
+        _generate_serially(folder, small, large, seed)
+        return
+    chunks = [(folder / name / "photos", size, start, min(count, start + CHUNK), seed)
+              for (name, size), count in zip(SETS.items(), (small, large)) for start in range(0, count, CHUNK)]
+    for target, *_ in chunks:
+        target.mkdir(parents=True, exist_ok=True)
+    with waiting(f"generating {folder}", total=small + large, unit="images") as progress, \
+            ProcessPoolExecutor(max(1, min(processes, len(chunks))), mp_context=CONTEXT) as pool:
+        for written in pool.map(_write_chunk, *zip(*chunks)):
+            progress.advance(written)
+
+
+def _generate_serially(folder: Path, small: int, large: int, seed: int) -> None:
     pieces = photos.photographs()
     rng = np.random.default_rng(seed)
     with waiting(f"generating {folder}", total=small + large, unit="images") as progress:
@@ -132,6 +150,19 @@ def generate(folder: Path, small: int, large: int, seed: int = 0) -> None:
                 pixels = _mosaic(pieces, height, width, rng)
                 Image.fromarray(pixels).save(target / f"{index:05d}.jpg", quality=QUALITY)
                 progress.advance()
+
+
+CHUNK = 256
+
+
+def _write_chunk(target: Path, size: tuple[int, int], start: int, stop: int, seed: int) -> int:
+    """Images start..stop-1 of one set; their draws from (seed, start): the same whichever process writes them."""
+    pieces = photos.photographs()
+    rng = np.random.default_rng([seed, start])
+    width, height = size
+    for index in range(start, stop):
+        Image.fromarray(_mosaic(pieces, height, width, rng)).save(target / f"{index:05d}.jpg", quality=QUALITY)
+    return stop - start
 
 
 def _mosaic(photos: list[np.ndarray], height: int, width: int, rng: np.random.Generator) -> np.ndarray:

@@ -6,7 +6,9 @@ step 5, just before the averaging collective; "...,save=8;" as it begins the ste
 ends epoch 0's validation), "producer:delete:cat_3.jpg" (the file is deleted just before it
 is read, as if removed after indexing) or "checkpoint:enospc:step_00000008" (writing that checkpoint fails as on a
 full disk); "controller:term-self:closing" sends SIGTERM to the controller from its own shutdown, and
-"consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group. Several faults: join them with "|".
+"consumer:term-group:rank=1,step=3;" sends SIGTERM to the whole process group; "consumer:oom:rank=0,step=3;"
+raises CUDA's out-of-memory error in that step, and "consumer-start:hang:rank=0,phase=joining" hangs a consumer
+as it begins that phase of its start-up (`stoker.training.startup`). Several faults: join them with "|".
 With STOKER_FAULT_ONCE=FILE each fault fires in the first process that reaches it only (the one that creates FILE;
 FILE.1 for the second fault, FILE.2 for the third); without it, in every process that reaches it, so
 "producer:sigkill:huge.png" is a file that gets every producer decoding it killed, as the kernel's OOM killer does.
@@ -26,7 +28,8 @@ from stoker.common.procs import started_by
 ENV = "STOKER_FAULT"
 ONCE_ENV = "STOKER_FAULT_ONCE"
 ACTIONS = ("segfault", "sigkill", "hang", "raise", "interrupt-parent", "kill-parent", "delete", "enospc",
-           "sigkill-mid-message", "term-self", "interrupt-group", "term-group", "kill-group", "repeat-batch")
+           "sigkill-mid-message", "term-self", "interrupt-group", "term-group", "kill-group", "repeat-batch",
+           "oom")
 
 
 READ_LATENCY_ENV = "STOKER_READ_LATENCY_MS"  # every file read waits this long, like remote storage
@@ -124,5 +127,7 @@ def _act(action: str, where: str, channel) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), where)
     elif action == "raise":
         raise RuntimeError(f"injected fault at {where}")
+    elif action == "oom":  # as PyTorch's CUDA allocator words it (torch.OutOfMemoryError is a RuntimeError)
+        raise RuntimeError(f"CUDA out of memory. Tried to allocate 2.00 GiB (injected at {where})")
     else:
         raise ValueError(f"{ENV}: unknown action {action!r}; expected one of {ACTIONS}")

@@ -101,6 +101,14 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class StartupPhase:
+    """A consumer began a phase of its start-up (`stoker.training.startup`); STARTED ends it."""
+
+    rank: int
+    phase: str
+
+
+@dataclass(frozen=True)
 class ConsumerFailed:
     rank: int
     error: ChildError

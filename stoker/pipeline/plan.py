@@ -128,6 +128,19 @@ class EpochPlan:
         there (a state saved at another count, or after one changed)."""
         return self if self.offset(epoch, step) == offset else self.regrouped(self.num_consumers, epoch, step, offset)
 
+    def one_sample_batches(self) -> tuple[bool, bool]:
+        """(whether some rank's share of a training step can hold exactly one sample, whether some rank's
+        validation batch can), for this plan's consumers: a compiled model warms up at size 1 (which a BatchNorm
+        cannot train on) only where the run can meet it. A plan made again after the consumers changed (elastic
+        CPU runs) has its own answer."""
+        steps = [self.per_step]  # a whole step, then the epoch's short last step (the start epoch's too)
+        if not self.drop_last:
+            steps += [self.num_train % self.per_step, (self.num_train - self.start_offset) % self.per_step]
+        train = any(1 in _split(samples, self.num_consumers) for samples in steps if samples)
+        val = any(shard % self.batch_size == 1 or (shard and self.batch_size == 1)
+                  for shard in _split(self.num_val, self.num_consumers))
+        return train, val
+
     def train_work(self, epoch: int, step: int, rank: int) -> BatchPlan:
         order = self.permutation(epoch)
         first = self.offset(epoch, step)
@@ -151,6 +164,11 @@ class EpochPlan:
     def _val_shard(self, rank: int) -> np.ndarray:
         bounds = np.linspace(0, self.num_val, self.num_consumers + 1).round().astype(int)
         return np.arange(bounds[rank], bounds[rank + 1], dtype=np.int64)
+
+
+def _split(samples: int, parts: int) -> list[int]:
+    """`samples` split into `parts` as `train_work` and `_val_shard` split them (sizes differ by one at most)."""
+    return np.diff(np.linspace(0, samples, parts + 1).round().astype(int)).tolist()
 
 
 @functools.lru_cache(maxsize=2)

@@ -21,7 +21,7 @@ from stoker.common.config import ModelSettings, TrainConfig
 from stoker.common.procs import CONTEXT, Mailbox, StokerRunError, describe_exit, start, stop_processes
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.observe.summary import Ledger
-from stoker.pipeline.messages import ConsumerFailed, StepReport
+from stoker.pipeline.messages import ConsumerFailed, StartupPhase, StepReport
 from stoker.pipeline.plan import EpochPlan
 from stoker.pipeline.ring import RingSpec
 from stoker.pipeline.scheduler import Scheduler
@@ -30,7 +30,9 @@ from stoker.run.failures import FailureWitness
 from stoker.run.membership import Membership
 from stoker.run.prestart import RunPlan
 from stoker.run.setups import consumer_setups
+from stoker.run.startup_watch import StartupTimeout, StartupWatch
 from stoker.training.consumer import ConsumerSetup, consumer_main
+from stoker.training.memory_share import fixed_share_note
 from stoker.training.recovery import Joining, Regroup, Stranded
 from stoker.training.rendezvous import LOOPBACK, LocalStore, StoreAddress, host_tcp_store, sweep_dead_stores
 
@@ -91,6 +93,7 @@ class ConsumerGroup:
         self.starting_again: dict[int, Any] = {}  # consumer -> its new process, until it says it is ready
         self.joiners: set[int] = set()  # consumers started again and ready, waiting for a moment to join
         self.left_out: list[int] = []  # consumers whose device stays out: they died past --consumer-restarts
+        self.startup = StartupWatch(config.collective_timeout_s)  # each consumer's start, to its first batch
         self.metrics: MetricsLog | None = None
 
     @property
@@ -126,11 +129,17 @@ class ConsumerGroup:
         setups = consumer_setups(self.config, self.devices, self.machines, store, ring, run.data.train.classes,
                                  reference.steps_per_epoch * self.config.epochs, reference.steps_per_epoch,
                                  run.resumed.folder, run.run_dir)
+        # A slot holds the largest share a consumer may take: more than --batch-size under --global-batch fixed
+        note = fixed_share_note(self.config.batch_size, run.engine.build.batch_size, self.machines.world,
+                                self.config.global_batch)
         self.setups = [replace(setup, start_step=run.resumed.start_at.global_step, elastic=run.elastic,
-                               checkpoint_consumers=run.resumed.consumers) for setup in setups]
+                               checkpoint_consumers=run.resumed.consumers, share_note=note,
+                               one_sample=run.plan.one_sample_batches())  # the compile warm-up's size 1 only there
+                       for setup in setups]
         for rank, setup in enumerate(self.setups):
             self.ready_queues.append(CONTEXT.Queue())
             self.processes.append(self._start_one(rank, setup))
+            self.startup.start(rank)
 
     def _open_store(self) -> StoreAddress:
         """One machine: a file in a private folder, nothing on the network. Several: the first machine hosts
@@ -167,6 +176,8 @@ class ConsumerGroup:
             self.membership.strand(message)
         elif isinstance(message, Joining):
             self._joining(message.rank, run.closing)
+        elif isinstance(message, StartupPhase):
+            self.startup.reported(message.rank, message.phase)
         elif isinstance(message, ConsumerFailed):
             self._failed(message)
         else:
@@ -187,6 +198,7 @@ class ConsumerGroup:
         """Deaths seen, stuck consumers killed, restarts due started and ready joiners admitted; a regroup that
         waits too long fails the run. True when every survivor has left the broken group: regroup now."""
         self._check(run)
+        self._check_startup()
         self._kill_stuck()
         if not (self.membership.regrouping or run.closing):
             self._start_again(now)
@@ -195,6 +207,12 @@ class ConsumerGroup:
         elif not run.saving:
             self._admit_joiners()
         return self.membership.ready(run.finished)
+
+    def _check_startup(self) -> None:
+        try:
+            self.startup.check()
+        except StartupTimeout as error:
+            raise StokerRunError(str(error)) from None
 
     def check_deadline(self, finished: dict[int, Any]) -> None:
         self.membership.check_deadline(finished)

@@ -52,11 +52,12 @@ from stoker.pipeline.messages import (
     ValReport,
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.training import accel, exchange, model_file, recovery, warmup, wire
+from stoker.training import accel, exchange, model_file, recovery, startup, warmup, wire
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
 from stoker.training.groups import optimizer_groups
+from stoker.training.memory_share import explaining_out_of_memory
 from stoker.training.models import build_model
 from stoker.training.recipe import Recipe, RecipeSpec
 from stoker.training.recovery import AgreedStates, GroupLost, Joining, Regroup, Stranded, is_group_error
@@ -102,6 +103,9 @@ class ConsumerSetup:
     start_step: int = 0  # the global step this part of the run starts at
     elastic: bool = False  # survivors of a peer's death go on (`--on-consumer-failure`): keep the agreed states
     checkpoint_consumers: int = 0  # on resume: the consumers whose states the checkpoint holds (0: world_size)
+    # (train, validation): whether the plan can give this run a batch of one sample (the warm-up compiles it only then)
+    one_sample: tuple[bool, bool] = (True, True)
+    share_note: str = ""  # why a batch may exceed --batch-size (`memory_share`): said with an out-of-memory error
     joining: bool = False  # started again after a death: joins the group at the next regroup, with a peer's state
 
     @property
@@ -124,7 +128,9 @@ def consumer_main(setup: ConsumerSetup, ready, outbox, stop, generation=None) ->
     ring = SlotRing.attach(setup.ring)
     doing, finished = "starting", False
     try:
+        startup.begin(outbox, setup.local_rank)
         replica = Replica(setup, ring, outbox, stop, generation)
+        startup.end()
         doing = "training"
         replica.serve(ready)
         finished = True
@@ -240,7 +246,8 @@ class Replica:
         if not setup.hardware.compile:
             return
         warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
-                       setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size)
+                       setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size,
+                       setup.one_sample)
         if not setup.joining:
             warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
 
@@ -298,7 +305,8 @@ class Replica:
                                     while_idle=self._check_group)
             wait_s = time.perf_counter() - waited_from
             if isinstance(message, Batch) and message.kind == "train":
-                self.train_step(message, wait_s)
+                with explaining_out_of_memory(self.setup.share_note):
+                    self.train_step(message, wait_s)
                 continue
             self.report_steps()  # the controller hears of every step before anything else happens
             self.clock.pause()
@@ -541,11 +549,13 @@ class Replica:
 
     def _restore(self, folder: Path) -> None:
         """Rank 0 reads the checkpoint and hands every replica the averaged model and its own state."""
+        startup.phase(startup.RESTORING)
         work = self._rank_zero_work("resume")
         model_state = exchange.load_model(work, folder, self.setup.rank)
         if model_state is not None:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
+        startup.phase(startup.RESTORING)  # the replicas' own states: read from the checkpoint too
         self._apply_state(exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size,
                                             group=self.host_group, saved=self.setup.checkpoint_consumers))
 
@@ -684,21 +694,25 @@ def _claim_device(setup: ConsumerSetup) -> torch.device:
 
 
 def _connect_store(setup: ConsumerSetup) -> dist.Store:
+    startup.phase(startup.STORE)
     if setup.store.local:
         bind_to_loopback()
     return setup.store.connect(setup.world_size, setup.averaging.collective_timeout_s)
 
 
 def _join_group(setup: ConsumerSetup, store: dist.Store) -> dist.Store:
+    startup.phase(startup.GROUP)
     timeout = timedelta(seconds=setup.averaging.collective_timeout_s)
     options = group_options(torch.device(setup.device))
     os.environ.update(options.env)  # read when the backend starts, so before init
     dist.init_process_group(options.backend, store=store, rank=setup.rank, world_size=setup.world_size,
                             timeout=timeout, **options.init_kwargs)
+    startup.phase(startup.BUILDING)  # what follows the group's start in the replica's
     return store
 
 
 def _broadcast_initial_state(averager: Averager) -> None:
     """Every replica starts from rank 0's initialization."""
+    startup.phase(startup.INITIAL_STATE)
     for tensor in [*averager.float_buckets, *averager.int_tensors]:
         dist.broadcast(tensor, src=0)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from stoker.training import startup
 from stoker.training.accel import MixedPrecision
 
 COMPILE_ALLOWANCE_S = 1800.0  # a cold inductor compile of a large model on a busy machine: minutes, not hours
@@ -28,34 +29,35 @@ POLL_S = 0.05
 
 def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], precision: MixedPrecision,
             device: torch.device, batch_size: int, image_size: int, num_classes: int, channels_last: bool,
-            val_image_size: int | None = None) -> None:
+            val_image_size: int | None = None, one_sample: tuple[bool, bool] = (True, True)) -> None:
     """Run the compiled `forward` (and its backward) in train and eval mode, batch dimension dynamic, and in eval
     mode at `val_image_size` too (--val-image-size: validation's own shape); the model's parameters, buffers,
-    gradients and the random state come out as they went in."""
+    gradients and the random state come out as they went in. `one_sample`: whether the run's plan can give a
+    training share, and a validation batch, of one sample (`EpochPlan.one_sample_batches`): size 1 is warmed up
+    only in the modes where it can occur. A BatchNorm cannot train on one value per channel (a 1x1 last stage, a
+    BatchNorm1d head), so a run that never meets such a batch must not fail on one at its warm-up."""
+    startup.phase(startup.COMPILING)
     saved = [tensor.detach().clone() for tensor in (*model.parameters(), *model.buffers())]
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    sizes = warm_up_sizes(batch_size)
+    sides = [image_size] if val_image_size in (None, image_size) else [image_size, val_image_size]
     try:
-        for size in sizes:
-            images = torch.zeros((size, 3, image_size, image_size), device=device).contiguous(
-                memory_format=memory_format)
-            labels = torch.arange(size, device=device) % max(1, num_classes)
-            torch._dynamo.maybe_mark_dynamic(images, 0)
-            torch._dynamo.maybe_mark_dynamic(labels, 0)
-            model.train()
-            with precision.autocast():
-                loss = F.cross_entropy(forward(images), labels)
-            loss.backward()
-            model.eval()
-            with torch.no_grad(), precision.autocast():
-                forward(images)
-                if val_image_size not in (None, image_size):
-                    val_images = torch.zeros((size, 3, val_image_size, val_image_size), device=device).contiguous(
-                        memory_format=memory_format)
-                    torch._dynamo.maybe_mark_dynamic(val_images, 0)
-                    forward(val_images)
+        for size in warm_up_sizes(batch_size):
+            train, evaluate = (True, True) if size != 1 or batch_size == 1 else one_sample
+            images = [_dummy(size, side, device, memory_format) for side in sides]
+            if train:
+                labels = torch.arange(size, device=device) % max(1, num_classes)
+                torch._dynamo.maybe_mark_dynamic(labels, 0)
+                model.train()
+                with precision.autocast():
+                    loss = F.cross_entropy(forward(images[0]), labels)
+                loss.backward()
+            if evaluate:
+                model.eval()
+                with torch.no_grad(), precision.autocast():
+                    for batch in images:
+                        forward(batch)
     finally:
         model.zero_grad(set_to_none=True)
         with torch.no_grad():
@@ -65,6 +67,12 @@ def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], p
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
         model.train()
+
+
+def _dummy(size: int, side: int, device: torch.device, memory_format: torch.memory_format) -> torch.Tensor:
+    images = torch.zeros((size, 3, side, side), device=device).contiguous(memory_format=memory_format)
+    torch._dynamo.maybe_mark_dynamic(images, 0)
+    return images
 
 
 def warm_up_sizes(batch_size: int) -> list[int]:
@@ -80,6 +88,7 @@ def wait_for_peers(store: dist.Store, name: str, world_size: int, alive: Callabl
                    allowance_s: float = COMPILE_ALLOWANCE_S) -> None:
     """Every rank has reached `name` (through the store: no collective is enqueued while a peer still compiles).
     `alive()` raises when this process must stop."""
+    startup.phase(startup.PEERS_COMPILING)
     key = f"stoker-ready/{name}"
     store.add(key, 1)
     deadline = time.monotonic() + allowance_s

@@ -3,7 +3,7 @@
 Both read the model file's card (model, classes, image size, preprocessing) and ask nothing again. The images go
 through the `stoker.Loader` engine with validation's preprocessing (augment "none": the centre crop, stoker's
 decoder), as uint8 on the host; each batch goes to the next of the devices given (one model replica on each),
-where it is normalized as the consumer's feed does (`inference.normalize`) and run. An unusable image is
+where it is normalized as the consumer's feed does (`feed.normalize_pixels`) and run. An unusable image is
 listed with its reason, never fatal.
 """
 
@@ -28,8 +28,9 @@ from stoker.data.formats.image_list import list_images
 from stoker.data.index import PackedIndex
 from stoker.data.sources import load_source
 from stoker.observe.evaluation import per_class_accuracy, whole_confusion
+from stoker.training.to_device import normalization_constants, normalize_pixels
 from stoker.training.val_totals import ValTotals
-from stoker.use.inference import LoadedModel, load, normalize
+from stoker.use.inference import LoadedModel, load
 from stoker.use.inference_settings import InferenceSettings
 from stoker.use.loader import Loader
 
@@ -51,7 +52,9 @@ class Scored:
 
 class Replicas:
     """The model on each distinct device; batches go to them in turn (on GPUs the launches are asynchronous, so
-    the devices run side by side)."""
+    the devices run side by side). Nothing in a batch's way waits for a device: the normalization constants are
+    on each device once, and every batch goes there from pinned memory (a copy from pageable memory waits for
+    the device's stream to drain first)."""
 
     def __init__(self, loaded: LoadedModel, devices: list[str]) -> None:
         self.loaded = loaded
@@ -59,16 +62,28 @@ class Replicas:
         if all(d.type == "cpu" for d in self.devices):
             torch.set_num_threads(available_cores())  # one process: every core for the one CPU replica
         self.models: list[nn.Module] = [copy.deepcopy(loaded.model).to(d).eval() for d in self.devices]
+        host = normalization_constants(loaded.card.mean, loaded.card.std)
+        self.constants = [tuple(c.to(d) for c in host) for d in self.devices]
         self.turn = 0
 
     def run(self, pixels: torch.Tensor) -> torch.Tensor:
         """Logits of a uint8 NCHW batch, on the device that ran it."""
-        device, model = self.devices[self.turn], self.models[self.turn]
+        device, model, (mean_255, inv_std_255) = (self.devices[self.turn], self.models[self.turn],
+                                                  self.constants[self.turn])
         self.turn = (self.turn + 1) % len(self.devices)
         # NHWC again (the Loader hands out an NCHW view of it), channels_last as the trainer feeds its model
-        images = normalize(pixels.permute(0, 2, 3, 1), self.loaded.card, device, torch.channels_last)
+        images = normalize_pixels(to_device(pixels.permute(0, 2, 3, 1), device), mean_255, inv_std_255,
+                                  torch.channels_last)
         with torch.no_grad():
             return model(images)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor` (on the host) copied to `device` without the host waiting: through pinned memory to a GPU (torch's
+    caching host allocator reuses a pinned block only once the copy from it is done)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def scored_batches(loaded: LoadedModel, index: PackedIndex, settings: InferenceSettings,
@@ -117,7 +132,7 @@ def evaluate(model_file: Path, data: Path | str, settings: InferenceSettings = D
     for batch in scored_batches(loaded, index, settings, skipped):
         device = batch.logits.device
         totals = per_device.setdefault(device, ValTotals(len(loaded.classes), device))
-        totals.add(batch.logits, lookup[batch.labels].to(device, non_blocking=True))
+        totals.add(batch.logits, to_device(lookup[batch.labels], device))
     result = _summed(per_device.values(), len(loaded.classes)).reduce()
     refused = {s.path: s.reason for s in index.skipped}
     return {

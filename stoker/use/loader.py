@@ -60,6 +60,7 @@ from stoker.pipeline.scheduler import Scheduler
 from stoker.training.streams import ops_for
 from stoker.training.to_device import DeviceLoader
 from stoker.use.lent_batches import LentBatches
+from stoker.use.rank_gpu import rank_gpu
 from stoker.use.resume_position import ResumePosition
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def read_rank() -> tuple[int, int]:
 
 
 def resolve_device(device: str | None) -> torch.device | None:
-    """The rank's own device, never simply cuda:0 (see `rank_gpu` for 'cuda')."""
+    """The rank's own device, never simply cuda:0 (see `rank_gpu.rank_gpu` for 'cuda')."""
     if device is None:
         return None
     if device == "auto":
@@ -115,18 +116,6 @@ def resolve_device(device: str | None) -> torch.device | None:
         raise ValueError(f"device={device!r} is {resolved}, but {torch.cuda.device_count()} CUDA device(s) are "
                          "visible (LOCAL_RANK and CUDA_VISIBLE_DEVICES say which this rank gets)")
     return resolved
-
-
-def rank_gpu() -> int:
-    """'cuda' for this rank: the current device once CUDA is initialized (the user's `torch.cuda.set_device`),
-    the only one where a rank sees one GPU (SLURM's --gpus-per-task=1, a per-rank CUDA_VISIBLE_DEVICES), else
-    cuda:LOCAL_RANK (torchrun on a machine whose GPUs every rank sees)."""
-    if torch.cuda.is_initialized():
-        return torch.cuda.current_device()
-    local = os.environ.get("LOCAL_RANK")
-    if torch.cuda.device_count() == 1 or local is None:
-        return 0
-    return int(local)
 
 
 class EpochSampler:

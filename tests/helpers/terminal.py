@@ -14,8 +14,12 @@ import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import pyte
+import pytest
+
+if TYPE_CHECKING:
+    import pyte
 
 CTRL_C = b"\x03"
 
@@ -42,7 +46,9 @@ OnOutput = Callable[[list[str], Callable[[bytes], None]], None]
 def run_in_terminal(command: list[str], env: dict[str, str], columns: int = 140, rows: int = 40,
                     timeout_s: float = 180, on_output: OnOutput | None = None) -> Terminal:
     """Run `command` on a `columns` x `rows` terminal until it exits. `on_output(screen, type)` is called after
-    every read with the lines on the screen now and may type keys."""
+    every read with the lines on the screen now and may type keys. Without pyte the test is skipped: it is imported
+    here, not with the module, so that collecting the tests (`pytest -m gpu` on a GPU image) never needs it."""
+    pyte = pytest.importorskip("pyte")
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     environment = {**env, "TERM": "xterm-256color", "COLUMNS": str(columns), "LINES": str(rows)}

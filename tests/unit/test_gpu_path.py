@@ -128,6 +128,112 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
     torch._dynamo.reset()
 
 
+
+def _counting_aot_backend() -> tuple[list[int], object]:
+    """aot_eager that counts its forward graphs: AOTAutograd runs over the real model (functionalization, the
+    mutated BatchNorm buffers, inputs that are views of one flat storage), the graphs then run eagerly."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiles = [0]
+
+    def forward_compiler(graph, example_inputs):
+        compiles[0] += 1
+        return make_boxed_func(graph.forward)
+
+    return compiles, aot_autograd(fw_compiler=forward_compiler,
+                                  bw_compiler=lambda graph, example_inputs: make_boxed_func(graph.forward))
+
+
+def test_aot_autograd_trains_the_flat_bucket_model_as_eager_does_at_every_warm_up_size():
+    """Every parameter and BatchNorm buffer is a view of one flat storage and the running stats are mutated inside
+    the graph: compiled through AOTAutograd (aot_eager, no C compiler) after the warm-up, a flattened resnet8's
+    gradients, running stats and outputs in train and eval match eager's at each size the warm-up compiled (half
+    the batch, the batch, 1), and nothing compiles again."""
+    import copy
+
+    import torch._dynamo
+
+    from stoker.training import accel, warmup
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = build_model("resnet8", 10)
+    flatten_float_state(eager)
+    model = copy.deepcopy(eager)
+    flatten_float_state(model)
+    assert len({t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+                if t.is_floating_point()}) == 1
+    compiles, backend = _counting_aot_backend()
+    forward = accel.compiled(model, threads=1, backend=backend)
+    warmup.warm_up(model, forward, accel.MixedPrecision("fp32", torch.device("cpu")), torch.device("cpu"), 8, 32,
+                   10, channels_last=True)
+    warmed = compiles[0]
+    assert warmed > 0
+    for size in warmup.warm_up_sizes(8):
+        images = torch.randn(size, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+        labels = torch.arange(size) % 10
+        for module, run in ((eager, eager), (model, forward)):
+            module.train()
+            module.zero_grad(set_to_none=True)
+            F.cross_entropy(run(images), labels).backward()
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            assert torch.allclose(a.grad, b.grad, atol=1e-5), (size, name)
+        for (name, a), b in zip(eager.named_buffers(), model.buffers()):  # running stats, updated in the graph
+            assert torch.allclose(a.float(), b.float(), atol=1e-6), (size, name)
+        eager.eval()
+        model.eval()
+        with torch.no_grad():
+            assert torch.allclose(eager(images), forward(images), atol=1e-5), size
+    assert compiles[0] == warmed
+    torch._dynamo.reset()
+
+
+class _BatchNormHead(torch.nn.Module):
+    """A user model whose head is a BatchNorm1d: it cannot train on a batch of one sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                            torch.nn.Flatten(), torch.nn.Linear(8, 10))
+        self.head = torch.nn.BatchNorm1d(10)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
+
+
+def test_a_plan_says_where_it_can_give_a_batch_of_one_sample():
+    from stoker.pipeline.plan import EpochPlan
+
+    def plan(train, val, consumers, **options):
+        return EpochPlan(train, val, 8, consumers, 0, **options).one_sample_batches()
+
+    assert plan(64, 16, 2) == (False, False)  # whole steps, validation shards of 8
+    assert plan(65, 16, 2) == (True, False)  # the last step's one sample: a share of 1 beside one of 0
+    assert plan(66, 16, 2) == (True, False)  # two: one each
+    assert plan(68, 16, 2) == (False, False)  # four: two each
+    assert plan(65, 16, 2, drop_last=True) == (False, False)  # no short last step
+    assert plan(64, 17, 1) == (False, True) and plan(64, 18, 2) == (False, True)  # a shard of 9: 8 then 1
+    assert plan(64, 16, 2, start_offset=15, start_step=1) == (True, False)  # resumed: 49 left, its last step 1
+
+
+@pytest.mark.parametrize("one_sample", [(False, False), (False, True)])
+def test_the_warm_up_trains_at_one_sample_only_where_the_plan_gives_one(one_sample):
+    """A model with a BatchNorm1d head cannot train on one sample: a run whose plan never gives one must not fail
+    at its warm-up (it used to train at size 1 always); where the plan gives one, the warm-up meets it at start."""
+    from stoker.training import accel, warmup
+
+    model = _BatchNormHead()
+    before = [t.detach().clone() for t in model.state_dict().values()]
+    precision = accel.MixedPrecision("fp32", torch.device("cpu"))
+    warmup.warm_up(model, model, precision, torch.device("cpu"), 8, 16, 10, channels_last=False,
+                   one_sample=one_sample)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        warmup.warm_up(model, model, precision, torch.device("cpu"), 8, 16, 10, channels_last=False,
+                       one_sample=(True, one_sample[1]))
+
+
 def test_a_consumer_still_compiling_does_not_time_out_the_others(tmp_path):
     """The consumers meet through the store after compiling: a late one holds the others there, not in a
     collective with a 60 s timeout."""
@@ -203,7 +309,8 @@ def test_a_consumer_aborts_its_group_after_a_failure_or_a_stop_and_destroys_it_o
 
     class Outbox:
         def send(self, message) -> None:
-            calls.append(f"sent {type(message).__name__}")
+            if type(message).__name__ != "StartupPhase":  # its start-up's phases (stoker.training.startup)
+                calls.append(f"sent {type(message).__name__}")
 
     class Replica:
         def __init__(self, *args) -> None:
@@ -286,3 +393,79 @@ def test_the_loader_s_cuda_is_the_rank_s_own_gpu(monkeypatch):
     _cuda_of(monkeypatch, visible=4, initialized=False, local_rank="6")
     with pytest.raises(ValueError, match="LOCAL_RANK"):
         resolve_device("cuda")
+
+
+def test_the_loader_s_cuda_is_the_rank_s_own_gpu_when_the_script_never_called_set_device(monkeypatch):
+    """A torchrun script that moves its model with `.to(f"cuda:{local_rank}")` and never calls set_device: CUDA is
+    initialized with device 0 current on every rank. Rank 3's Loader must not feed GPU 0."""
+    from stoker.use.loader import resolve_device
+
+    _cuda_of(monkeypatch, visible=8, initialized=True, current=0, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    _cuda_of(monkeypatch, visible=1, initialized=True, current=0, local_rank="3")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # its one visible GPU
+
+
+def test_the_loader_s_cuda_is_the_device_the_process_group_is_bound_to(monkeypatch, tmp_path):
+    """`init_process_group(device_id=...)` names the rank's GPU whatever else says: a real (gloo) default group,
+    whose bound device is set as NCCL's init would set it (there is no GPU here)."""
+    from stoker.use.loader import resolve_device
+
+    _cuda_of(monkeypatch, visible=8, initialized=True, current=5, local_rank="3")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        dist.group.WORLD.bound_device_id = torch.device("cuda", 6)
+        assert resolve_device("cuda") == torch.device("cuda", 6)
+        dist.group.WORLD.bound_device_id = None  # not bound: the user's set_device
+        assert resolve_device("cuda") == torch.device("cuda", 5)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_eval_and_predict_copy_each_batch_to_the_gpu_without_waiting_for_it(monkeypatch):
+    """A recording fake CUDA device at torch's API boundary (its tensors stay on the CPU): every copy to it is
+    recorded with whether it was pinned and non-blocking. A blocking copy, or one from pageable memory, makes the
+    host wait for the device's stream: per batch, that is a synchronization per batch. Only the replica's set-up
+    (the model, the normalization constants) may copy blocking; each batch's pixels and labels go from pinned
+    memory, non-blocking, and nothing is read back (.item, .cpu, .tolist) until the pass ends."""
+    from stoker.training.model_file import ModelCard
+    from stoker.use import evaluate
+    from stoker.use.inference import LoadedModel
+
+    copies: list[tuple[str, bool, bool]] = []
+    reads: list[str] = []
+    to = torch.Tensor.to
+
+    def fake_to(self, *args, **kwargs):
+        target = next((a for a in (*args, kwargs.get("device")) if isinstance(a, (torch.device, str))), None)
+        if target is not None and torch.device(target).type == "cuda":
+            copies.append(("batch" if running else "set-up", bool(kwargs.get("non_blocking")),
+                           getattr(self, "_pinned", False)))
+            return to(self, "cpu", *(a for a in args if not isinstance(a, (torch.device, str))),
+                      **{k: v for k, v in kwargs.items() if k != "device"})
+        return to(self, *args, **kwargs)
+
+    def fake_pin(self):
+        pinned = self.clone()
+        pinned._pinned = True
+        return pinned
+
+    for name in ("item", "cpu", "tolist"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (
+            reads.append(_n) if running else None, _o(self, *a, **k))[1])
+    monkeypatch.setattr(torch.Tensor, "to", fake_to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    running = False
+    card = ModelCard("resnet8", tuple(str(k) for k in range(10)), 32)
+    replicas = evaluate.Replicas(LoadedModel(build_model("resnet8", 10).eval(), card, Path("m.pt"),
+                                             torch.device("cpu")), ["cuda:0"])
+    running = True
+    for _ in range(4):
+        pixels = torch.randint(0, 256, (2, 32, 32, 3), dtype=torch.uint8).permute(0, 3, 1, 2)  # as the Loader's
+        logits = replicas.run(pixels)
+        evaluate.to_device(torch.tensor([1, 2]), torch.device("cuda:0"))
+    assert logits.shape == (2, 10)
+    per_batch = [(non_blocking, pinned) for when, non_blocking, pinned in copies if when == "batch"]
+    assert per_batch == [(True, True)] * 8, copies  # pixels and labels, 4 batches
+    assert reads == []

@@ -32,21 +32,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
-import obstore
-from obstore.exceptions import (
-    BaseError,
-    NotFoundError,
-    PermissionDeniedError,
-    PreconditionError,
-    UnauthenticatedError,
-)
-
 from stoker.common import faults
+from stoker.common.lazy import LazyModule
+from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
 from stoker.data.transports import ranges
 
 if TYPE_CHECKING:
     from obstore import GetOptions
-from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
+
+# Imported where a remote object is first touched: a run on local files needs no obstore (an `except` clause naming
+# one of its errors is evaluated only once something was raised in its `try`, where obstore was being used).
+obstore = LazyModule("obstore", "a remote source (http(s)://, s3://, gs://)")
+errors = LazyModule("obstore.exceptions", "a remote source (http(s)://, s3://, gs://)")
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +188,7 @@ def _ask_version(url: str) -> Version:
     root, path = _split(url)
     try:
         meta = obstore.head(_store(root), path)
-    except (BaseError, OSError) as error:
+    except (errors.BaseError, OSError) as error:
         raise ValueError(f"{url}: {_refusal(error)}") from None
     size = int(meta["size"])
     # Without an ETag the version is the size and date: a copy or cached index of another size is never taken.
@@ -202,12 +199,12 @@ def _ask_version(url: str) -> Version:
 def _refusal(error: BaseException) -> str:
     """Why an object cannot be read, in words; HTTP servers' answers reach obstore as generic errors."""
     text = str(error)
-    if isinstance(error, NotFoundError) or "404 Not Found" in text:
+    if isinstance(error, errors.NotFoundError) or "404 Not Found" in text:
         return NO_SUCH_OBJECT
-    if isinstance(error, (PermissionDeniedError, UnauthenticatedError)) or "403 Forbidden" in text or \
+    if isinstance(error, (errors.PermissionDeniedError, errors.UnauthenticatedError)) or "403 Forbidden" in text or \
             "401 Unauthorized" in text:
         hint = ("; S3 credentials are read from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws"
-                if "s3://" in text or isinstance(error, UnauthenticatedError) else "")
+                if "s3://" in text or isinstance(error, errors.UnauthenticatedError) else "")
         return f"{ACCESS_REFUSED} ({describe(error)}){hint}"
     return f"cannot be read ({describe(error)}){_what_to_change(text)}"
 
@@ -251,7 +248,7 @@ def fetch(url: str, limit: int) -> bytes | None:
     options: GetOptions = {"range": (0, version.size), **_precondition(version.etag)}  # never past what HEAD said
     try:
         return bytes(obstore.get(_store(root, whole=True), path, options=options).bytes()) if version.size else b""
-    except (BaseError, OSError) as error:
+    except (errors.BaseError, OSError) as error:
         raise ValueError(f"{url}: {_refusal(error)}") from None
 
 
@@ -263,7 +260,7 @@ def list_tars(prefix: str) -> list[str]:
                          f"{prefix.rstrip('/')}/train-{{0000..0127}}.tar")
     try:
         listing = obstore.list_with_delimiter(_store(root), path.rstrip("/") + "/" if path else None)
-    except BaseError as error:
+    except errors.BaseError as error:
         raise ValueError(f"data={prefix!r}: {_unlisted(error)}") from None
     return sorted(f"{root}/{item['path']}" for item in listing["objects"] if item["path"].lower().endswith(".tar"))
 
@@ -278,7 +275,7 @@ def objects_under(prefix: str) -> list[str]:
     try:
         found = [item["path"] for batch in obstore.list(_store(root), path.rstrip("/") + "/" if path else None)
                  for item in batch]
-    except BaseError as error:
+    except errors.BaseError as error:
         raise ValueError(f"{prefix}: {_unlisted(error)}") from None
     return [f"{root}/{key}" for key in found]
 
@@ -288,7 +285,7 @@ def upload(file: Path, url: str) -> None:
     root, path = _split(url)
     try:
         obstore.put(_store(root, whole=True), path, file)
-    except BaseError as error:
+    except errors.BaseError as error:
         raise ValueError(f"{url}: cannot be written ({_refusal(error)})") from None
 
 
@@ -296,7 +293,7 @@ def delete(url: str) -> None:
     root, path = _split(url)
     try:
         obstore.delete(_store(root, whole=True), path)
-    except BaseError as error:
+    except errors.BaseError as error:
         raise ValueError(f"{url}: cannot be removed ({_refusal(error)})") from None
 
 
@@ -419,11 +416,11 @@ def _read_through_store(url: str, version: str, start: int, size: int) -> bytes:
     options: GetOptions = {"range": (start, start + size), **_precondition(version)}
     try:
         data = obstore.get(_store(root), path, options=options).bytes()
-    except PreconditionError:
+    except errors.PreconditionError:
         raise UnusableImage(ranges.changed(url, version)) from None
-    except (NotFoundError, FileNotFoundError):  # obstore raises the builtin one for a 404 of a GET
+    except (errors.NotFoundError, FileNotFoundError):  # obstore raises the builtin one for a 404 of a GET
         raise UnusableImage(ranges.gone(url)) from None
-    except (BaseError, OSError) as error:
+    except (errors.BaseError, OSError) as error:
         raise UnusableImage(f"{UNREADABLE} {url}: {describe(error)}") from None
     if len(data) != size:
         raise UnusableImage(ranges.shorter(url))
@@ -458,9 +455,9 @@ def download(url: str, version: Version, target: Path, keep_going: Callable[[], 
             raise ValueError(f"{url}: {written} bytes arrived, {version.size} expected")
         os.replace(partial, target)
         return True
-    except PreconditionError:
+    except errors.PreconditionError:
         raise ValueError(f"{url} changed while it was read (its ETag is no longer {version.etag})") from None
-    except BaseError as error:
+    except errors.BaseError as error:
         raise ValueError(f"{url}: {_refusal(error)}") from None
     except OSError as error:  # the local side (a full or read-only disk), or obstore's FileNotFoundError for a 404
         if isinstance(error, FileNotFoundError) and error.filename is None:

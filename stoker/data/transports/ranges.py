@@ -22,11 +22,16 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import pycurl
+from typing import TYPE_CHECKING
 
 from stoker.common import faults
+from stoker.common.lazy import LazyModule
 from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
+
+if TYPE_CHECKING:
+    import pycurl
+else:  # imported at the first remote read: a run on local files needs no pycurl
+    pycurl = LazyModule("pycurl", "reading samples from a remote source")
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,7 @@ DEADLINE_MARGIN_S = 0.05  # a request that fails this close to its read's deadli
 ACTIVE_POLL_S = 0.05  # the longest wait while requests are out (libcurl's sockets past 1024 are not waited on)
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 RESIGN_STATUS = frozenset({400, 403})  # a signed URL whose credentials ended (S3 answers 400 or 403)
-TOO_LARGE = pycurl.E_FILESIZE_EXCEEDED if hasattr(pycurl, "E_FILESIZE_EXCEEDED") else 63
+TOO_LARGE = 63  # CURLE_FILESIZE_EXCEEDED (pycurl.E_FILESIZE_EXCEEDED), a constant of libcurl's ABI
 SignAgain = Callable[[str], "str | None"]  # an object's name -> a freshly signed URL of it (None: cannot)
 
 
