@@ -32,6 +32,7 @@ from stoker.pipeline.autoscaler import (
     Autoscaler,
     Window,
     default_ceiling,
+    start_count,
 )
 from stoker.pipeline.gauges import EventLog, ProducerGauges
 from stoker.pipeline.parts import Assembler, most_parts_in_flight, parts_per_batch
@@ -64,6 +65,7 @@ class ProducerCounts:
     minimum: int
     auto: bool
     cores: int = 0
+    default_start: bool = False  # auto started where `start_count` says, not where the user did
 
     @classmethod
     def from_settings(cls, producers: int | Literal["auto"], min_producers: int, initial_producers: int | None,
@@ -76,13 +78,14 @@ class ProducerCounts:
             return cls(producers, producers, fits, min_producers, auto=False, cores=cores)
         budget = max_producers or default_ceiling(max(fits, min_producers), cores, ring_parts, memory,
                                                   PRODUCER_MEMORY)
-        return cls(min(initial_producers or min_producers, budget), budget, fits, min_producers, auto=True,
-                   cores=cores)
+        return cls(min(initial_producers or start_count(min_producers, cores), budget), budget, fits, min_producers,
+                   auto=True, cores=cores, default_start=initial_producers is None)
 
     def autoscaler(self) -> Autoscaler | None:
         if not self.auto:
             return None
-        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores)
+        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores,
+                          self.initial if self.default_start else None)
 
 
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,
