@@ -235,8 +235,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{'producers':>10} {'samples/s':>10} {'whole run':>10}")
         for row in workload["fixed"]:
             print(f"{row['producers']:>10} {row['samples_per_s']:>10.1f} {row['whole_run_samples_per_s']:>10.1f}")
+        start = workload["auto_timeline"][0]["producers"]
         print(f"{'auto':>10} {workload['auto_samples_per_s']:>10.1f} {workload['auto_whole_run_samples_per_s']:>10.1f}"
-              f"   (1 -> {workload['auto_producers_final']} producers, at most {workload['auto_producers_max']}, "
+              f"   ({start} -> {workload['auto_producers_final']} producers, at most {workload['auto_producers_max']}, "
               f"last change at {workload['settle_s']:.1f} s; plain need at {workload['auto_plain_need_s']} s, "
               f"first fork at {workload['auto_first_fork_s']} s)")
         fixed = workload["fixed"]
