@@ -2,7 +2,9 @@
 # Both create .venv and install what they need. Where $(PYTHON) already has torch (a CUDA build on a GPU image or
 # NGC container, often offline), .venv uses that torch and installs only stoker's other dependencies (offline:
 # PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR of wheels). Elsewhere it installs the CPU build of torch where no NVIDIA GPU is
-# present (instead of the multi-GB CUDA build a plain `pip install torch` pulls).
+# present (instead of the multi-GB CUDA build a plain `pip install torch` pulls). A local torch wheel is installed
+# without its dependencies (so pip cannot swap it for another build), then they are installed at once: left to the
+# next install, pip printed "ERROR: ... torch requires filelock, which is not installed" during a set-up that works.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -66,6 +68,7 @@ $(VENV)/.installed: pyproject.toml
 			$(PIP) install "torch>=2.6"; \
 		elif $(PIP) install -q --no-index --no-deps "$(CPU_TORCH)" 2>/dev/null; then \
 			echo "installed the CPU build of torch found locally"; \
+			$(PIP) install -q "$(CPU_TORCH)"; \
 		else \
 			$(PIP) install "$(CPU_TORCH)" --index-url $(CPU_TORCH_INDEX); \
 		fi; \

@@ -43,7 +43,8 @@ from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 3  # 2: stamps with size, ctime and inode; checksums; labels read strictly. 3: the root stamped
+INDEX_VERSION = 4  # 2: stamps with size, ctime and inode; checksums; labels read strictly. 3: the root stamped
+# 4: samples over 64 MiB refused; Parquet rows that name a file read from it; a blob's samples named by their file
 # A directory changed within this long before its listing may have changed again inside the same timestamp tick
 # (filesystems keep times as coarse as 1-2 s): such a listing is used but never trusted from the cache.
 MTIME_GUARD_NS = 2_000_000_000
@@ -70,6 +71,8 @@ class Packed:
     sizes: np.ndarray | None = None
     versions: list[str] = field(default_factory=list)  # each remote shard's ETag ('' for a local one)
     shard_sizes: list[int] = field(default_factory=list)  # and its size (0 for a local one)
+    origins: list[str] = field(default_factory=list)  # what names each shard's samples, where not the shard (a
+    # Parquet file's, not the blob in the cache its bytes were copied to); empty: the shards themselves
 
 
 class PackedIndex:
@@ -95,6 +98,7 @@ class PackedIndex:
         self.shards: tuple[str, ...] = tuple(meta["shards"])
         self.versions: tuple[str, ...] = tuple(meta.get("versions") or ("",) * len(self.shards))
         self.sizes: tuple[int, ...] = tuple(meta.get("sizes") or (0,) * len(self.shards))  # a remote shard's bytes
+        self.origins: tuple[str, ...] = tuple(meta.get("origins") or self.shards)  # what a sample's name starts with
         self._names = self._array("names.npy")
         self._offsets = self._array("offsets.npy")
         self._ids = self._array(f"{part}.ids.npy") if part else None
@@ -116,7 +120,8 @@ class PackedIndex:
         if self.shards:
             memory["where.npy"] = np.asarray(self._where)
         memory.update(meta={"classes": list(self.classes), "base": self.base, "shards": list(self.shards),
-                            "versions": list(self.versions), "sizes": list(self.sizes)},
+                            "versions": list(self.versions), "sizes": list(self.sizes),
+                            "origins": list(self.origins)},
                       skipped=[[s.path, s.reason] for s in self.skipped])
         return memory
 
@@ -152,7 +157,7 @@ class PackedIndex:
     def name(self, position: int) -> str:
         raw = bytes(self._names[self._offsets[position]:self._offsets[position + 1] - 1])  # without its NUL
         if self.shards:
-            return f"{self.shards[int(self._where[position, 0])]}:{os.fsdecode(raw)}"
+            return f"{self.origins[int(self._where[position, 0])]}:{os.fsdecode(raw)}"
         return self.base + os.fsdecode(raw)
 
     def read_ahead(self, samples: Sequence[int]) -> None:
@@ -423,7 +428,8 @@ def _entry_files(packed: Packed) -> dict[str, bytes]:
     files["skipped.json"] = json.dumps([[s.path, s.reason] for s in packed.skipped]).encode()
     files["meta.json"] = json.dumps({"version": INDEX_VERSION, "classes": list(packed.classes),
                                      "base": packed.base, "shards": packed.shards,
-                                     "versions": packed.versions, "sizes": packed.shard_sizes}).encode()
+                                     "versions": packed.versions, "sizes": packed.shard_sizes,
+                                     "origins": packed.origins}).encode()
     return files
 
 

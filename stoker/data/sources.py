@@ -3,7 +3,6 @@ when the data has not changed; the validation split; the refused entries, logged
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from stoker.data.formats.folders import Skipped, validation_ids
 from stoker.data.formats.parquet import DEFAULT_COLUMNS, Columns, load_parquet, parquet_files
 from stoker.data.formats.shards import load_shards, shard_paths
 from stoker.data.index import PackedIndex, load_image_folder
-from stoker.data.transports.object_store import LocalCopies
+from stoker.data.transports.object_store import LocalCopies, held_by_copies
 
 if TYPE_CHECKING:  # `stoker pack` reads sources and needs no config (pydantic)
     from stoker.common.config import TrainConfig
@@ -78,11 +77,8 @@ def local_copies(cache_dir: Path | None, cache_size: str | None) -> LocalCopies 
     if cache_size is not None:
         return LocalCopies(cache_dir, parse_size("cache_size", cache_size))
     cache_dir.mkdir(parents=True, exist_ok=True)
-    held = 0
-    for entry in cache_dir.iterdir():
-        with contextlib.suppress(FileNotFoundError):  # another run's copy, evicted meanwhile
-            held += entry.stat().st_size if entry.is_file() else 0
-    return LocalCopies(cache_dir, (shutil.disk_usage(cache_dir).free + held) // 2)  # what it holds counts as free
+    held = held_by_copies(cache_dir)  # stoker's copies count as free, the user's files there do not
+    return LocalCopies(cache_dir, (shutil.disk_usage(cache_dir).free + held) // 2)
 
 
 def split_source(index: PackedIndex, fraction: float, seed: int) -> tuple[PackedIndex, PackedIndex | None]:

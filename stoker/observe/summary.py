@@ -116,6 +116,8 @@ class Ledger:
                 "steps": start_step + part["steps"],
                 "samples_consumed": [row["consumed"] for row in rows],
                 "duplicate_samples": sum(row["duplicates"] for row in rows),
+                # Summed over epochs: a file unusable in every epoch counts once in each (3 files, 8 epochs: 24);
+                # epoch_accounting has each epoch's (docs/contracts.md says so beside the field).
                 "missing_samples": sum(row["missing"] for row in rows),
                 "missing_samples_skipped_as_unusable": sum(row["missing_unusable"] for row in rows),
                 "epoch_accounting": rows,

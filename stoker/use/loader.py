@@ -73,6 +73,24 @@ MIN_SLOTS = 4  # the trainer's slots_per_consumer
 QUEUED_BATCHES = 2
 OPEN_ENDED = 1 << 40  # the scheduler's last epoch: the ring, not the epoch, bounds what is built ahead
 STATE_VERSION = 1
+# The last epoch a loader takes: far past any run, below OPEN_ENDED (an epoch past it had no batch and its iter()
+# waited for ever), and epoch x steps stays an int64 global step for up to 2^32 steps an epoch.
+MAX_EPOCH = (1 << 30) - 1
+
+
+def check_position(epoch: Any, state: dict[str, Any] | None = None, samples: int = 0) -> int:
+    """`epoch` as an int from 0 to MAX_EPOCH; and, for a loaded `state` whose offset is not its step's in its own
+    plan (saved after a resume at another world size), an offset its step can have reached with a sample left:
+    each step before it trained one sample at least. A ValueError naming what was given otherwise."""
+    what = "load_state_dict: the state's epoch is" if state is not None else "set_epoch:"
+    if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"{what} {epoch!r}; expected an integer epoch from 0 to {MAX_EPOCH}")
+    offset = state.get("offset") if state is not None else None
+    if state is not None and offset is not None and not state["step"] <= offset < samples:
+        raise ValueError(f"load_state_dict: the state's offset {offset} does not fit its step {state['step']}: "
+                         f"expected an offset from {state['step']} to {samples - 1} (each step before it trained a "
+                         f"sample at least, and one of the epoch's {samples} is left); it would resume no batch")
+    return int(epoch)
 
 
 @dataclass(frozen=True)
@@ -279,9 +297,7 @@ class Loader:
     # ---- what DataLoader users call ------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch < 0:
-            raise ValueError(f"set_epoch({epoch}): expected an epoch >= 0")
-        self.epoch = epoch
+        self.epoch = check_position(epoch)
 
     def __len__(self) -> int:
         """Batches per epoch on every rank: the same on each, whatever files turn out unusable (the epoch a state of
@@ -319,7 +335,7 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved batch: the next `iter()` of the saved epoch starts there (exact resume)."""
         self._check_state(state)
-        self.epoch = int(state["epoch"])
+        self.epoch = check_position(state["epoch"], state, len(self.source.paths))
         self._resume = self._position = Position(self.epoch, int(state["step"]), 0)
         saved_world = int(state.get("world_size", read_rank()[1] if self.info is None else self.info.world_size))
         offset = state.get("offset")

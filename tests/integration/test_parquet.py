@@ -204,12 +204,41 @@ def test_rows_without_an_image_or_a_class_are_listed_and_left_out(tmp_path):
     assert len(index) == 1 and index.read(0) == b"a"
     listed = {s.path: s.reason for s in index.skipped}
     assert listed == {f"{file}:row 1": "no image (null)",
-                      f"{file}:row 2": "no image bytes (the row names a file, 'lost.jpg': only images stored in the "
-                                       "file are read)",
+                      f"{file}:row 2": "no image bytes, and the file the row names, 'lost.jpg', cannot be read (No "
+                                       "such file or directory)",
                       f"{file}:row 3": "no label (null)",
                       f"{file}:row 4": "an empty image (0 bytes)",
                       f"{file}:row 5": "label -1 is negative: no class (-1 marks an unlabelled row)",
                       f"{file}:row 6": "label 5 is outside the 2 classes the file's ClassLabel names"}
+
+
+def test_rows_that_name_a_file_are_read_from_it_under_the_parquet_files_folder(textures, tmp_path):
+    """What `datasets` writes for an Image column made from paths (bytes null, a path): a file under the Parquet
+    file's folder is read, named relative to it or absolute inside it; one outside it (absolute, or through '..')
+    is refused saying why and how to embed the images. A sample is named by the user's file and row, never by the
+    copy stoker keeps in its cache."""
+    photos = sorted((textures[0] / "0_horizontal").iterdir())[:4]
+    data = tmp_path / "set" / "data"
+    (data / "images").mkdir(parents=True)
+    for i, photo in enumerate(photos[:2]):
+        (data / "images" / f"{i}.jpg").write_bytes(photo.read_bytes())
+    (tmp_path / "set" / "outside.jpg").write_bytes(photos[2].read_bytes())
+    file = data / "train.parquet"
+    paths = ["images/0.jpg", str(data / "images" / "1.jpg"), str(tmp_path / "set" / "outside.jpg"),
+             "../outside.jpg", "images/../images/0.jpg", None]
+    images = [None] * 5 + [photos[3].read_bytes()]
+    pq.write_table(hf_table(images, [0, 1, 0, 1, 0, 1], ["a", "b"], paths), file)
+    index = load_source(file, cache=tmp_path / "cache")
+    assert [index.read(i) for i in range(len(index))] == [photos[0].read_bytes(), photos[1].read_bytes(),
+                                                          photos[3].read_bytes()]
+    assert index.labels.tolist() == [0, 1, 1]
+    assert list(index.paths) == [f"{file}:row 0", f"{file}:row 1", f"{file}:row 5"]
+    refused = {s.path: s.reason for s in index.skipped}
+    assert sorted(refused) == [f"{file}:row 2", f"{file}:row 3", f"{file}:row 4"]
+    for row, path in ((2, paths[2]), (3, "../outside.jpg"), (4, "images/../images/0.jpg")):
+        assert refused[f"{file}:row {row}"].startswith(
+            f"no image bytes, and the file the row names, {path!r}, is not under the Parquet file's folder {data} ")
+        assert "embed_table_storage" in refused[f"{file}:row {row}"]
 
 
 def test_unnamed_classes_are_numbered_and_bounded(tmp_path):
@@ -258,6 +287,38 @@ def test_files_that_cannot_be_used_are_named(textures, tmp_path, monkeypatch):
     monkeypatch.setattr(parquet, "MAX_EXPANSION", 0)
     with pytest.raises(ValueError, match=r"good\.parquet: row group 0's column image\.bytes claims to expand"):
         load_source(good, cache=cache)
+
+
+DICTIONARY_LOAD = """
+import sys
+from pathlib import Path
+import pyarrow
+from stoker.data.sources import load_source
+try:
+    load_source(Path(sys.argv[1]), cache=Path(sys.argv[2]))
+except ValueError as error:
+    print(error)
+print(pyarrow.default_memory_pool().max_memory() >> 20)
+"""
+
+
+def test_a_dictionary_encoded_image_repeated_is_refused_within_bounded_memory(tmp_path):
+    """One 2 MiB image in a column's dictionary, 300 rows naming it: the file stores 2 MiB and claims 600 MiB of
+    images. It is refused as a bomb, pyarrow's peak allocation in the reading process bounded (reading 256 rows
+    before any check took 1 GiB of it; a 4 MiB image, 2 GiB)."""
+    import subprocess
+    import sys
+
+    file = tmp_path / "repeated.parquet"
+    image = pa.DictionaryArray.from_arrays(pa.array([0] * 300, pa.int32()), pa.array([os.urandom(2 << 20)]))
+    pq.write_table(pa.table({"image": image, "label": [0] * 300}), file, dictionary_pagesize_limit=16 << 20,
+                   store_schema=False)  # read back as binary, as most writers leave it
+    assert file.stat().st_size < 3 << 20 and pq.ParquetFile(file).metadata.row_group(0).column(0).has_dictionary_page
+    result = subprocess.run([sys.executable, "-c", DICTIONARY_LOAD, str(file), str(tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=120, check=True)
+    refusal, peak_mib = result.stdout.strip().splitlines()
+    assert f"{file}: holds more image bytes than" in refusal and "decompression bomb" in refusal
+    assert int(peak_mib) <= 160, peak_mib  # a batch of 32 rows (64 MiB) decoded, and its copy as large_binary
 
 
 def test_a_bad_file_stops_the_cli_before_any_process_starts(tmp_path):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from stoker.bench import servers
-from tests.conftest import assert_same_weights, read_summary, run_cli, silent_server
+from tests.conftest import assert_same_weights, free_port, read_summary, run_cli, silent_server
 from tests.integration.test_loader import launch
 
 SETTINGS = ("--devices", "cpu:2", "--epochs", "2", "--seed", "5", "--producers", "2", "--batch-size", "8",
@@ -273,6 +273,41 @@ def test_pack_uploads_to_an_s3_prefix_that_reads_like_the_local_pack(textures, s
     assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
 
 
+def test_an_s3_store_at_an_http_endpoint_needs_only_the_endpoint_and_a_deleted_object_is_named(textures, shards, s3,
+                                                                                              tmp_path, monkeypatch):
+    """As boto3 does, the endpoint's scheme is followed: `pack` and a load work with AWS_ENDPOINT_URL_S3 (or
+    AWS_ENDPOINT_URL) at http:// and no AWS_ALLOW_HTTP. A member read through obstore (a store set to send requester
+    pays) whose object was deleted is named as the user named it, not by obstore's text; an endpoint that is no URL,
+    or one where nothing answers, is named with what to change."""
+    from stoker.data.pixels.imaging import UnusableImage
+    from stoker.data.sources import load_source
+    from stoker.data.transports import object_store
+
+    env = {**servers.s3_environment(s3.url), "AWS_ENDPOINT_URL_S3": s3.url}
+    del env["AWS_ALLOW_HTTP"], env["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    out = f"s3://{BUCKET}/plain-http"
+    run_cli("pack", str(textures[0]), out, "--shard-size", "70KB", "--workers", "1", env=env)
+    for key, value in {**env, "AWS_REQUEST_PAYER": "true"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(object_store, "_stores", {})
+    local = load_source(shards / "train" / SHARDS, cache=tmp_path / "local")
+    index = load_source(f"{out}/{SHARDS}", cache=tmp_path / "cache")
+    assert object_store._request_url(f"{out}/shard-000000.tar") is None  # read through obstore
+    assert [index.read(i) for i in range(0, len(index), 9)] == [local.read(i) for i in range(0, len(local), 9)]
+    servers.delete_prefix(s3.url, BUCKET, "plain-http/")
+    with pytest.raises(UnusableImage) as error:
+        index.read(0)
+    assert str(error.value) == f"unreadable: {out}/shard-000000.tar no longer exists"
+    monkeypatch.setattr(object_store, "_stores", {})
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.url.removeprefix("http://"))
+    with pytest.raises(ValueError, match=r"AWS_ENDPOINT_URL_S3='127\.0\.0\.1:\d+': expected the store's URL"):
+        object_store.stat(f"{out}/other.tar")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ValueError, match="is that the store's address, and is it up?"):
+        object_store.stat(f"{out}/another.tar")
+
+
 def test_parquet_files_under_an_s3_prefix_read_as_written(textures, s3, tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -317,8 +352,40 @@ def test_two_runs_filling_one_cache_folder_stay_within_its_size(shards, tmp_path
     held = list((tmp_path / "copies").iterdir())
     copies = [p for p in held if not p.name.startswith(".")]
     assert copies and all(p.read_bytes() in originals for p in copies)
-    assert [p.name for p in held if p.name.startswith(".") and p.name != ".lock"] == []
+    assert sorted(p.name for p in held if p.name.startswith(".")) == [".lock", ".stoker-copies.json"]
     assert sum(p.stat().st_size for p in copies) <= sum(sizes[:5])
+
+
+@pytest.mark.parametrize("cache_size", ["300KB", None])
+def test_a_cache_folder_holding_the_users_files_never_removes_or_counts_them(shards, tmp_path, cache_size):
+    """--cache-dir pointed at a folder of the user's: making room for copies removes only copies stoker wrote
+    (and named in its ledger), with --cache-size below what the user's files hold, and with the default size
+    (here the user's file claims more than the disk: a sparse file counted as held made the old default evict it,
+    and a copy of any name but one stoker recorded is left alone)."""
+    from stoker.data.sources import load_source, local_copies
+    from stoker.data.transports.object_store import LocalCopies
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    users = {f"photo-{i}.jpg": os.urandom(200 << 10) for i in range(3)}
+    for name, data in users.items():
+        (folder / name).write_bytes(data)
+    with open(folder / "0123456789abcdef0123456789abcdef.shard-000000.tar", "wb") as big:  # a name like a copy's
+        big.truncate(2 * shutil.disk_usage(folder).total)  # sparse: claims more than the disk, takes nothing
+    with servers.nginx(shards / "train") as server:
+        index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
+        copies = local_copies(folder, cache_size)
+        assert isinstance(copies, LocalCopies)
+        for _ in range(2):  # again: the second filling evicts the first's copies for its own, in another order
+            copies.fill(index.remote_shards()[::-1] if _ else index.remote_shards(), lambda: True)
+    for name, data in users.items():
+        assert (folder / name).read_bytes() == data
+    assert (folder / "0123456789abcdef0123456789abcdef.shard-000000.tar").stat().st_size > 1 << 30
+    made = [p for p in folder.glob("*.tar") if p.stat().st_size < 1 << 30]
+    if cache_size is None:
+        assert len(made) == 8
+    else:
+        assert 0 < len(made) < 8 and sum(p.stat().st_size for p in made) <= 300_000
 
 
 def test_the_latency_proxy_adds_its_round_trip_and_passes_bytes_ends_and_refusals_on(shards, web):

@@ -137,3 +137,33 @@ def test_a_state_whose_position_is_outside_the_epoch_is_refused(textures, key, v
     if key == "step" and value == 10_000:
         with pytest.raises(ValueError, match=f"from 0 to {last} \\(this loader has {last + 1} batches per epoch\\)"):
             loader.load_state_dict({**state, key: value})
+
+
+@pytest.mark.parametrize("epoch", [-1, 2**30, 2**40, 1.0, True])
+def test_an_epoch_no_loop_can_reach_is_refused_by_set_epoch_and_in_a_state(textures, epoch):
+    """set_epoch(2**40) (or a state saying so) made the next iter() wait for ever: the scheduler ends there."""
+    loader = stoker.Loader(textures[0], batch_size=8, device="cpu")
+    loader.set_epoch(2**30 - 1)  # the last epoch taken
+    with pytest.raises(ValueError, match=r"^set_epoch: .*; expected an integer epoch from 0 to 1073741823"):
+        loader.set_epoch(epoch)
+    with pytest.raises(ValueError, match=r"^load_state_dict: the state's epoch is .*expected an integer"):
+        loader.load_state_dict({**loader.state_dict(), "epoch": epoch})
+
+
+@pytest.mark.parametrize("step,offset,refused", [(15, 0, True), (14, 0, True), (20, 5, True), (0, 120, True),
+                                                 (7, 100, False), (3, 3, False)])
+def test_a_state_of_another_world_size_whose_offset_its_step_cannot_reach_is_refused(textures, step, offset,
+                                                                                     refused):
+    """Saved at world size 2 after a resume at another: step 15 with no sample before it gave 0 batches where
+    len() said 15, silently. An offset below the step (each step trains a sample) or with nothing left is refused;
+    one a step can have reached loads, and len() counts the rest of the epoch from it."""
+    loader = stoker.Loader(textures[0], batch_size=8, device="cpu")  # 120 samples: 15 batches
+    state = {**loader.state_dict(), "world_size": 2, "step": step, "offset": offset}
+    if refused:
+        with pytest.raises(ValueError, match=rf"^load_state_dict: the state's offset {offset} does not fit its step "
+                                             rf"{step}: expected an offset from {step} to 119"):
+            loader.load_state_dict(state)
+    else:
+        loader.load_state_dict(state)
+        assert len(loader) == step + -(-(120 - offset) // 8)
+    loader.close()

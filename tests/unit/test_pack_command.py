@@ -27,3 +27,33 @@ def test_pack_prints_data_and_val_quoted_for_the_shell(textures, tmp_path):
         packed = load_source(type(out)(spec), cache=tmp_path / "cache")
         assert len(packed) == len(expected) and packed.classes == expected.classes
         assert sorted(packed.labels.tolist()) == sorted(expected.labels.tolist())
+
+
+def test_pack_names_and_counts_files_that_cannot_be_decoded_and_packs_them_all_the_same(textures, tmp_path):
+    """A folder with random bytes named .jpg and a JPEG cut short: each is logged with its reason and counted in
+    what pack prints; all are packed (sample i of the shards stays sample i of the folder; training skips them)."""
+    from tests.conftest import run_cli
+
+    folder = tmp_path / "photos"
+    for name in ("a", "b"):
+        (folder / name).mkdir(parents=True)
+    good = sorted((textures[0] / "0_horizontal").iterdir())[:3]
+    for i, photo in enumerate(good):
+        (folder / "a" / f"{i}.jpg").write_bytes(photo.read_bytes())
+    (folder / "b" / "noise.jpg").write_bytes(bytes(range(256)) * 8)
+    (folder / "b" / "cut.jpg").write_bytes(good[0].read_bytes()[:300])
+    result = run_cli("pack", str(folder), str(tmp_path / "out"), "--workers", "1")
+    assert "; 2 file(s) cannot be decoded (logged above): packed, and skipped by training; train with" in result.stdout
+    for name in ("noise.jpg", "cut.jpg"):
+        assert f"{folder / 'b' / name}: cannot be decoded (" in result.stderr
+    assert "0.jpg: cannot" not in result.stderr
+    assert len(load_source(tmp_path / "out" / "shard-000000.tar", cache=tmp_path / "cache")) == 5
+
+
+def test_pack_help_says_what_its_positionals_and_shard_size_take():
+    from tests.conftest import run_cli
+
+    shown = " ".join(run_cli("pack", "--help").stdout.split())
+    assert "IMAGEFOLDER the folder to pack: one subfolder per class" in shown
+    assert "OUT_DIR where the shards go: a new or empty folder, or an s3://" in shown
+    assert "--shard-size SIZE largest shard: bytes, or a number with K, M, G or T (decimal: 1GB = 10^9 bytes)" in shown

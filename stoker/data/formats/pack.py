@@ -3,8 +3,9 @@
 Samples go in the folder's index order, so sample i of the shards is sample i of the folder (the same training run
 either way), with headers that carry no time or owner (the same bytes whatever `--workers`). A pack is written whole
 or not at all: into a hidden folder renamed to OUT_DIR at the end (an `s3://` prefix: uploaded, the index last), so an
-interrupted pack never trains as if complete. Keys, `index.json` and the upload order: docs/contracts.md, the
-command line."""
+interrupted pack never trains as if complete. Each file is decoded once as it is packed: one that cannot be is
+packed all the same (training skips and lists it), logged and counted in what pack prints. Keys, `index.json` and
+the upload order: docs/contracts.md, the command line."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from stoker.common import faults
 from stoker.common.devices import available_cores
 from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children
@@ -30,21 +33,24 @@ from stoker.common.urls import check_url, data_location, is_remote
 from stoker.common.waiting import waiting
 from stoker.data.formats.folders import list_image_folder
 from stoker.data.formats.shards import CLASSES_FILE, PACK_INDEX_FILE, write_pack_index
+from stoker.data.pixels.imaging import UnusableImage, load_into, make_decode_warnings_errors
 from stoker.data.sources import log_refused
 from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
 TAR_BLOCK = 512
+PROBE_SIDE = 16  # each file is decoded into this many pixels a side: a JPEG at 1/8 scale, cheap beside its read
 
 Member = tuple[str, str, int]  # (source file, key, label)
 
 
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
-         classes: tuple[str, ...] | None = None) -> list[Path]:
+         classes: tuple[str, ...] | None = None, undecodable: list[tuple[str, str]] | None = None) -> list[Path]:
     """Write the shards and classes.json; returns the shards' paths in order. Raises ValueError, before anything
     is written, for an OUT_DIR that holds files (unless `overwrite`). `classes`: label by these (a validation set
-    takes the training set's), else by the folder's own class folders."""
+    takes the training set's), else by the folder's own class folders. `undecodable` gets (file, reason) of each
+    file packed that cannot be decoded (each is logged)."""
     _check_out_folder(out, overwrite)
     listing = list_image_folder(source, classes)
     log_refused(tuple(listing.skipped))
@@ -58,7 +64,11 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: 
         width = max(6, len(str(len(plan) - 1)))
         targets = [partial / f"shard-{i:0{width}d}.tar" for i in range(len(plan))]
         with waiting(f"packing {len(members):,} files", total=len(plan), unit="shards") as progress:
-            _write_shards(targets, plan, min(workers or available_cores(), len(plan)), progress.advance)
+            bad = _write_shards(targets, plan, min(workers or available_cores(), len(plan)), progress.advance)
+        for path, reason in bad:
+            log.warning("%s: cannot be decoded (%s); packed all the same, training skips it", path, reason)
+        if undecodable is not None:
+            undecodable.extend(bad)
         (partial / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
         write_pack_index(partial, targets)
         _move_into_place(partial, out)
@@ -104,22 +114,26 @@ def _move_into_place(partial: Path, out: Path) -> None:
         os.rename(partial, out)
 
 
-def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance) -> None:
+def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance) -> list[tuple[str, str]]:
+    """Every shard written; the files that cannot be decoded, with why, in order."""
+    bad: list[tuple[str, str]] = []
     if workers <= 1:
         for target, shard in zip(targets, plan):
-            write_shard(target, shard)
+            bad.extend(write_shard(target, shard))
             advance()
-        return
+        return bad
     # Ctrl-C blocked while the workers start: one that came before a worker's initializer ran would print that
     # worker's traceback. It waits, and is taken as soon as every worker holds it ignored.
     pool = ProcessPoolExecutor(workers, mp_context=CONTEXT, initializer=_worker_start)
     try:
         with signals_blocked_for_children({signal.SIGINT}):
             results = pool.map(write_shard, targets, plan)  # submits every shard, which starts every worker
-        for _ in results:
+        for found in results:
+            bad.extend(found)
             advance()
     finally:
         _stop_workers(pool)
+    return bad
 
 
 def _worker_start() -> None:
@@ -168,16 +182,25 @@ def split_into_shards(members: list[Member], sizes: list[int], shard_size: int) 
     return shards
 
 
-def write_shard(target: Path, members: list[Member]) -> None:
+def write_shard(target: Path, members: list[Member]) -> list[tuple[str, str]]:
+    """The shard written; returns (file, reason) of each member that cannot be decoded."""
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    make_decode_warnings_errors()
+    probe = np.empty((PROBE_SIDE, PROBE_SIDE, 3), np.uint8)
+    bad = []
     with tarfile.open(temporary, "w", format=tarfile.GNU_FORMAT) as archive:
         for path, key, label in members:
             faults.simulated_delay(faults.READ_LATENCY_ENV)  # tests stretch a pack to signal it midway
             with open(path, "rb") as handle:
                 data = handle.read()
+            try:
+                load_into(data, probe, "none", None)  # as a producer decodes it
+            except UnusableImage as error:
+                bad.append((path, str(error)))
             _add(archive, key + os.path.splitext(path)[1].lower(), data)
             _add(archive, key + ".cls", str(label).encode())
     os.replace(temporary, target)
+    return bad
 
 
 def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -188,12 +211,14 @@ def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("pack", help="write an ImageFolder as WebDataset-layout tar shards")
-    parser.add_argument("source", type=Path, metavar="IMAGEFOLDER")
-    parser.add_argument("out", type=data_location, metavar="OUT_DIR", help="a folder, or an s3:// prefix (the pack is "
-                        "uploaded)")
+    parser.add_argument("source", type=Path, metavar="IMAGEFOLDER", help="the folder to pack: one subfolder per "
+                        "class, its images inside (as --data takes it)")
+    parser.add_argument("out", type=data_location, metavar="OUT_DIR", help="where the shards go: a new or empty "
+                        "folder, or an s3:// (gs://) prefix (the pack is uploaded)")
     parser.add_argument("--val", type=Path, metavar="VAL_IMAGEFOLDER", help="also pack this validation folder, "
                         "labelled with the training classes, into OUT_DIR/val")
-    parser.add_argument("--shard-size", default="1GB", help="largest shard (default 1GB)")
+    parser.add_argument("--shard-size", default="1GB", metavar="SIZE", help="largest shard: bytes, or a number "
+                        "with K, M, G or T (decimal: 1GB = 10^9 bytes), e.g. 500MB or 70KB; default 1GB")
     parser.add_argument("--workers", type=int, default=0, help="processes writing shards (default: every core)")
     parser.add_argument("--overwrite", action="store_true", help="replace what OUT_DIR holds (default: refuse a "
                                                                 "folder that holds files)")
@@ -201,6 +226,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def pack_command(args: argparse.Namespace) -> int:
+    args.undecodable = []  # every pack() of the command adds its files that cannot be decoded
     try:
         if not args.source.is_dir():
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
@@ -209,7 +235,8 @@ def pack_command(args: argparse.Namespace) -> int:
             where, shards, val_shards = _pack_to_store(args, shard_size)
         else:
             where = str(args.out)
-            shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite)
+            shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite,
+                          undecodable=args.undecodable)
             val_shards = _pack_validation(args, shard_size)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
@@ -221,17 +248,19 @@ def pack_command(args: argparse.Namespace) -> int:
         else:
             print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
         return 130
-    _print_use(where, shards, val_shards)
+    _print_use(where, shards, val_shards, len(args.undecodable))
     return 0
 
 
-def _print_use(where: str, shards: list[Path], val_shards: list[Path]) -> None:
+def _print_use(where: str, shards: list[Path], val_shards: list[Path], undecodable: int) -> None:
     """What was written under `where` (a folder or a prefix) and the `--data` (and `--val`) that trains on it."""
     use = f"--data {shlex.quote(where + '/' + shard_pattern(Path(), shards).name)}"
     if val_shards:
         use += f" --val {shlex.quote(f'{where}/{VAL_FOLDER}/' + shard_pattern(Path(), val_shards).name)}"
     print(f"wrote {len(shards)} shard(s), {CLASSES_FILE} and {PACK_INDEX_FILE} to {where}"
           + (f", {len(val_shards)} validation shard(s) to {where}/{VAL_FOLDER}" if val_shards else "")
+          + (f"; {undecodable} file(s) cannot be decoded (logged above): packed, and skipped by training"
+             if undecodable else "")
           + f"; train with {use}")
 
 
@@ -254,7 +283,7 @@ def _pack_to_store(args: argparse.Namespace, shard_size: int) -> tuple[str, list
     with tempfile.TemporaryDirectory(prefix="stoker-pack-") as scratch:
         local = Path(scratch) / "out"
         args = argparse.Namespace(**{**vars(args), "out": local})
-        shards = pack(args.source, local, shard_size, args.workers, False)
+        shards = pack(args.source, local, shard_size, args.workers, False, undecodable=args.undecodable)
         val_shards = _pack_validation(args, shard_size)
         files = sorted(p for p in local.rglob("*") if p.is_file())
         last = {CLASSES_FILE, PACK_INDEX_FILE}
@@ -275,7 +304,8 @@ def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:
     if not args.val.is_dir():
         raise ValueError(f"val={str(args.val)!r}: not a folder (expected an ImageFolder root)")
     classes = tuple(json.loads((args.out / CLASSES_FILE).read_text()))
-    return pack(args.val, args.out / VAL_FOLDER, shard_size, args.workers, args.overwrite, classes)
+    return pack(args.val, args.out / VAL_FOLDER, shard_size, args.workers, args.overwrite, classes,
+                args.undecodable)
 
 
 def shard_pattern(folder: Path, shards: list[Path]) -> Path:

@@ -42,6 +42,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
+from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, too_large
 from stoker.data.transports import object_store
 
 IMAGE_COLUMNS = ("image", "img")  # tried in turn, then the only column that can hold images
@@ -65,6 +66,10 @@ MAX_REFUSED_ROWS = 100_000  # each is listed (an object and a line of summary.js
 MAX_EXPANSION = 64
 EXPANSION_SLACK = 1 << 20  # page headers and offsets of a small chunk may outweigh its compressed bytes
 BATCH_ROWS = 256  # rows decoded at a time: memory stays a batch of images, whatever a row group holds
+# What a batch's images may take decoded: a dictionary-encoded column repeats its values, and 256 rows of a 4 MiB
+# one took 1.9 GB before any size was checked. A row group with a dictionary of N bytes is read BATCH_BYTES // N
+# rows at a time (a value is never longer than its dictionary).
+BATCH_BYTES = 64 << 20
 READ_BUFFER_BYTES = 1 << 20  # pyarrow streams a column chunk through this instead of reading it whole
 
 
@@ -279,7 +284,7 @@ def _packed(paths: list[str], per_file: list[FileRows], classes: tuple[str, ...]
                          f"in {len(paths)} file(s){first}")
     return Packed("", rows.keys, np.asarray(rows.labels, dtype=np.int64), classes, rows.skipped,
                   [t.blob for t in per_file], np.asarray(rows.shard_ids), np.asarray(rows.starts),
-                  np.asarray(rows.sizes), [""] * len(per_file))
+                  np.asarray(rows.sizes), [""] * len(per_file), origins=list(paths))
 
 
 def _agreed_names(paths: list[str], per_file: list[FileRows]) -> tuple[str, ...] | None:
@@ -463,8 +468,9 @@ def _write_blob(blob: Path, source: str, fill: Callable[[BinaryIO], None]) -> No
 
 
 def _copy_rows(opened: _Opened, image: str, label: str, source: str, rows: ShardMembers, out: BinaryIO) -> None:
-    """A batch at a time: its image bytes in one write, then each usable row's place in the blob."""
-    row = written = 0
+    """A batch at a time: its image bytes in one write, then each usable row's place in the blob (and the files
+    rows name, after them). Only the bytes the file stores count against its budget."""
+    row = written = stored = 0
     for batch in opened.batches([image, label]):
         if len(batch) == 0:
             continue
@@ -472,20 +478,24 @@ def _copy_rows(opened: _Opened, image: str, label: str, source: str, rows: Shard
         labels, labelled = _label_values(batch.column(label), source)
         ends = np.frombuffer(images.buffers()[1], dtype=np.int64)[images.offset:images.offset + len(images) + 1]
         first, last = int(ends[0]), int(ends[-1])
-        if written + last - first > opened.budget:
+        stored += last - first
+        if stored > opened.budget:
             raise ValueError(f"{source}: holds more image bytes than {opened.budget}, {MAX_EXPANSION} times what it "
                              f"stores: damaged, or a decompression bomb")
         if last > first:
             out.write(memoryview(images.buffers()[2])[first:last])
         starts, sizes = written + ends[:-1] - first, np.diff(ends)
-        present = images.is_valid().to_numpy(zero_copy_only=False)
+        written += last - first
+        present = images.is_valid().to_numpy(zero_copy_only=False).copy()
+        written, unread = _copy_named_files(named, present, starts, sizes, written, source, out)
         usable = present & labelled & (labels >= 0) & (sizes > 0)
         refused = np.flatnonzero(~usable)
         if len(rows.skipped) + len(refused) > MAX_REFUSED_ROWS:  # rows of nulls cost a file nothing to claim
             raise ValueError(f"{source}: more than {MAX_REFUSED_ROWS} rows without a usable image or label: not "
                              f"an image dataset, or damaged")
         for i in refused.tolist():
-            reason = _row_refusal(bool(present[i]), int(sizes[i]), bool(labelled[i]), int(labels[i]), named, i)
+            reason = unread.get(i) or _row_refusal(bool(present[i]), int(sizes[i]), bool(labelled[i]),
+                                                   int(labels[i]))
             rows.skipped.append(Skipped(f"{source}:row {row + i}", reason))
         kept = np.flatnonzero(usable)
         rows.keys.extend(f"row {row + i}" for i in kept.tolist())
@@ -494,14 +504,63 @@ def _copy_rows(opened: _Opened, image: str, label: str, source: str, rows: Shard
         rows.starts.extend(starts[kept].tolist())
         rows.sizes.extend(sizes[kept].tolist())
         row += len(batch)
-        written += last - first
 
 
-def _row_refusal(present: bool, size: int, labelled: bool, label: int, named: Any, i: int) -> str:
+# How a user stores the images in the Parquet file itself (`datasets` writes paths alone for an Image column made
+# from file paths; push_to_hub embeds them, to_parquet does not).
+EMBED_HINT = ("to store the images in the file, write it with `datasets`: from datasets.table import "
+              "embed_table_storage; ds.with_format('arrow').map(embed_table_storage, batched=True)"
+              ".with_format(None).to_parquet(...)")
+
+
+def _copy_named_files(named: Any, present: np.ndarray, starts: np.ndarray, sizes: np.ndarray, written: int,
+                      source: str, out: BinaryIO) -> tuple[int, dict[int, str]]:
+    """Rows that hold no bytes but name a file (Hugging Face's Image made from paths): each file that lies under
+    the Parquet file's folder is copied into the blob after the batch's bytes, and the row made to point at it
+    (`present`, `starts`, `sizes` updated in place). Returns the bytes written by then, and why each other row
+    naming a file was not read."""
+    unread: dict[int, str] = {}
+    if named is None:
+        return written, unread
+    for i in np.flatnonzero(~present).tolist():
+        path = named[i].as_py()
+        if not path:
+            continue
+        found = _named_file(path, source)
+        if isinstance(found, str):
+            unread[i] = found
+            continue
+        out.write(found)
+        present[i], starts[i], sizes[i] = True, written, len(found)
+        written += len(found)
+    return written, unread
+
+
+def _named_file(path: str, source: str) -> bytes | str:
+    """The bytes of the image file a row names, or why it is not read: only files under the Parquet file's own
+    folder (named relative to it, or absolute inside it) are, never through '..', nor for a remote file."""
+    if is_remote(source):
+        return f"no image bytes (the row names a file, {path!r}: a remote Parquet file's rows must hold their " \
+               f"images; {EMBED_HINT})"
+    root = Path(source).resolve().parent
+    named = Path(path)
+    target = (named if named.is_absolute() else root / named).resolve()
+    if ".." in named.parts or root not in target.parents:
+        return f"no image bytes, and the file the row names, {path!r}, is not under the Parquet file's folder " \
+               f"{root} (only files there are read; {EMBED_HINT})"
+    try:
+        with open(target, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size > MAX_SAMPLE_BYTES:
+                return f"the file the row names, {path!r}: {too_large(size)}"
+            return handle.read(size)
+    except OSError as error:
+        return f"no image bytes, and the file the row names, {path!r}, cannot be read ({error.strerror or error})"
+
+
+def _row_refusal(present: bool, size: int, labelled: bool, label: int) -> str:
     if not present:
-        path = named[i].as_py() if named is not None else None
-        return f"no image bytes (the row names a file, {path!r}: only images stored in the file are read)" if path \
-            else "no image (null)"
+        return "no image (null)"
     if size == 0:
         return "an empty image (0 bytes)"
     if not labelled:
@@ -549,8 +608,51 @@ def _open_parquet(file: str, source: str) -> Iterator[_Opened]:
     with closing(handle):
         def batches(names: list[str]) -> Iterator[Any]:
             _check_claims(handle.metadata, source, size, names)
-            return _guarded(handle.iter_batches(batch_size=BATCH_ROWS, columns=names, use_threads=False), source)
+            return _guarded(_bounded_batches(handle, file, names), source)
         yield _Opened(handle.schema_arrow, batches, MAX_EXPANSION * size)
+
+
+def _bounded_batches(handle: Any, file: str, names: list[str]) -> Iterator[Any]:
+    """Each row group's batches, of rows few enough that their decoded values stay within BATCH_BYTES."""
+    for group in range(handle.metadata.num_row_groups):
+        rows = _batch_rows(handle.metadata.row_group(group), file, names)
+        yield from handle.iter_batches(batch_size=rows, row_groups=[group], columns=names, use_threads=False)
+
+
+def _batch_rows(group: Any, file: str, names: list[str]) -> int:
+    """BATCH_ROWS, or fewer where a read column's dictionary holds values so long that a batch of rows repeating
+    the longest would pass BATCH_BYTES (its page's size, as its header says, bounds every value in it)."""
+    longest = 0
+    for column_id in range(group.num_columns):
+        chunk = group.column(column_id)
+        if chunk.has_dictionary_page and chunk.path_in_schema.split(".", 1)[0] in names:
+            page = _dictionary_page_size(file, chunk.dictionary_page_offset)
+            longest = max(longest, chunk.total_uncompressed_size if page is None else page)
+    return max(1, min(BATCH_ROWS, BATCH_BYTES // longest)) if longest else BATCH_ROWS
+
+
+def _dictionary_page_size(file: str, offset: int) -> int | None:
+    """The uncompressed size a dictionary page's header gives (Thrift's compact protocol: its fields 1, the page
+    type, and 2, that size, both i32 as zigzag varints); None where the header is not that."""
+    with open(file, "rb") as handle:
+        handle.seek(offset)
+        header = handle.read(32)
+    at, field = 0, 0
+    while at < len(header) and field < 2:
+        kind, at = header[at], at + 1
+        if kind & 0x0F != 5 or kind >> 4 == 0:  # not a short-form i32 field: not the header expected
+            return None
+        field += kind >> 4
+        value = shift = 0
+        while at < len(header) and header[at] & 0x80:
+            value, shift, at = value | (header[at] & 0x7F) << shift, shift + 7, at + 1
+        if at >= len(header):
+            return None
+        value, at = value | header[at] << shift, at + 1
+        if field == 2:
+            size = (value >> 1) ^ -(value & 1)
+            return size if size >= 0 else None
+    return None
 
 
 def _check_parquet_frame(file: str, source: str) -> int:

@@ -46,6 +46,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
+from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, too_large
 from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
@@ -463,7 +464,13 @@ def _checked_members(url: str, entry: dict, shard_size: int) -> ShardMembers:
     if any(start + size > shard_size for start, size in zip(starts, sizes)):
         raise ValueError("a member lies beyond the shard's end")
     skipped = [Skipped(url + suffix, reason) for suffix, reason in entry["skipped"]]
-    return ShardMembers(list(keys), list(labels), [0] * len(keys), list(starts), list(sizes), skipped, [url])
+    members = ShardMembers(skipped=skipped, shards=[url])
+    for key, label, start, size in zip(keys, labels, starts, sizes, strict=True):
+        if size > MAX_SAMPLE_BYTES:  # the index may claim any size: a read of it would be held whole in memory
+            members.skipped.append(Skipped(f"{url}:{key}", too_large(size)))
+        else:
+            members.add(key, label, 0, start, size)
+    return members
 
 
 def _index_local(file: str, path: str) -> ShardMembers:
@@ -640,6 +647,8 @@ def _sample(data, parts: dict[str, Member]) -> tuple[int, Member] | str:
     image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), None)
     if image is None:
         return f"no image member (found {', '.join(sorted('.' + s for s in parts))})"
+    if image[2] > MAX_SAMPLE_BYTES:
+        return f"{image[0]}: {too_large(image[2])}"
     label_member = parts.get("cls")
     if label_member is None:
         return "no .cls label member"

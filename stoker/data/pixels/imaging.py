@@ -34,6 +34,14 @@ MAX_IMAGE_PIXELS = 64_000_000
 # What one decode may hold at its peak (the decoded image and every copy the conversion to RGB makes), estimated
 # from the header before anything is decoded; more is refused as bad input. A 64-Mpixel RGB photo takes 704 MiB.
 MAX_DECODE_BYTES = 1 << 30
+# One sample's encoded bytes, read whole into memory (a producer has up to 64 reads in flight): a 64-Mpixel JPEG
+# holds 10-30 MB. A larger member is listed as refused, never read: a shard's index, or a server, may claim any size.
+MAX_SAMPLE_BYTES = 64 << 20
+
+
+def too_large(size: int) -> str:
+    """Why a sample of `size` encoded bytes is not read."""
+    return f"{size} bytes, more than the {MAX_SAMPLE_BYTES} one image may hold"
 CENTER_CROP_FRACTION = 0.875  # resize short side to size/0.875, then center-crop: the usual validation recipe
 SCALE_RANGE = (0.08, 1.0)
 RATIO_RANGE = (3 / 4, 4 / 3)

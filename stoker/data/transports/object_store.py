@@ -18,8 +18,10 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -102,8 +104,7 @@ def _store(root: str, whole: bool = False) -> Any:
 
 
 def _make_store(root: str, whole: bool) -> Any:
-    options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT,
-                               "allow_http": root.startswith("http://") or os.environ.get("AWS_ALLOW_HTTP") == "true"}
+    options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT, "allow_http": _allows_http(root)}
     options.update({"read_timeout": STALLED_TIMEOUT} if whole else {"timeout": REQUEST_TIMEOUT})
     kwargs: dict[str, Any] = {"client_options": options, "retry_config": WHOLE_CONFIG if whole else RETRY_CONFIG}
     if root.startswith("s3://"):
@@ -111,6 +112,32 @@ def _make_store(root: str, whole: bool) -> Any:
         if provider is not None:
             kwargs["credential_provider"] = provider
     return obstore.store.from_url(root, **kwargs)
+
+
+# Where an S3-compatible store is (MinIO, moto, a cloud's S3 API), in the order boto3 and obstore read them.
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
+
+
+def s3_endpoint() -> str | None:
+    """The endpoint the environment names for S3, if any (else AWS's own); one that is no http(s) URL is a
+    ValueError naming its variable (obstore would panic on it)."""
+    for name in ENDPOINT_ENV:
+        endpoint = os.environ.get(name)
+        if endpoint:
+            if not endpoint.lower().startswith(("http://", "https://")):
+                raise ValueError(f"{name}={endpoint!r}: expected the store's URL, e.g. http://127.0.0.1:9000 or "
+                                 f"https://s3.example.com")
+            return endpoint
+    return None
+
+
+def _allows_http(root: str) -> bool:
+    """Plain HTTP where the user asked for it: an http:// URL, or an S3 endpoint at http:// (as boto3 follows the
+    endpoint's scheme: without it obstore refuses with "builder error"), or AWS_ALLOW_HTTP=true."""
+    if root.startswith("http://") or os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true":
+        return True
+    endpoint = s3_endpoint() if root.startswith("s3://") else None
+    return endpoint is not None and endpoint.lower().startswith("http://")
 
 
 def _aws_profile_provider() -> Any:
@@ -182,7 +209,20 @@ def _refusal(error: BaseException) -> str:
         hint = ("; S3 credentials are read from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE or ~/.aws"
                 if "s3://" in text or isinstance(error, UnauthenticatedError) else "")
         return f"{ACCESS_REFUSED} ({describe(error)}){hint}"
-    return f"cannot be read ({describe(error)})"
+    return f"cannot be read ({describe(error)}){_what_to_change(text)}"
+
+
+def _what_to_change(text: str) -> str:
+    """What a user changes when the store cannot be reached at all (obstore's words say only what failed)."""
+    if "builder error" in text:
+        return "; plain http:// is refused: set AWS_ALLOW_HTTP=true, or give the endpoint as http://..."
+    if "error sending request" not in text and "Connection refused" not in text:
+        return ""
+    endpoint = next((f"{name}={os.environ[name]}" for name in ENDPOINT_ENV if os.environ.get(name)), None)
+    if "S3 error" in text:  # obstore's words for an S3 store
+        return (f"; no answer from {endpoint}: is that the store's address, and is it up?" if endpoint else
+                "; no answer from AWS: for an S3-compatible store set AWS_ENDPOINT_URL to its address")
+    return "; no answer: check the URL's host and port, and that the server is up"
 
 
 def stat_all(urls: list[str]) -> list[Version]:
@@ -224,8 +264,12 @@ def list_tars(prefix: str) -> list[str]:
     try:
         listing = obstore.list_with_delimiter(_store(root), path.rstrip("/") + "/" if path else None)
     except BaseError as error:
-        raise ValueError(f"data={prefix!r}: cannot be listed ({describe(error)})") from None
+        raise ValueError(f"data={prefix!r}: {_unlisted(error)}") from None
     return sorted(f"{root}/{item['path']}" for item in listing["objects"] if item["path"].lower().endswith(".tar"))
+
+
+def _unlisted(error: BaseException) -> str:
+    return f"cannot be listed ({describe(error)}){_what_to_change(str(error))}"
 
 
 def objects_under(prefix: str) -> list[str]:
@@ -235,7 +279,7 @@ def objects_under(prefix: str) -> list[str]:
         found = [item["path"] for batch in obstore.list(_store(root), path.rstrip("/") + "/" if path else None)
                  for item in batch]
     except BaseError as error:
-        raise ValueError(f"{prefix}: cannot be listed ({describe(error)})") from None
+        raise ValueError(f"{prefix}: {_unlisted(error)}") from None
     return [f"{root}/{key}" for key in found]
 
 
@@ -377,7 +421,7 @@ def _read_through_store(url: str, version: str, start: int, size: int) -> bytes:
         data = obstore.get(_store(root), path, options=options).bytes()
     except PreconditionError:
         raise UnusableImage(ranges.changed(url, version)) from None
-    except NotFoundError:
+    except (NotFoundError, FileNotFoundError):  # obstore raises the builtin one for a 404 of a GET
         raise UnusableImage(ranges.gone(url)) from None
     except (BaseError, OSError) as error:
         raise UnusableImage(f"{UNREADABLE} {url}: {describe(error)}") from None
@@ -399,21 +443,28 @@ def download(url: str, version: Version, target: Path, keep_going: Callable[[], 
     try:
         result = obstore.get(_store(root, whole=True), path, options=_precondition(version.etag))
         with open(partial, "wb") as out:
+            written = 0
             for chunk in result:
                 if not keep_going():
                     return False
+                written += len(chunk)
+                if written > version.size:  # never past what HEAD said: an endless body would fill the disk
+                    raise ValueError(f"{url}: the server sends more than the {version.size} bytes it announced "
+                                     f"(stopped at {written}): is the object being replaced?")
                 out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
-        if partial.stat().st_size != version.size:
-            raise ValueError(f"{url}: {partial.stat().st_size} bytes arrived, {version.size} expected")
+        if written != version.size:
+            raise ValueError(f"{url}: {written} bytes arrived, {version.size} expected")
         os.replace(partial, target)
         return True
     except PreconditionError:
         raise ValueError(f"{url} changed while it was read (its ETag is no longer {version.etag})") from None
     except BaseError as error:
         raise ValueError(f"{url}: {_refusal(error)}") from None
-    except OSError as error:  # the local side: a full or read-only disk
+    except OSError as error:  # the local side (a full or read-only disk), or obstore's FileNotFoundError for a 404
+        if isinstance(error, FileNotFoundError) and error.filename is None:
+            raise ValueError(f"{url}: {NO_SUCH_OBJECT}") from None
         raise ValueError(f"{target.parent}: cannot hold a copy of {url} ({error.strerror or error})") from None
     finally:
         partial.unlink(missing_ok=True)
@@ -428,6 +479,64 @@ DEAD_PART_S = 3600  # a partial copy this old belongs to a run that died
 def _copy_name(url: str, version: str) -> str:
     digest = hashlib.sha256(f"{url}\n{version}".encode()).hexdigest()[:32]
     return f"{digest}.{os.path.basename(urlsplit(url).path)[-60:]}"
+
+
+# The names of the copies stoker wrote in a --cache-dir, kept under its lock: nothing else there is counted against
+# --cache-size or ever removed (a folder the user points at may hold their own files).
+LEDGER = ".stoker-copies.json"
+_PART = re.compile(r"^\.(?P<copy>[0-9a-f]{32}\..*)\.\d+\.\d+\.(?:part|reserve)$", re.DOTALL)
+
+
+def _owner_of(name: str) -> str | None:
+    """The copy a partial or reserved file (`.COPY.PID.THREAD.part`) is for; None for any other name."""
+    found = _PART.match(name)
+    return found["copy"] if found else None
+
+
+def _read_ledger(folder: Path) -> set[str]:
+    try:
+        names = json.loads((folder / LEDGER).read_text())
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError) as error:  # a damaged ledger: nothing is taken for ours, so nothing is removed
+        log.warning("%s cannot be read (%s): the copies it named are no longer counted or removed", folder / LEDGER,
+                    error)
+        return set()
+    return {name for name in names if isinstance(name, str) and "/" not in name} if isinstance(names, list) else set()
+
+
+def _write_ledger(folder: Path, names: set[str]) -> None:
+    fresh = folder / f"{LEDGER}.{os.getpid()}.new"
+    fresh.write_text(json.dumps(sorted(names)))
+    os.replace(fresh, folder / LEDGER)
+
+
+def _owned_files(folder: Path, owned: set[str]) -> tuple[list[tuple[float, int, Path]], int, set[str]]:
+    """The ledger's whole copies as (written, size, path), the bytes its copies and partial copies take, and the
+    names still present; a killed run's partial copy is removed."""
+    copies, used, present = [], 0, set()
+    for entry in folder.iterdir():
+        name = _owner_of(entry.name) or entry.name
+        if name not in owned:  # the user's, or another program's: never counted, never removed
+            continue
+        try:
+            status = entry.stat()
+        except FileNotFoundError:  # another run's copy, evicted meanwhile
+            continue
+        present.add(name)
+        if name == entry.name:
+            copies.append((status.st_mtime, status.st_size, entry))
+            used += status.st_size
+        elif status.st_mtime < time.time() - DEAD_PART_S:
+            entry.unlink(missing_ok=True)  # a killed run's
+        else:
+            used += status.st_size  # copies being written take room too
+    return copies, used, present
+
+
+def held_by_copies(folder: Path) -> int:
+    """The bytes stoker's copies take in `folder` (the user's files there are not counted)."""
+    return sum(held for _, held, _ in _owned_files(folder, _read_ledger(folder))[0]) if folder.is_dir() else 0
 
 
 @dataclass(frozen=True)
@@ -446,33 +555,28 @@ class LocalCopies:
     def make_room(self, size: int, keep: set[Path], reserve: Path | None = None) -> bool:
         """Whether `size` more bytes fit, after removing the least recently written copies not in `keep`; when they
         do, `reserve` is made a file of that size under the same lock, so that two runs filling the folder at once
-        count each other's copies in full before they are written (and meanwhile twice: on the safe side)."""
+        count each other's copies in full before they are written (and meanwhile twice: on the safe side). Only
+        what the ledger names is counted or removed: the folder may hold the user's own files."""
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            copies, used = [], 0
-            for entry in self.folder.iterdir():
-                try:
-                    status = entry.stat()
-                except FileNotFoundError:  # another run's copy, evicted meanwhile
-                    continue
-                used += status.st_size  # copies being written (.part) take room too
-                if not entry.name.startswith("."):
-                    copies.append((status.st_mtime, status.st_size, entry))
-                elif entry.name.endswith((".part", ".reserve")) and status.st_mtime < time.time() - DEAD_PART_S:
-                    entry.unlink(missing_ok=True)  # a killed run's
-                    used -= status.st_size
+            owned = _read_ledger(self.folder)
+            copies, used, present = _owned_files(self.folder, owned)
             copies.sort()
             for _, held, path in copies:
                 if used + size <= self.limit:
                     break
                 if path not in keep:
                     path.unlink(missing_ok=True)
+                    present.discard(path.name)
                     used -= held
             fits = used + size <= self.limit
             if fits and reserve is not None:
+                present.add(_owner_of(reserve.name) or reserve.name)  # the copy about to be written is ours
                 with open(reserve, "wb") as held_room:
                     held_room.truncate(size)  # sparse: it takes no disk, only its place in the count
+            if present != owned:
+                _write_ledger(self.folder, present)
             return fits
 
     def fill(self, shards: list[tuple[str, str, int]], keep_going: Callable[[], bool]) -> None:
