@@ -1,10 +1,11 @@
 """`stoker bench autoscale`: fixed producer counts against `--producers auto`, workload by workload, in one run.
 
 Workloads a-d (input-bound photos, a compute-heavy CPU consumer, simulated latency, a simulated GPU consumer), e
-(reads waiting 25 ms: input capacity must follow the producers, not the slots) and f, g, h (held-out shapes, whole
-runs across epochs). Auto runs with its defaults (no --max-producers); throughput is taken over the second half of
-each run's steps, so auto's warm-up shows in `settle_s`, and with `--repeats R` every configuration runs R times,
-interleaved, and the median counts. Each workload and its figures: docs/benchmarks.md."""
+(reads waiting 25 ms: input capacity must follow the producers, not the slots), f, g, h (held-out shapes, whole
+runs across epochs) and s (short input-bound runs: start-up is much of them). Auto runs with its defaults (no
+--max-producers); throughput is taken over the second half of each run's steps, so auto's warm-up shows in
+`settle_s`, and with `--repeats R` every configuration runs R times, interleaved, and the median counts. Each
+workload and its figures: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from stoker.common.waiting import waiting
 from stoker.data.formats import builtin_data
 from stoker.observe.metrics import read_events
 
-WORKLOADS = ("a", "b", "c", "d", "e", "f", "g", "h")
+WORKLOADS = ("a", "b", "c", "d", "e", "f", "g", "h", "s")
 LATENCY_COUNTS = (4, 16)
 HELD_OUT_COUNTS = (1, 2, 4, 8, 16, 32)  # the best fixed count is taken over these
+SHORT_COUNTS = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class Workload:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("autoscale", help="fixed producer counts against --producers auto, four workloads")
-    parser.add_argument("--workloads", default="a,b,c,d", help="which of a,b,c,d,e to run")
+    parser.add_argument("--workloads", default="a,b,c,d", help="which of a-h and s to run")
     parser.add_argument("--max-fixed", type=int, default=4, help="fixed M is swept from 1 to this")
     parser.add_argument("--counts", help="fixed counts to run instead, comma-separated (e: 4,16)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (median counts)")
@@ -87,6 +89,9 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
         "h": Workload("h", "held out: a new user's run: 500x375 JPEGs at 128 px, resnet8, 8 epochs", "photos-600",
                       dict(model="resnet8", image_size=128, batch_size=32, augment="standard", epochs=epochs(8)),
                       counts=HELD_OUT_COUNTS),
+        # Short input-bound runs: a few seconds of training each on a quiet machine, so auto's start-up is much of it.
+        "s": Workload("s", "short: 2 epochs of 2,000 500x375 JPEGs at 224 px, light CPU consumer", "photos-2000",
+                      {**photos, "epochs": epochs(2)}, counts=SHORT_COUNTS),
     }
 
 
@@ -230,8 +235,9 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"{'producers':>10} {'samples/s':>10} {'whole run':>10}")
         for row in workload["fixed"]:
             print(f"{row['producers']:>10} {row['samples_per_s']:>10.1f} {row['whole_run_samples_per_s']:>10.1f}")
+        start = workload["auto_timeline"][0]["producers"]
         print(f"{'auto':>10} {workload['auto_samples_per_s']:>10.1f} {workload['auto_whole_run_samples_per_s']:>10.1f}"
-              f"   (1 -> {workload['auto_producers_final']} producers, at most {workload['auto_producers_max']}, "
+              f"   ({start} -> {workload['auto_producers_final']} producers, at most {workload['auto_producers_max']}, "
               f"last change at {workload['settle_s']:.1f} s; plain need at {workload['auto_plain_need_s']} s, "
               f"first fork at {workload['auto_first_fork_s']} s)")
         fixed = workload["fixed"]

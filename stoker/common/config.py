@@ -187,8 +187,8 @@ class FeedSettings:
     min_producers: Annotated[Count, Setting("lower bound for --producers auto", "A", may_change_on_resume=True,
                                             machine_local=True, loader=True)] = Field(default=1, ge=1, le=MAX_PRODUCERS)
     initial_producers: Annotated[MaybeCount, Setting(
-        "where --producers auto starts (default: --min-producers)", "M", may_change_on_resume=True,
-        machine_local=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
+        "where --producers auto starts (default: a producer per core, at least --min-producers)", "M",
+        may_change_on_resume=True, machine_local=True)] = Field(default=None, ge=1, le=MAX_PRODUCERS)
     max_producers: Annotated[MaybeCount, Setting(
         "upper bound for --producers auto (default: the parts the ring holds in flight, slots x batch / 4, at most "
         "128 and half the memory)", "B",

@@ -57,6 +57,14 @@ def static_budget(devices: list[str], cores: int) -> int:
     return max(1, cores - cpu_consumers - math.ceil(GPU_FEED_CORES * gpu_consumers))
 
 
+def start_count(minimum: int, cores: int) -> int:
+    """Where auto starts when the user did not say: a producer for every core of the machine, since no consumer
+    computes before the first step (at least `minimum`). Started at 1 where the cores held 2, short input-bound runs
+    trained their first seconds at half the rate while the ring stayed full before the first step and gave no reason
+    to fork. Decoding producers past the free cores go back to them unless a step waits (`_judge_past_free`)."""
+    return max(minimum, cores)
+
+
 def default_ceiling(budget: int, cores: int, ring_parts: int | None = None, memory: int | None = None,
                     producer_memory: int = 1) -> int:
     """The most producers auto may run unless --max-producers says otherwise: as many as the ring holds parts in
@@ -215,10 +223,14 @@ def plain_need(window: Window) -> bool:
 
 class Autoscaler:
     def __init__(self, minimum: int, budget: int, ceiling: int | None = None, startup_windows: int = 0,
-                 cores: int | None = None) -> None:
+                 cores: int | None = None, started: int | None = None) -> None:
+        """`cores`: the machine's (None: not known, as in a replay: no fork is refused for filling them);
+        `started`: the count auto started at by default (`start_count`), judged like a fork before the first
+        step where it is past the free cores."""
         self.minimum = minimum
         self.budget = budget  # the cores the consumers leave free: not a limit on the count, but on a jump's CPU work
         self.cores = max(budget, cores or budget)  # the machine's: before the first step no consumer computes
+        self._machine_known = cores is not None
         self.ceiling = max(budget, ceiling or budget)
         self.limit = self.ceiling  # lowered to a count whose fork did not pay, until `_hold` runs out
         self._hold = 0
@@ -233,7 +245,8 @@ class Autoscaler:
         self._calm_windows = 0
         self._starting_windows = 0
         self._ring_served = True  # training has not yet had a step that waited for its batch
-        self._past_free: int | None = None  # before the first step, forked past the free cores from this count
+        # before the first step, forked (or started) past the free cores from this count
+        self._past_free: int | None = budget if started is not None and started > budget else None
 
     def decide(self, window: Window) -> Decision:
         trained = window.steps > 0 and window.train_s > 0  # its rate is measured: every step it reported counts
@@ -330,12 +343,15 @@ class Autoscaler:
     def _judge_past_free(self, window: Window, measurement: dict[str, Any]) -> Decision | None:
         """A fork before the first step that went past the free cores (decoding producers) was not tested: kept once
         a step waits for its batch (consumers that wait leave their cores idle, as for any fork past them), retired
-        back to the free cores' count if the ring's start-up windows pass with no step waiting (the consumers
-        compute on those cores)."""
-        if not self._ring_served or (not window.stamps and window.input_stall >= STALL_HIGH):  # (a replay: no stamps)
+        back to the free cores' count once the ring's start-up windows have passed with no step waiting and the
+        ring full (the consumers compute on those cores). A ring not full is still being drained: on a loaded
+        machine its batches served a slow consumer for more than the start-up windows, and 3 producers went back to
+        1 seconds before the steps began to wait."""
+        waited = not self._ring_served or (not window.stamps and window.input_stall >= STALL_HIGH)  # (a replay)
+        if waited or window.read_share >= READ_BOUND:  # producers waiting on reads hold little of a core
             self._past_free = None
             return None
-        if self._startup > 0:
+        if self._startup > 0 or window.queue_fill < QUEUE_FULL:
             return None
         back, self._past_free = self._past_free, None
         assert back is not None, "judged only after a fork past the free cores"
@@ -343,6 +359,14 @@ class Autoscaler:
             return None
         return self._change(back - window.producers, "the fork before the first step went past the free cores and "
                             f"no step has waited for its batch since: back to {back}", measurement, retire_newest=True)
+
+    def fills_the_machine(self, window: Window) -> bool:
+        """The producers' CPU work (their busy share less reads) takes every core of the machine: one more decoding
+        producer only shares the cores with them and the consumers. On 2 cores with a CPU consumer, a third producer
+        decoding 2000x1500 JPEGs was tried and retired as unpaid in every recorded run (-2.2% to -7.4%), each trial
+        seconds at the slower count and tried again 10, 20, 40 windows later: in a short run, a share of the run.
+        A machine not known (a replay) is never full."""
+        return self._machine_known and self._cores_hold(window, window.producers + 1, self.cores) <= window.producers
 
     def _cores_hold(self, window: Window, otherwise: int, cores: int | None = None) -> int:
         """The producers `cores` (by default the budget: those the consumers leave free) can run, each using the
@@ -454,7 +478,11 @@ class Autoscaler:
 
     def _fork(self, window: Window, rate: float, stall: float, why: str, measurement: dict[str, Any],
               base: list[StepStamp]) -> Decision:
-        """Fork to the jump's target, on trial against `rate`, the rate of the steps `base`."""
+        """Fork to the jump's target, on trial against `rate`, the rate of the steps `base`; none where the
+        producers' own work already fills the machine's cores (`fills_the_machine`)."""
+        if self.fills_the_machine(window):
+            return Decision(0, f"{why}; but the {window.producers} producers' own work fills the machine's "
+                               f"{self.cores} cores: one more would only share them", measurement=measurement)
         target = self.jump_target(window)
         past = " (past the free cores: consumers wait, so they leave theirs idle)" if target > self.budget else ""
         self._trial = _Trial(window.producers, target - window.producers, rate, stall, relative_error(base))

@@ -36,6 +36,7 @@ from stoker.pipeline.autoscaler import (
     Autoscaler,
     Window,
     default_ceiling,
+    start_count,
     static_budget,
 )
 from stoker.pipeline.gauges import EventLog, ProducerGauges
@@ -94,6 +95,7 @@ class ProducerCounts:
     minimum: int
     auto: bool
     cores: int = 0
+    default_start: bool = False  # auto started where `start_count` says, not where the user did
 
     @classmethod
     def from_sections(cls, feed: FeedSettings, host: HostShare, ring_parts: int | None = None) -> ProducerCounts:
@@ -103,13 +105,15 @@ class ProducerCounts:
             return cls(feed.producers, feed.producers, host.fits, feed.min_producers, auto=False, cores=host.cores)
         budget = feed.max_producers or default_ceiling(max(host.fits, feed.min_producers), host.cores, ring_parts,
                                                        host.memory, PRODUCER_MEMORY)
-        return cls(min(feed.initial_producers or feed.min_producers, budget), budget, host.fits,
-                   feed.min_producers, auto=True, cores=host.cores)
+        start = feed.initial_producers or start_count(feed.min_producers, host.cores)
+        return cls(min(start, budget), budget, host.fits, feed.min_producers, auto=True, cores=host.cores,
+                   default_start=feed.initial_producers is None)
 
     def autoscaler(self) -> Autoscaler | None:
         if not self.auto:
             return None
-        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores)
+        return Autoscaler(self.minimum, min(self.fits, self.budget), self.budget, STARTUP_WINDOWS, self.cores,
+                          self.initial if self.default_start else None)
 
 
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,

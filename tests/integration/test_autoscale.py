@@ -27,7 +27,7 @@ def run(textures, out, *extra, env):
 def test_slow_input_adds_producers_past_the_free_cores_while_consumers_wait(textures, tmp_path):
     summary = run(textures, tmp_path / "auto", "--epochs", "6", "--producers", "auto", "--max-producers", "6",
                   env=SLOW_INPUT)
-    assert summary["producers_initial"] == 1  # and 1 is what the cores the CPU consumer leaves free hold (2 cores)
+    assert summary["producers_initial"] == 2  # a producer for every core: no consumer computes before the first step
     assert 3 <= summary["producers_max"] <= 6 and summary["producers_final"] >= 3
     changes = summary["producers_timeline"][1:]
     # A jump where reads keep them busy: before the first step when the ring is still filling (no rate to record
