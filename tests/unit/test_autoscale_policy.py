@@ -443,23 +443,30 @@ def test_decoding_producers_forked_past_the_free_cores_before_training_go_back_u
     assert feed(reading, [replace(window(32, 0.0, 100.0, queue_fill=0.5), read_share=0.96)] * 3) == [0, 0, 0]
 
 
+def _counts(producers, min_producers, initial_producers, max_producers, *, fits, cores):
+    """The counts an engine starts with from these settings, on a machine of `cores` whose free ones hold `fits`."""
+    feed = FeedSettings(producers=producers, min_producers=min_producers, initial_producers=initial_producers,
+                        max_producers=max_producers)
+    return ProducerCounts.from_sections(feed, HostShare(cores, fits, None))
+
+
 def test_auto_starts_with_a_producer_for_every_core_unless_told_where():
     # 2 cores, a CPU consumer: the free core holds 1, but no consumer computes before the first step. Started at 1,
     # the one producer filled the ring before the first window closed (no reason to fork), and a short run's
     # first seconds of training went at its pace: 0.82 of 2 fixed producers over 2 epochs of 2,000 photos.
     free = static_budget(["cpu"], cores=2)
-    assert free == 1 and ProducerCounts.from_settings("auto", 1, None, None, fits=free, cores=2).initial == 2
-    assert ProducerCounts.from_settings("auto", 1, 1, None, fits=1, cores=2).initial == 1  # as the user said
-    assert ProducerCounts.from_settings("auto", 1, None, 1, fits=1, cores=2).initial == 1  # within --max-producers
-    assert ProducerCounts.from_settings("auto", 3, None, None, fits=1, cores=2).initial == 3  # --min-producers
-    assert ProducerCounts.from_settings(2, 1, None, None, fits=1, cores=16).initial == 2  # a fixed count is fixed
+    assert free == 1 and _counts("auto", 1, None, None, fits=free, cores=2).initial == 2
+    assert _counts("auto", 1, 1, None, fits=1, cores=2).initial == 1  # as the user said
+    assert _counts("auto", 1, None, 1, fits=1, cores=2).initial == 1  # within --max-producers
+    assert _counts("auto", 3, None, None, fits=1, cores=2).initial == 3  # --min-producers
+    assert _counts(2, 1, None, None, fits=1, cores=16).initial == 2  # a fixed count is fixed
 
 
 def test_a_start_past_the_free_cores_is_judged_like_a_fork_before_the_first_step():
     # Started at 2 on 2 cores with a CPU consumer: decoding producers whose consumer never waits for a batch (it
     # computes on the second core) go back to 1 once the ring's start-up windows pass; a consumer that waits
     # leaves its core idle, and producers waiting on reads hold little of one: both keep 2.
-    started = ProducerCounts.from_settings("auto", 1, None, None, fits=1, cores=2)
+    started = _counts("auto", 1, None, None, fits=1, cores=2)
     computing = started.autoscaler()
     assert computing is not None
     busy = replace(window(2, 0.0, 100.0, queue_fill=0.9), read_share=0.05)
@@ -472,7 +479,7 @@ def test_a_start_past_the_free_cores_is_judged_like_a_fork_before_the_first_step
     assert reading is not None
     assert feed(reading, [replace(busy, read_share=0.96)] * 3) == [0, 0, 0]
     # Where the user set the start, it is theirs: no judgement before the first step's.
-    told = ProducerCounts.from_settings("auto", 1, 2, None, fits=1, cores=2).autoscaler()
+    told = _counts("auto", 1, 2, None, fits=1, cores=2).autoscaler()
     assert told is not None and feed(told, [busy] * 3) == [0, 0, 0]
 
 
