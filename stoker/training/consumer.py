@@ -52,7 +52,7 @@ from stoker.pipeline.messages import (
     ValReport,
 )
 from stoker.pipeline.ring import RingSpec, SlotRing
-from stoker.training import accel, exchange, model_file, recovery, startup, warmup, wire
+from stoker.training import accel, exchange, model_file, recovery, replica_state, startup, warmup, wire
 from stoker.training import init as initial_weights
 from stoker.training.averager import Averager, OuterSpec
 from stoker.training.ema import ModelEma
@@ -385,7 +385,7 @@ class Replica:
         self.generation = regroup.generation
         fresh = regroup.rank in regroup.fresh
         if not fresh:
-            self._apply_state(self.agreed.at(regroup.agreed_step))
+            replica_state.apply(self, self.agreed.at(regroup.agreed_step))
             self.agreed.kept = [kept for kept in self.agreed.kept if kept[0] <= regroup.agreed_step]
         self.setup = replace(self.setup, rank=regroup.rank, world_size=regroup.world_size, joining=False)
         self.store = self._form_group(regroup.generation)
@@ -417,17 +417,17 @@ class Replica:
         survivor) and that peer's optimizer, RNG and EMA state, as a resume hands out a checkpoint's."""
         for tensor in [*self.averager.float_buckets, *self.averager.int_tensors]:
             recovery.done(dist.broadcast(tensor, src=regroup.source, async_op=True))
-        mine = checkpoint.to_cpu(self._rank_state()) if regroup.rank == regroup.source else None
+        mine = checkpoint.to_cpu(replica_state.own(self)) if regroup.rank == regroup.source else None
         state = wire.broadcast(mine, regroup.source, torch.device("cpu"))
         if fresh:
-            self._apply_state(state)
+            replica_state.apply(self, state)
             assert self.agreed is not None, "only an elastic replica rejoins"
             self.agreed.kept = []
             self.agreed.keep(regroup.agreed_step)
 
     def _agreed_state(self) -> dict:
         """What every replica holds alike after an averaging, and this replica's own optimizer and RNG state."""
-        return {**self._rank_state(), "buckets": self.averager.float_buckets, "ints": self.averager.int_tensors}
+        return {**replica_state.own(self), "buckets": self.averager.float_buckets, "ints": self.averager.int_tensors}
 
     def _check_stopped(self) -> None:
         if self.stop.is_set() or self.watch.parent_gone():
@@ -527,25 +527,9 @@ class Replica:
         work = self._rank_zero_work(f"checkpoint at step {message.global_step}")
         faults.maybe_inject("consumer", f"rank={self.setup.rank},save={message.global_step};")
         model_state = self.model.state_dict() if self.setup.rank == 0 else {}
-        files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(self._rank_state()), self.setup.rank,
-                              self.setup.world_size, group=self.host_group)
+        files = exchange.save(work, message.folder, model_state, checkpoint.to_cpu(replica_state.own(self)),
+                              self.setup.rank, self.setup.world_size, group=self.host_group)
         self.outbox.send(Saved(self.setup.local_rank, message.global_step, files, self.averager.holds_average))
-
-    def _rank_state(self) -> dict:
-        state = {"optimizer": self.optimizer.state_dict(), "torch_rng": torch.get_rng_state(),
-                 "pending": torch.tensor(self.averager.pending, dtype=torch.int64),
-                 "grad_scaler": self.precision.state_dict()}
-        if self.device.type == "cuda":
-            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        if not self.averager.holds_average:  # replicas differ: keep this one's own
-            state["model"] = self.model.state_dict()
-        if self.averager.outer is not None:
-            state["outer"] = self.averager.outer.state_dict()
-        if self.averager.delayed is not None:
-            state["delayed"] = self.averager.delayed.state_dict()
-        if self.ema is not None:
-            state["ema"] = self.ema.state_dict()
-        return state
 
     def _restore(self, folder: Path) -> None:
         """Rank 0 reads the checkpoint and hands every replica the averaged model and its own state."""
@@ -556,28 +540,8 @@ class Replica:
             self.model.load_state_dict(model_state)
         _broadcast_initial_state(self.averager)
         startup.phase(startup.RESTORING)  # the replicas' own states: read from the checkpoint too
-        self._apply_state(exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size,
+        replica_state.apply(self, exchange.hand_out(work, folder, self.setup.rank, self.setup.world_size,
                                             group=self.host_group, saved=self.setup.checkpoint_consumers))
-
-    def _apply_state(self, state: dict) -> None:
-        """A replica's state from a checkpoint (`_rank_state`) or an agreed copy (`_agreed_state`)."""
-        for target, source in zip([*self.averager.float_buckets, *self.averager.int_tensors],
-                                  [*state.get("buckets", ()), *state.get("ints", ())], strict=False):
-            target.copy_(source)
-        if "model" in state:
-            self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and "cuda_rng" in state:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.precision.load_state_dict(state.get("grad_scaler", {}))
-        self.averager.pending = tuple(state["pending"].tolist())
-        if self.averager.outer is not None:
-            self.averager.outer.load_state_dict(state["outer"])
-        if self.averager.delayed is not None:
-            self.averager.delayed.load_state_dict(state["delayed"])
-        if self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
 
     def _load_init(self, path: Path) -> None:
         """Rank 0 reads the --init file (the broadcast after it gives the weights to every replica); the others wait
