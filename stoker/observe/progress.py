@@ -49,7 +49,8 @@ class Snapshot:
         return (f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total_steps} "
                 f"{self.samples_per_s:,.0f} samples/s loss {loss} val acc {accuracy} | compute {compute:.0%} "
                 f"input wait {wait:.0%}{host} averaging {averaging:.0%} | queue {self.queue_fill:.0%} producers "
-                f"{self.producers}/{self.producer_budget} busy {self.producer_utilization:.0%} | {self.verdict}")
+                f"{self.producers} (up to {self.producer_budget}) busy {self.producer_utilization:.0%} | "
+                f"{self.verdict}")
 
 
 class ProgressView:
@@ -105,6 +106,6 @@ def panel(snapshot: Snapshot) -> Group:
     loss = f"{snapshot.loss:.3f}" if snapshot.loss is not None else "-"
     accuracy = f"{snapshot.val_accuracy:.1%}" if snapshot.val_accuracy is not None else "-"
     summary = (f"{snapshot.samples_per_s:,.0f} samples/s   loss {loss}   val acc {accuracy}   ready queue "
-               f"{snapshot.queue_fill:.0%}   producers {snapshot.producers}/{snapshot.producer_budget} busy "
+               f"{snapshot.queue_fill:.0%}   producers {snapshot.producers} (up to {snapshot.producer_budget}) busy "
                f"{snapshot.producer_utilization:.0%}")
     return Group(table, summary, f"[bold]{snapshot.verdict}")
