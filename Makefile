@@ -52,7 +52,7 @@ servers:
 
 # stoker/data/pixels/_jpegcrop.c (crop-aware JPEG decoding) builds against libjpeg-turbo's headers: Debian's
 # libjpeg62-turbo-dev, installed where the machine lets us. Without them the build skips it and JPEGs are decoded
-# whole, to the same pixels (the tests of the crop path then fail, saying the module is missing).
+# whole, to the same pixels (the tests of the crop path then skip, saying what to install).
 jpeg-headers:
 	@[ -f /usr/include/jpeglib.h ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 		{ apt-get install -y -q libjpeg62-turbo-dev >/dev/null 2>&1 || \

@@ -127,10 +127,6 @@ def prepare(config: TrainConfig) -> RunPlan:
     check_producer_timeout(producer_timeout_s=config.producer_timeout_s,
                        collective_timeout_s=config.collective_timeout_s, world=machines.world)
     _check_model(config, len(data.train.classes))
-    if one_batch:  # said once the settings passed: a user error stays one line
-        log.info("devices auto: %d CPU consumers share each step's batch of %d, as cpu:1 trains it (cpu:%d would "
-                 "train %d a step)", machines.local_consumers, config.batch_size, machines.local_consumers,
-                 config.batch_size * machines.local_consumers)
     run_dir = Path(config.out or config.resume or rundir.default_run_dir())
     # Held until the run ends: taken before the folder is looked at, so two starts cannot both find it free.
     run_lock = rundir.RunDirLock(run_dir, machines.node)
@@ -143,6 +139,10 @@ def prepare(config: TrainConfig) -> RunPlan:
     if share != engine.build.batch_size:  # resumed on fewer consumers than its first count
         engine = engine.holding(share)
         check_room(engine, "producers")
+    if one_batch:  # said once every check passed: a user error stays one line
+        log.info("devices auto: %d CPU consumers share each step's batch of %d, as cpu:1 trains it (cpu:%d would "
+                 "train %d a step)", machines.local_consumers, config.batch_size, machines.local_consumers,
+                 config.batch_size * machines.local_consumers)
     return RunPlan(config, devices, machines, elastic, data, plan, engine, run_dir, run_lock, resumed)
 
 

@@ -61,28 +61,17 @@ from stoker.training.streams import ops_for
 from stoker.training.to_device import DeviceLoader
 from stoker.use.lent_batches import LentBatches
 from stoker.use.rank_gpu import rank_gpu
-from stoker.use.resume_position import ResumePosition
+from stoker.use.resume_position import MAX_EPOCH, ResumePosition
 
 log = logging.getLogger(__name__)
 
 OPEN_ENDED = 1 << 40  # the scheduler's last epoch: the ring, not the epoch, bounds what is built ahead
-# The last epoch a loader takes: far past any run, below OPEN_ENDED (an epoch past it had no batch and its iter()
-# waited for ever), and epoch x steps stays an int64 global step for up to 2^32 steps an epoch.
-MAX_EPOCH = (1 << 30) - 1
 
 
-def check_position(epoch: Any, state: dict[str, Any] | None = None, samples: int = 0) -> int:
-    """`epoch` as an int from 0 to MAX_EPOCH; and, for a loaded `state` whose offset is not its step's in its own
-    plan (saved after a resume at another world size), an offset its step can have reached with a sample left:
-    each step before it trained one sample at least. A ValueError naming what was given otherwise."""
-    what = "load_state_dict: the state's epoch is" if state is not None else "set_epoch:"
+def check_epoch(epoch: Any) -> int:
+    """`set_epoch`'s epoch as an int from 0 to MAX_EPOCH; a ValueError naming what was given otherwise."""
     if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or not 0 <= epoch <= MAX_EPOCH:
-        raise ValueError(f"{what} {epoch!r}; expected an integer epoch from 0 to {MAX_EPOCH}")
-    offset = state.get("offset") if state is not None else None
-    if state is not None and offset is not None and not state["step"] <= offset < samples:
-        raise ValueError(f"load_state_dict: the state's offset {offset} does not fit its step {state['step']}: "
-                         f"expected an offset from {state['step']} to {samples - 1} (each step before it trained a "
-                         f"sample at least, and one of the epoch's {samples} is left); it would resume no batch")
+        raise ValueError(f"set_epoch: {epoch!r}; expected an integer epoch from 0 to {MAX_EPOCH}")
     return int(epoch)
 
 
@@ -209,15 +198,11 @@ class Loader:
         sections = _check_settings(data, {name: value for name, value in locals().items() if name in LOADER_SETTINGS})
         _check_metrics_file(metrics_file)
         self._keep_settings(sections, _check_device(device), metrics_file)
-        # The producers' zygote starts now: it imports their modules while the index is read here and the script
-        # builds its model, and the first iter() only forks.
+        self._open(data, sections[DataSettings])  # every user error is raised before a process starts
+        # The producers' zygote starts now: it imports their modules while the script builds its model, and the
+        # first iter() only forks.
         lease = _early_zygote(data, sys._getframe(1))
         self._zygote_hold = weakref.finalize(self, _release_in, lease, os.getpid())
-        try:
-            self._open(data, sections[DataSettings])
-        except BaseException:
-            self._zygote_hold()
-            raise
 
     def _open(self, data: str | Path | Any | None, data_settings: DataSettings) -> None:
         """The samples, and this loader's books and place in them."""
@@ -263,7 +248,7 @@ class Loader:
     # ---- what DataLoader users call ------------------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = check_position(epoch)
+        self.epoch = check_epoch(epoch)
 
     def __len__(self) -> int:
         """Batches per epoch on every rank: the same on each, whatever files turn out unusable (the epoch a state of
@@ -296,7 +281,6 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved batch: the next `iter()` of the saved epoch starts there (exact resume)."""
         self.position.check(state, self._world())
-        check_position(state["epoch"], state, len(self.paths))
         self.epoch = self.position.load(state, self._world())
         if self.info is not None:
             self.plan = self.position.resume_plan(self.info.world_size)

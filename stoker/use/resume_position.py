@@ -15,6 +15,9 @@ from stoker.common.positions import Position
 from stoker.pipeline.plan import EpochPlan
 
 STATE_VERSION = 1
+# The last epoch a loader takes: far past any run, below the scheduler's open end (an epoch past it had no batch and
+# its iter() waited for ever), and epoch x steps stays an int64 global step for up to 2^32 steps an epoch.
+MAX_EPOCH = (1 << 30) - 1
 
 
 class ResumePosition:
@@ -103,16 +106,23 @@ class ResumePosition:
         steps = self.plan(saved_world).steps_per_epoch
         if offset is not None and isinstance(state["step"], int) and offset != self.plan(saved_world).offset(
                 0, state["step"]):
-            steps = samples + 1  # saved by a loader that resumed at another world size: its steps are its own
+            # Saved by a loader that resumed at another world size: its steps are its own, each trained a sample
+            # at least, and a sample of the epoch is left (else it would resume no batch while len() says more).
+            if not state["step"] <= offset < samples:
+                raise ValueError(f"load_state_dict: the state's offset {offset} does not fit its step "
+                                 f"{state['step']}: expected an offset from {state['step']} to {samples - 1} (each "
+                                 f"step before it trained a sample at least, and one of the epoch's {samples} is "
+                                 "left); it would resume no batch")
+            steps = samples + 1
         return steps
 
     @staticmethod
     def _check_place(state: dict[str, Any], steps: int) -> None:
-        for key, below in (("epoch", None), ("step", steps)):
+        for key, below in (("epoch", MAX_EPOCH + 1), ("step", steps)):
             value = state[key]
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0 or (
-                    below is not None and value >= below):
-                bound = f"from 0 to {below - 1} (this loader has {below} batches per epoch)" if below else ">= 0"
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < below:
+                bound = f"from 0 to {below - 1}" + (f" (this loader has {below} batches per epoch)" if key == "step"
+                                                     else "")
                 raise ValueError(f"load_state_dict: the state's {key} is {value!r}; expected an integer {bound}")
 
     def _check_lent(self, state: dict[str, Any], steps: int) -> None:

@@ -10,9 +10,13 @@ import pytest
 import simplejpeg
 from PIL import Image
 
-from stoker.data.pixels import _jpegcrop, imaging
+from stoker.data.pixels import imaging
 from stoker.data.pixels.imaging import UnusableImage, load_into, scale_eighths
 from tests.conftest import photograph_jpeg, scan_data_start
+
+_jpegcrop = pytest.importorskip(
+    "stoker.data.pixels._jpegcrop", reason="the crop-aware decoder was not built (it needs libjpeg-turbo's headers: "
+    "apt-get install libjpeg62-turbo-dev, then make install)")
 
 imaging.make_decode_warnings_errors()
 
@@ -110,3 +114,17 @@ def test_damage_outside_the_crop_still_refuses_the_file(progressive):
         for _ in range(40):
             with pytest.raises(UnusableImage, match="^(corrupt JPEG|truncated)"):
                 load_into(zeroed, np.zeros((224, 224, 3), np.uint8), "standard", rng)
+
+
+def test_a_decoder_that_gives_other_pixels_is_found_at_import(monkeypatch):
+    """The extension links the system's libjpeg, simplejpeg its own: where the two round differently, the check
+    run at import finds it (and JPEGs are then decoded whole), so a batch never depends on which decode built it."""
+    assert imaging._region_matches_whole_decode()
+    decode = _jpegcrop.decode
+
+    def off_by_one(data, *args):
+        pixels, left, width = decode(data, *args)
+        return bytes(min(255, value + 1) for value in pixels), left, width
+
+    monkeypatch.setattr(_jpegcrop, "decode", off_by_one)
+    assert not imaging._region_matches_whole_decode()

@@ -136,7 +136,7 @@ def test_a_bad_drop_last_gets_stoker_train_s_message(textures):
     ("step", -3, "step is -3; expected an integer from 0 to"),
     ("step", 10_000, "step is 10000; expected an integer from 0 to"),
     ("step", 2.5, "step is 2.5"),
-    ("epoch", -1, "epoch is -1; expected an integer >= 0"),
+    ("epoch", -1, "epoch is -1; expected an integer from 0 to 1073741823"),
     ("epoch", "1", "epoch is '1'"),
 ])
 def test_a_state_whose_position_is_outside_the_epoch_is_refused(textures, key, value, expected):

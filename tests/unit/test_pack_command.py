@@ -61,7 +61,7 @@ def test_pack_help_says_what_its_positionals_and_shard_size_take():
 
 def test_max_side_and_quality_are_checked_before_anything_is_written(textures, tmp_path, capsys):
     train, _ = textures
-    for flags, said in ((["--quality", "80"], "give --max-side too"), (["--max-side", "0"], "max_side=0"),
-                        (["--max-side", "64", "--quality", "101"], "quality=101")):
+    for flags, said in ((["--quality", "80"], "give --max-side too"), (["--max-side", "0"], "--max-side 0: expected"),
+                        (["--max-side", "64", "--quality", "101"], "--quality 101: expected")):
         assert main(["pack", str(train), str(tmp_path / "out"), *flags]) == 2
         assert said in capsys.readouterr().err and not (tmp_path / "out").exists()

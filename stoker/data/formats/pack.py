@@ -58,9 +58,9 @@ class Shrink:
 
     def __post_init__(self) -> None:
         if self.max_side < 1:
-            raise ValueError(f"max_side={self.max_side}: expected a length in pixels, 1 or more")
+            raise ValueError(f"--max-side {self.max_side}: expected a length in pixels, 1 or more")
         if not 1 <= self.quality <= 100:
-            raise ValueError(f"quality={self.quality}: expected a JPEG quality from 1 to 100")
+            raise ValueError(f"--quality {self.quality}: expected a JPEG quality from 1 to 100")
 
 
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
@@ -218,9 +218,12 @@ def write_shard(target: Path, members: list[Member], shrink: Shrink | None = Non
                 data = handle.read()
             try:
                 imaging.load_into(data, probe, "none", None)  # as a producer decodes it
+                usable = True
             except imaging.UnusableImage as error:
                 bad.append((path, str(error)))
-            smaller = imaging.shrink(data, shrink.max_side, shrink.quality) if shrink is not None else None
+                usable = False
+            # a file training skips is stored as it is: never made into a clean JPEG by another decoder's rules
+            smaller = imaging.shrink(data, shrink.max_side, shrink.quality) if shrink is not None and usable else None
             extension = ".jpg" if smaller is not None else os.path.splitext(path)[1].lower()
             _add(archive, key + extension, data if smaller is None else smaller)
             _add(archive, key + ".cls", str(label).encode())
@@ -262,6 +265,8 @@ def pack_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
         shard_size = parse_size("shard_size", args.shard_size)
         args.shrink = _shrink(args)
+        if args.val is not None and not args.val.is_dir():  # before the training pack, not after it
+            raise ValueError(f"val={str(args.val)!r}: not a folder (expected an ImageFolder root)")
         if is_remote(args.out):
             where, shards, val_shards = _pack_to_store(args, shard_size)
         else:
@@ -341,8 +346,6 @@ def _pack_to_store(args: argparse.Namespace, shard_size: int) -> tuple[str, list
 def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:
     if args.val is None:
         return []
-    if not args.val.is_dir():
-        raise ValueError(f"val={str(args.val)!r}: not a folder (expected an ImageFolder root)")
     classes = tuple(json.loads((args.out / CLASSES_FILE).read_text()))
     return pack(args.val, args.out / VAL_FOLDER, shard_size, args.workers, args.overwrite, classes,
                 undecodable=args.undecodable)

@@ -35,14 +35,6 @@ static void warn_as_error(j_common_ptr info, int level) {
         fail(info);
 }
 
-struct request {
-    const unsigned char *data;
-    unsigned long size;
-    int scale_num, top, left, height, width;
-    unsigned char *out;          /* height x width_decoded x 3, allocated by the caller once the width is known */
-    JDIMENSION left_decoded, width_decoded;
-};
-
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
     int scale_num, top, left, height, width;
@@ -79,7 +71,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     info.dct_method = JDCT_ISLOW;
     info.do_fancy_upsampling = TRUE;
     jpeg_start_decompress(&info);
-    if ((JDIMENSION)(top + height) > info.output_height || (JDIMENSION)(left + width) > info.output_width) {
+    if ((unsigned long)top + (unsigned long)height > info.output_height ||
+        (unsigned long)left + (unsigned long)width > info.output_width) {
         snprintf(failure.message, sizeof failure.message, "rectangle outside the %ux%u scaled image",
                  info.output_width, info.output_height);
         jpeg_destroy_decompress(&info);

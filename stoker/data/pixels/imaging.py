@@ -10,6 +10,7 @@ explicit format list; every mode (grayscale, palette, RGBA, CMYK, 16-bit) become
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
 import struct
@@ -32,6 +33,8 @@ try:  # libjpeg-turbo's partial decoding, built from _jpegcrop.c; without it JPE
     from stoker.data.pixels import _jpegcrop
 except ImportError:
     _jpegcrop = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 FLIPPED = ("standard", "trivial", "randaug")  # the augmentations with a random horizontal flip
 
@@ -594,3 +597,34 @@ def resize_box_into(image: np.ndarray, box: Box, flip: bool, out: np.ndarray, cl
         cv2.flip(out, 1, dst=out)
     if clock is not None:
         clock.resize += time.thread_time() - started
+
+
+
+def _crop(image: np.ndarray, box: Box) -> np.ndarray:
+    top, left = min(max(box.top, 0), image.shape[0] - 1), min(max(box.left, 0), image.shape[1] - 1)
+    return image[top:top + box.height, left:left + box.width]  # as resize_box_into crops
+
+
+def _region_matches_whole_decode() -> bool:
+    """Whether the extension's libjpeg (the system's) gives, in a crop's box, the pixels simplejpeg's own
+    libjpeg-turbo gives: a batch must be the same bytes whichever decode built it, so a pair of builds that round
+    differently must not both serve. A 4:2:0 image, a box away from every edge, at every scale."""
+    assert _jpegcrop is not None
+    rows, columns = np.mgrid[0:120, 0:160]
+    pattern = np.stack([(rows * 7 + columns * 3) % 256, (rows * columns) % 256, (rows * 13) % 256], -1)
+    data = simplejpeg.encode_jpeg(pattern.astype(np.uint8), quality=90, colorspace="RGB", colorsubsampling="420")
+    box = Box(37, 45, 61, 83)
+    for eighths in range(1, 9):
+        min_h, min_w = -(-120 * eighths // 8), -(-160 * eighths // 8)
+        whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
+        region, within = _decode_region(data, box, 120, 160, scale_eighths(120, 160, min_h, min_w))
+        if not np.array_equal(_crop(region, within), _crop(whole, _scaled_box(box, whole.shape[0] / 120,
+                                                                                   whole.shape[1] / 160))):
+            return False
+    return True
+
+
+if _jpegcrop is not None and not _region_matches_whole_decode():
+    log.warning("the crop-aware JPEG decoder (_jpegcrop, built against the system's libjpeg) gives other pixels than "
+                "simplejpeg's libjpeg-turbo here: JPEGs are decoded whole (rebuild against a matching libjpeg-turbo)")
+    _jpegcrop = None  # type: ignore[assignment]
