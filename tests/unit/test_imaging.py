@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import math
 import os
+import pickle
 import struct
 import subprocess
 import sys
@@ -277,14 +278,44 @@ def test_plain_png_gives_pillows_pixels(mode):
     assert np.array_equal(out, pillow_reference(data, 24))
 
 
+def as_a_producer(function, *args):
+    """`function(*args)` in a fork of this process, where only this thread runs, as in a producer: libpng decodes
+    only where no other thread can write to descriptor 2 meanwhile, and a test process holds others (a Loader's
+    zygote keeper, pytest-xdist's). Its result comes back; an UnusableImage is raised again here, anything else as
+    an AssertionError naming it."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        os.close(read)
+        try:
+            outcome = ("returned", function(*args))
+        except BaseException as error:  # told to the parent, which raises it in the test
+            outcome = ("raised", (type(error).__name__, str(error)))
+        with os.fdopen(write, "wb") as channel:
+            pickle.dump(outcome, channel)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as channel:
+        kind, value = pickle.load(channel)
+    os.waitpid(pid, 0)
+    if kind == "returned":
+        return value
+    name, message = value
+    raise UnusableImage(message) if name == "UnusableImage" else AssertionError(f"{name}: {message}")
+
+
+def _decoded(data: bytes, side: int) -> np.ndarray:
+    out = np.zeros((side, side, 3), np.uint8)
+    load_into(data, out, "none", None)
+    return out
+
+
 def test_plain_png_decode_does_not_need_pillow(monkeypatch):
     """8-bit grey and RGB PNGs, most PNG datasets, are decoded by libpng: Pillow's Python per image cost more
     than the decode of a 32x32 image."""
     data = encode(Image.fromarray(RGB), "PNG")
     monkeypatch.setattr(Image, "open", lambda *args, **kwargs: pytest.fail("Pillow opened a plain PNG"))
-    out = np.zeros((24, 24, 3), np.uint8)
-    load_into(data, out, "none", None)
-    assert out.std() > 5
+    assert as_a_producer(_decoded, data, 24).std() > 5
 
 
 def test_png_orientation_tag_is_ignored_as_pillow_ignores_it():
@@ -302,7 +333,7 @@ def test_plain_png_cut_anywhere_is_refused_silently(mode, capfd):
     cuts = [*np.random.default_rng(2).integers(33, len(data) - 12, 25), len(data) - 12, len(data) - 1]
     for cut in cuts:  # after IHDR: inside the image data, and inside IEND
         with pytest.raises(UnusableImage, match="^truncated: "):
-            load_into(data[:cut], np.zeros((8, 8, 3), np.uint8), "none", None)
+            as_a_producer(_decoded, data[:cut], 8)
     assert capfd.readouterr().err == ""  # libpng's messages are caught, not printed once per file and epoch
 
 
@@ -318,7 +349,7 @@ def test_png_whose_image_data_ends_before_its_last_row_is_refused():
     data[8:33] = png_chunk(b"IHDR", bytes(header))
     assert np.asarray(Image.open(io.BytesIO(bytes(data))).convert("RGB"))[-20:].max() == 0
     with pytest.raises(UnusableImage, match="corrupt PNG.*Not enough image data"):
-        load_into(bytes(data), np.zeros((8, 8, 3), np.uint8), "none", None)
+        as_a_producer(_decoded, bytes(data), 8)
 
 
 def opened_by_pillow(monkeypatch) -> list[int]:
