@@ -84,6 +84,21 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
+def serving(handler: type) -> Iterator[str]:
+    """The URL of Python's own HTTP server on loopback, answering with `handler` (a BaseHTTPRequestHandler made to
+    answer as a test needs), one thread a request; shut down and closed on exit."""
+    import http.server
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@contextlib.contextmanager
 def silent_server() -> Iterator[int]:
     """The port of a server on loopback that takes every connection and never answers: a hung server."""
     listener = socket.create_server(("127.0.0.1", 0), backlog=256)

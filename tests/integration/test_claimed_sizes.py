@@ -8,12 +8,12 @@ import http.server
 import io
 import json
 import tarfile
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from stoker.data.transports import object_store
+from tests.conftest import serving
 
 CLAIMED = 160 << 10  # what HEAD says the shard holds
 ENDLESS_CAP = 256 << 20  # the server gives up after this much (an old client took all of it)
@@ -90,14 +90,10 @@ class _Liar(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def liar() -> Iterator[str]:
     _Liar.files, _Liar.sizes, _Liar.sent = {}, {}, 0
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Liar)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        with serving(_Liar) as url:
+            yield url
     finally:
-        httpd.shutdown()
-        httpd.server_close()
         object_store.stop_reading()
 
 

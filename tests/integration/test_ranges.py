@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import http.server
 import os
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from stoker.data.pixels.imaging import UNREADABLE, UnusableImage
 from stoker.data.transports import ranges
-from tests.conftest import silent_server
+from tests.conftest import serving, silent_server
 
 OBJECT = os.urandom(64 << 10)
 ETAG = '"v1"'
@@ -53,14 +52,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def server() -> Iterator[str]:
     _Handler.failures_left, _Handler.seen = {}, []
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+        with serving(_Handler) as url:
+            yield url
     finally:
-        httpd.shutdown()
-        httpd.server_close()
         ranges.stop()
 
 
