@@ -345,7 +345,7 @@ class Engine:
         """Replace dead or hung producers and re-issue exactly the parts they held."""
         assert self.pool is not None
         for loss in self.pool.check():
-            log.warning("%s; starting a replacement and re-issuing its %d batch(es)", loss.message,
+            log.warning("%s; starting a replacement and re-issuing the %d part(s) it held", loss.message,
                         len(loss.reissue))
             self.events.write("producer_lost", message=loss.message, reissued=len(loss.reissue),
                               reissued_samples=[t.end - t.first for t in loss.reissue if not t.compact])
