@@ -71,17 +71,24 @@ def test_a_narrow_box_decodes_only_the_columns_around_it():
     assert decoded_left <= 200 and decoded_left + decoded_width >= 240 and decoded_width <= 40 + 2 * 16
 
 
-def test_scale_is_the_one_simplejpeg_picks():
-    """The region's scale and the whole decode's must agree, or the pixels differ: checked at each threshold."""
-    for height, width in [(375, 500), (257, 333), (9, 17), (1, 40)]:
+def test_the_scale_is_the_smallest_simd_one_that_keeps_the_size_asked_and_simplejpeg_decodes_at_it():
+    """libjpeg-turbo's SIMD scales are 1/8, 2/8, 4/8 and 8/8 (its other scales use plain-C inverse DCTs, slower than
+    the whole image); the region's scale and the whole decode's must agree, or the pixels differ: checked at each
+    threshold against the size simplejpeg decodes when asked for that scale's size."""
+    for height, width in [(375, 500), (257, 333), (9, 17)]:
         data = jpeg((width, height), "420")
         edges = sorted({-(-side * eighths // 8) + step for side in (height, width) for eighths in range(1, 9)
                         for step in (0, 1)})
         for min_height in edges:
             for min_width in edges:
                 eighths = scale_eighths(height, width, min_height, min_width)
-                shape = simplejpeg.decode_jpeg(data, min_height=min_height, min_width=min_width).shape[:2]
-                assert shape == (-(-height * eighths // 8), -(-width * eighths // 8))
+                shape = (-(-height * eighths // 8), -(-width * eighths // 8))
+                assert eighths in (1, 2, 4, 8)
+                assert shape[0] >= min(min_height, height) and shape[1] >= min(min_width, width)
+                smaller = eighths // 2  # the SIMD scale below it falls short of the size asked
+                assert smaller == 0 or -(-height * smaller // 8) < min(min_height, height) or \
+                    -(-width * smaller // 8) < min(min_width, width)
+                assert simplejpeg.decode_jpeg(data, min_height=shape[0], min_width=shape[1]).shape[:2] == shape
 
 
 @pytest.mark.parametrize("augment", ["standard", "none", "trivial", "randaug"])

@@ -205,31 +205,41 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
         raise _NeedsPillow
     box, flip = choose_box(height, width, augment, rng)
     out_h, out_w = out.shape[:2]
-    # Smallest decode that keeps the box at least out_h x out_w: libjpeg-turbo picks the scale factor (M/8).
+    # The box at least out_h x out_w after the decode's scale (M/8).
     min_h = math.ceil(height * out_h / box.height)
     min_w = math.ceil(width * out_w / box.width)
     # libjpeg-turbo decodes damaged scan data without error and only warns: a file cut short gets its missing part
     # grey, one with a zeroed stretch ending in a whole EOI decodes the zeros as pixels. Strict, every warning is an
     # error, and it costs nothing on a good file (the same decode: measured in docs/benchmarks.md).
     try:
+        eighths = scale_eighths(height, width, min_h, min_w)
         if _jpegcrop is not None:
-            image, scaled = _decode_region(data, box, height, width, scale_eighths(height, width, min_h, min_w))
-        else:
-            image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
+            image, scaled = _decode_region(data, box, height, width, eighths)
+        else:  # simplejpeg picks the smallest scale whose size is at least the one asked: that scale's own
+            image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
+                                           min_width=scaled_side(width, eighths), strict=True)
             scaled = _scaled_box(box, image.shape[0] / height, image.shape[1] / width)
     except ValueError as error:
         raise UnusableImage(_jpeg_failure(str(error))) from None
     resize_box_into(image, scaled, flip, out, clock)
 
 
+# The DCT scales libjpeg-turbo decodes with SIMD: 3/8 and 5/8-7/8 run its plain-C scaled inverse DCTs and cost more
+# than the whole image (ImageNet-like photos, one core: 6/8 1.19 ms, 7/8 1.44, 8/8 0.87; docs/benchmarks.md).
+FAST_EIGHTHS = (1, 2, 4, 8)
+
+
 def scale_eighths(height: int, width: int, min_height: int, min_width: int) -> int:
-    """The smallest M (1-8) for which libjpeg-turbo's M/8 decode is at least min_height x min_width, a minimum past
-    the image's own side taken as that side: simplejpeg's choice (tested), so both decodes have the same scale."""
+    """The smallest M of FAST_EIGHTHS for which libjpeg-turbo's M/8 decode is at least min_height x min_width, a
+    minimum past the image's own side taken as that side."""
     min_height, min_width = min(min_height, height), min(min_width, width)
-    for eighths in range(1, 8):
-        if -(-height * eighths // 8) >= min_height and -(-width * eighths // 8) >= min_width:
-            return eighths
-    return 8
+    return next(eighths for eighths in FAST_EIGHTHS
+                if scaled_side(height, eighths) >= min_height and scaled_side(width, eighths) >= min_width)
+
+
+def scaled_side(side: int, eighths: int) -> int:
+    """A side of libjpeg's M/8 decode (its jdiv_round_up)."""
+    return -(-side * eighths // 8)
 
 
 def shrink(data: bytes, max_side: int, quality: int) -> bytes | None:
@@ -287,7 +297,7 @@ def _decode_region(data: bytes, box: Box, height: int, width: int, eighths: int)
     context fancy upsampling reads), through libjpeg-turbo's partial decode, and the box within that region. The
     box's pixels are those of the whole decode (tested bitwise), so the output is the same either way. The other
     rows are entropy-decoded only: a damaged or cut file is refused whatever the crop, as by the whole decode."""
-    scaled_h, scaled_w = -(-height * eighths // 8), -(-width * eighths // 8)  # libjpeg's jdiv_round_up
+    scaled_h, scaled_w = scaled_side(height, eighths), scaled_side(width, eighths)
     scaled = _scaled_box(box, scaled_h / height, scaled_w / width)
     top, left = min(max(scaled.top, 0), scaled_h - 1), min(max(scaled.left, 0), scaled_w - 1)
     first_row, end_row = max(0, top - REGION_MARGIN), min(scaled_h, top + scaled.height + REGION_MARGIN)
@@ -608,16 +618,16 @@ def _crop(image: np.ndarray, box: Box) -> np.ndarray:
 def _region_matches_whole_decode() -> bool:
     """Whether the extension's libjpeg (the system's) gives, in a crop's box, the pixels simplejpeg's own
     libjpeg-turbo gives: a batch must be the same bytes whichever decode built it, so a pair of builds that round
-    differently must not both serve. A 4:2:0 image, a box away from every edge, at every scale."""
+    differently must not both serve. A 4:2:0 image, a box away from every edge, at every scale used."""
     assert _jpegcrop is not None
     rows, columns = np.mgrid[0:120, 0:160]
     pattern = np.stack([(rows * 7 + columns * 3) % 256, (rows * columns) % 256, (rows * 13) % 256], -1)
     data = simplejpeg.encode_jpeg(pattern.astype(np.uint8), quality=90, colorspace="RGB", colorsubsampling="420")
     box = Box(37, 45, 61, 83)
-    for eighths in range(1, 9):
-        min_h, min_w = -(-120 * eighths // 8), -(-160 * eighths // 8)
+    for eighths in FAST_EIGHTHS:
+        min_h, min_w = scaled_side(120, eighths), scaled_side(160, eighths)
         whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_h, min_width=min_w, strict=True)
-        region, within = _decode_region(data, box, 120, 160, scale_eighths(120, 160, min_h, min_w))
+        region, within = _decode_region(data, box, 120, 160, eighths)
         if not np.array_equal(_crop(region, within), _crop(whole, _scaled_box(box, whole.shape[0] / 120,
                                                                                    whole.shape[1] / 160))):
             return False
