@@ -240,7 +240,8 @@ class _StokerFeed:
     def __init__(self, source: SampleSource, args: argparse.Namespace, transport_only: bool) -> None:
         self.args = args
         self.num_slots = args.workers * MAX_IN_FLIGHT + 2
-        self.ring = SlotRing.create(self.num_slots, args.batch_size, args.image_size, args.workers)
+        self.ring = SlotRing.create(self.num_slots, args.batch_size, args.image_size, args.workers,
+                                    samples=(len(source.labels), 0))
         self.mailbox, self.stop = Mailbox(), CONTEXT.Event()
         self.arrived: deque = deque()
         setup = ProducerSetup(self.ring.spec, source, None, "standard", 0, transport_only)

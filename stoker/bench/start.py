@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 def time_starts(source: Source, count: int, batch_size: int, method: StartMethod) -> tuple[float, float]:
     """(median, slowest) seconds from the first start to a producer's first part done, over `count` producers."""
-    ring = SlotRing.create(count, batch_size, 32, count)
+    ring = SlotRing.create(count, batch_size, 32, count, samples=(len(source.labels), 0))
     mailbox, stop = Mailbox(), CONTEXT.Event()
     setup = ProducerSetup(ring.spec, source, None, "standard", 0)
     pool = ProducerPool(setup, ring, mailbox, stop, count, producer_timeout_s=60, start_method=method)

@@ -38,7 +38,8 @@ def check_room(spec: EngineSpec, memory_setting: str = "producers") -> None:
     """That /dev/shm holds the ring and memory the first producers: user errors, raised before anything starts
     (the controller checks before the machines of a run meet)."""
     build = spec.build
-    check_ring_space(build.num_slots, build.batch_size, build.image_size, spec.counts.budget, build.val_image_size)
+    check_ring_space(build.num_slots, build.batch_size, build.image_size, spec.counts.budget, build.val_image_size,
+                     build.sample_counts)
     check_memory_for_producers(spec.counts.initial, memory_setting)
 
 

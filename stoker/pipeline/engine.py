@@ -117,9 +117,9 @@ class ProducerCounts:
 
 
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,
-                     val_image_size: int | None = None) -> None:
+                     val_image_size: int | None = None, samples: tuple[int, int] = (0, 0)) -> None:
     """Before any process starts: a /dev/shm that cannot hold the ring is a user error, not a bus error."""
-    check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status, val_image_size).nbytes)
+    check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status, val_image_size, *samples).nbytes)
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,12 @@ class Build:
 
     @property
     def total_files(self) -> int:
-        return len(self.train.paths) + (len(self.val.paths) if self.val is not None else 0)
+        return sum(self.sample_counts)
+
+    @property
+    def sample_counts(self) -> tuple[int, int]:
+        """The training and validation sources' sizes."""
+        return len(self.train.paths), len(self.val.paths) if self.val is not None else 0
 
 
 @dataclass(frozen=True)
@@ -215,7 +220,8 @@ class Engine:
         self.copying: CopyFiller | None = None
         self.closed = False
         sweep_dead_segments()
-        self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size)
+        self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size,
+                                    build.sample_counts)
         self.assembler = Assembler(self.ring, self._parts_for(counts.initial))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.

@@ -244,6 +244,7 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
     assert source is not None, "validation work is scheduled only when there is a validation split"
     augment = setup.augment if work.kind == "train" else "none"
     images, labels, ids = ring.images_of(work.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]
+    loaded = ring.loaded_of(work.kind)
     reads = reads or ReadClock()
     count = part.first
     skipped: dict[int, Skipped] = {}
@@ -268,7 +269,9 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
             if isinstance(source, DatasetSource):  # the user's own __getitem__, seeded per sample
                 labels[count] = source.fill(sample_id, images[count], setup.seed, work.epoch)
             else:
-                load_into(reads.read(source, sample_id), images[count], augment, rng, stages)
+                data = reads.read(source, sample_id)
+                load_into(data, images[count], augment, rng, stages, checked_before=loaded[sample_id] == len(data))
+                loaded[sample_id] = len(data)
                 labels[count] = source.labels[sample_id]
         except UnusableImage as error:
             skipped[sample_id] = Skipped(source.paths[sample_id], str(error))

@@ -45,6 +45,8 @@ class RingSpec:
     image_size: int
     num_status: int
     val_image_size: int | None = None  # None: validation at `image_size` (`--val-image-size`)
+    train_samples: int = 0  # the sources' sizes: a mark per sample, `SlotRing.loaded_of`
+    val_samples: int = 0
 
     @property
     def val_size(self) -> int:
@@ -67,6 +69,7 @@ class RingSpec:
             ("ids", (s, b), np.dtype(np.int64)),
             ("counts", (s,), np.dtype(np.int64)),
             ("status", (self.num_status, STATUS_FIELDS), np.dtype(np.int64)),
+            ("loaded", (self.train_samples + self.val_samples,), np.dtype(np.uint32)),
         ]
 
     @property
@@ -101,6 +104,7 @@ class SlotRing:
         self.ids: np.ndarray
         self.counts: np.ndarray
         self.status: np.ndarray
+        self.loaded: np.ndarray
 
     def _images_at(self, side: int) -> np.ndarray:
         """(slots, batch, side, side, 3) over `pixels`: C-contiguous within a slot, slots `pixels`' row apart."""
@@ -113,12 +117,20 @@ class SlotRing:
         """The view a batch of this kind ("train" or "val") is written and read through."""
         return self.val_images if kind == "val" else self.images
 
+    def loaded_of(self, kind: str) -> np.ndarray:
+        """By sample id, the byte length of the sample's file when a producer last loaded it whole and strictly
+        (0: not yet), shared by every producer: a later load of the same bytes may stop decoding at the crop's box
+        (`load_into`'s `checked_before`). A file changed since is of another length, or is loaded whole again."""
+        train = self.spec.train_samples
+        return self.loaded[train:] if kind == "val" else self.loaded[:train]
+
     @classmethod
     def create(cls, num_slots: int, batch_size: int, image_size: int, num_status: int,
-               val_image_size: int | None = None) -> SlotRing:
+               val_image_size: int | None = None, samples: tuple[int, int] = (0, 0)) -> SlotRing:
+        """`samples`: how many the training and validation sources hold (a `loaded_of` mark each)."""
         for _ in range(3):  # a start's sweep may take the segment between its creation and our lock: rare
             name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-            spec = RingSpec(name, num_slots, batch_size, image_size, num_status, val_image_size)
+            spec = RingSpec(name, num_slots, batch_size, image_size, num_status, val_image_size, *samples)
             check_shm_space(spec.nbytes)
             segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
             ring = cls(spec, segment, owner=True)

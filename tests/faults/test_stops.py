@@ -164,7 +164,7 @@ def test_growing_while_a_producer_retires_at_the_budget_waits_for_its_row(tmp_pa
     from stoker.pipeline.producer import ProducerSetup, Source
     from stoker.pipeline.ring import SlotRing
 
-    ring = SlotRing.create(num_slots=2, batch_size=2, image_size=8, num_status=2)
+    ring = SlotRing.create(num_slots=2, batch_size=2, image_size=8, num_status=2, samples=(1, 0))
     mailbox, stop = Mailbox(), CONTEXT.Event()
     setup = ProducerSetup(ring.spec, Source(("none.jpg",), np.zeros(1, np.int64)), None, "none", 0)
     pool = ProducerPool(setup, ring, mailbox, stop, capacity=2, producer_timeout_s=60)

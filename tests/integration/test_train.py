@@ -104,7 +104,7 @@ def _concatenated_batch(train, plan, step, seed, size):
 
     make_decode_warnings_errors()
     index = scan_image_folder(train)
-    ring = SlotRing.create(2, plan.batch_size, size, 1)
+    ring = SlotRing.create(2, plan.batch_size, size, 1, samples=(len(index.paths), 0))
     try:
         setup = ProducerSetup(ring.spec, Source(index.paths, index.labels), None, "standard", seed)
         parts = []
@@ -162,15 +162,23 @@ def _final_weights(textures, out, **settings):
     return torch.load(out / "model.pt", weights_only=True)["state_dict"]
 
 
+def _relative_distance(weights: dict, reference: dict) -> float:
+    """|a - b| / |b| over every floating-point tensor of the model at once."""
+    def flat(state: dict) -> torch.Tensor:
+        return torch.cat([t.flatten() for t in state.values() if t.is_floating_point()])
+    return float((flat(weights) - flat(reference)).norm() / flat(reference).norm())
+
+
 def test_outer_sgd_with_lr_1_and_no_momentum_is_plain_averaging_and_nesterov_is_not(textures, tmp_path):
+    """x - 1.0 * (x - average) is the average up to float32 rounding, which an epoch of training carries on (1e-5 of
+    the weights' norm here; a per-element tolerance failed on one weight at 1.9e-5 when the images changed); an
+    outer Nesterov step moves the weights thousands of times further."""
     plain = _final_weights(textures, tmp_path / "plain")
     outer = _final_weights(textures, tmp_path / "outer", outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
     nesterov = _final_weights(textures, tmp_path / "nesterov", outer_optimizer="nesterov", outer_lr=0.7,
                               outer_momentum=0.9)
-    for name, tensor in plain.items():
-        if tensor.is_floating_point():
-            torch.testing.assert_close(outer[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
-    assert any(not torch.allclose(nesterov[n], t, atol=1e-3) for n, t in plain.items() if t.is_floating_point())
+    assert _relative_distance(outer, plain) < 1e-4
+    assert _relative_distance(nesterov, plain) > 1e-2
 
 
 def _start_and_steps(run_dir):

@@ -135,3 +135,32 @@ def test_a_decoder_that_gives_other_pixels_is_found_at_import(monkeypatch):
 
     monkeypatch.setattr(_jpegcrop, "decode", off_by_one)
     assert not imaging._region_matches_whole_decode()
+
+
+@pytest.mark.parametrize("augment", ["standard", "none", "trivial"])
+@pytest.mark.parametrize("encoding", ["420", "progressive", "restarts"])
+def test_a_file_checked_before_gives_the_same_bytes_stopping_at_the_box(augment, encoding):
+    """Once a file has loaded whole, its later loads may stop decoding at the box's last row: the same bytes."""
+    files = [jpeg(size, encoding, seed) for seed, size in enumerate(SIZES)]
+    outputs = []
+    for checked_before in (False, True):
+        rng = np.random.default_rng(11)
+        out = np.zeros((len(files) * 8, 224, 224, 3), np.uint8)
+        for index in range(len(out)):
+            load_into(files[index % len(files)], out[index], augment, rng if augment != "none" else None,
+                      checked_before=checked_before)
+        outputs.append(out)
+    np.testing.assert_array_equal(outputs[0], outputs[1])
+
+
+def test_stopping_at_the_box_does_not_read_the_scan_below_it():
+    """What `checked_before` trades: a zeroed stretch below the box is seen only when the scan is read to its end."""
+    data = photograph_jpeg(0, False)
+    start = scan_data_start(data)
+    tenth = (len(data) - 2 - start) // 10
+    damaged = data[:start + 8 * tenth] + bytes(tenth) + data[start + 9 * tenth:]
+    height, width = simplejpeg.decode_jpeg_header(damaged)[:2]
+    box = (8, 0, 0, height // 4, width)  # the top quarter: above the damage
+    with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
+        _jpegcrop.decode(damaged, *box)
+    assert _jpegcrop.decode(damaged, *box, False) == _jpegcrop.decode(data, *box, False) == _jpegcrop.decode(data, *box)

@@ -43,7 +43,7 @@ def source(tmp_path):
 
 @pytest.fixture()
 def ring():
-    ring = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=SIZE, num_status=1)
+    ring = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=SIZE, num_status=1, samples=(BATCH, 0))
     yield ring
     ring.close()
 

@@ -61,7 +61,7 @@ def pictures(tmp_path):
 @pytest.fixture()
 def ring():
     ring = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=TRAIN_SIDE, num_status=1,
-                           val_image_size=VAL_SIDE)
+                           val_image_size=VAL_SIDE, samples=(BATCH, BATCH))
     yield ring
     ring.close()
 
@@ -102,7 +102,7 @@ def test_training_batches_keep_their_side_and_bytes_in_slots_sized_for_validatio
     build_batch(Part(0, BatchPlan("val", 0, 0, 0, np.arange(BATCH, dtype=np.int64), BATCH), 0), setup, ring,
                 ring.status[0])
     build_batch(Part(1, train, 0), setup, ring, ring.status[0])
-    plain = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=TRAIN_SIDE, num_status=1)
+    plain = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=TRAIN_SIDE, num_status=1, samples=(BATCH, BATCH))
     try:
         build_batch(Part(1, train, 0), ProducerSetup(plain.spec, source, source, "standard", seed=0), plain,
                     plain.status[0])

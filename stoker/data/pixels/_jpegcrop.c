@@ -1,12 +1,14 @@
 /* Decode one rectangle of a JPEG at a reduced DCT scale, through libjpeg-turbo's partial decoding.
  *
- * decode(data, scale_num, top, left, height, width) -> (pixels, left_decoded, width_decoded)
+ * decode(data, scale_num, top, left, height, width, to_end=1) -> (pixels, left_decoded, width_decoded)
  *
  * The rectangle is in the coordinates of the image scaled by scale_num/8. Rows above and below it are skipped with
  * jpeg_skip_scanlines (entropy-decoded, so every warning is still seen, but no IDCT, upsampling or colour
  * conversion); columns are narrowed with jpeg_crop_scanline, which widens them to the scaled iMCU grid:
  * `pixels` holds height rows of width_decoded RGB pixels starting at column left_decoded. Every warning is an error
- * (a ValueError with libjpeg's message), as simplejpeg's strict=True. Settings are TurboJPEG's defaults, as
+ * (a ValueError with libjpeg's message), as simplejpeg's strict=True. With to_end=0 the rows below the rectangle
+ * are not read at all: for a file that has decoded whole before (damage below the box shows only there). Settings
+ * are TurboJPEG's defaults, as
  * simplejpeg decodes: ISLOW DCT, fancy upsampling, RGB out, so the pixels match its whole decode (tested).
  *
  * No Python object is touched while libjpeg runs, and the GIL is released there.
@@ -37,8 +39,8 @@ static void warn_as_error(j_common_ptr info, int level) {
 
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
-    int scale_num, top, left, height, width;
-    if (!PyArg_ParseTuple(args, "y*iiiii", &data, &scale_num, &top, &left, &height, &width))
+    int scale_num, top, left, height, width, to_end = 1;
+    if (!PyArg_ParseTuple(args, "y*iiiii|p", &data, &scale_num, &top, &left, &height, &width, &to_end))
         return NULL;
     if (scale_num < 1 || scale_num > 8 || top < 0 || left < 0 || height < 1 || width < 1) {
         PyBuffer_Release(&data);
@@ -107,7 +109,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     /* The rows below are entropy-decoded too (no IDCT, no colour conversion), to the end marker: damage there
      * (a zeroed stretch, a cut) refuses the file as the whole decode does, whatever the crop. It cost nothing
      * measurable against stopping at the box (docs/benchmarks.md). */
-    JDIMENSION rest = info.output_height - info.output_scanline;
+    JDIMENSION rest = to_end ? info.output_height - info.output_scanline : 0;
     if (rest > 0) {
         /* All but the last row: skipping to the very end would mark the image done without decoding it. */
         if (rest > 1 && jpeg_skip_scanlines(&info, rest - 1) != rest - 1) {
@@ -120,7 +122,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
             longjmp(failure.jump, 1);
         }
     }
-    jpeg_finish_decompress(&info);
+    if (to_end)
+        jpeg_finish_decompress(&info);
+    else
+        jpeg_abort_decompress(&info);
     PyEval_RestoreThread(state);
     state = NULL;
     jpeg_destroy_decompress(&info);
@@ -132,7 +137,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
-     "decode(data, scale_num, top, left, height, width) -> (rgb bytes, left_decoded, width_decoded)"},
+     "decode(data, scale_num, top, left, height, width, to_end=1) -> (rgb bytes, left_decoded, width_decoded)"},
     {NULL, NULL, 0, NULL},
 };
 

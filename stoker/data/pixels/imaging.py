@@ -155,12 +155,14 @@ class StageClock:
 
 
 def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-              clock: StageClock | None = None) -> None:
+              clock: StageClock | None = None, checked_before: bool = False) -> None:
     """Decode `data`, crop and resize into `out` (H, W, 3 uint8), then TrivialAugment or RandAugment where asked.
-    Raises UnusableImage for bad files. With `clock`, the CPU time of each stage is added to it."""
+    Raises UnusableImage for bad files. With `clock`, the CPU time of each stage is added to it. `checked_before`:
+    these bytes have loaded before, so a crop-aware JPEG decode may stop at the box's last row (the same pixels;
+    damage below the box is seen only by reading the scan to its end, and a first load does)."""
     started, resized = time.thread_time(), clock.resize if clock else 0.0
     try:
-        _crop_into(data, out, augment, rng, clock)
+        _crop_into(data, out, augment, rng, clock, checked_before)
     finally:
         if clock is not None:
             clock.decode += time.thread_time() - started - (clock.resize - resized)
@@ -172,13 +174,13 @@ def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
 
 
 def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-               clock: StageClock | None) -> None:
+               clock: StageClock | None, checked_before: bool = False) -> None:
     if not data:
         raise UnusableImage("empty file")
     chunks = png_chunks(data) if data[:8] == PNG_MAGIC else None
     try:
         if data[:2] == JPEG_MAGIC:
-            _jpeg_into(data, out, augment, rng, clock)
+            _jpeg_into(data, out, augment, rng, clock, checked_before)
             return
         if _is_plain_png(data):
             _png_into(data, out, augment, rng, clock)
@@ -194,7 +196,7 @@ class _NeedsPillow(Exception):
 
 
 def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-               clock: StageClock | None = None) -> None:
+               clock: StageClock | None = None, checked_before: bool = False) -> None:
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as error:
@@ -214,7 +216,7 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
     try:
         eighths = scale_eighths(height, width, min_h, min_w)
         if _jpegcrop is not None:
-            image, scaled = _decode_region(data, box, height, width, eighths)
+            image, scaled = _decode_region(data, box, height, width, eighths, to_end=not checked_before)
         else:  # simplejpeg picks the smallest scale whose size is at least the one asked: that scale's own
             image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
                                            min_width=scaled_side(width, eighths), strict=True)
@@ -292,11 +294,13 @@ def _scaled_box(box: Box, scale_y: float, scale_x: float) -> Box:
                max(1, round(box.height * scale_y)), max(1, round(box.width * scale_x)))
 
 
-def _decode_region(data: bytes, box: Box, height: int, width: int, eighths: int) -> tuple[np.ndarray, Box]:
+def _decode_region(data: bytes, box: Box, height: int, width: int, eighths: int,
+                   to_end: bool = True) -> tuple[np.ndarray, Box]:
     """Only the rows and columns of the M/8 image that `box` covers, with REGION_MARGIN pixels around them (the
     context fancy upsampling reads), through libjpeg-turbo's partial decode, and the box within that region. The
     box's pixels are those of the whole decode (tested bitwise), so the output is the same either way. The other
-    rows are entropy-decoded only: a damaged or cut file is refused whatever the crop, as by the whole decode."""
+    rows are entropy-decoded only, those below the box unless `to_end` is False: a damaged or cut file is refused
+    whatever the crop, as by the whole decode."""
     scaled_h, scaled_w = scaled_side(height, eighths), scaled_side(width, eighths)
     scaled = _scaled_box(box, scaled_h / height, scaled_w / width)
     top, left = min(max(scaled.top, 0), scaled_h - 1), min(max(scaled.left, 0), scaled_w - 1)
@@ -304,7 +308,7 @@ def _decode_region(data: bytes, box: Box, height: int, width: int, eighths: int)
     first_column, end_column = max(0, left - REGION_MARGIN), min(scaled_w, left + scaled.width + REGION_MARGIN)
     assert _jpegcrop is not None
     pixels, decoded_left, decoded_width = _jpegcrop.decode(
-        data, eighths, first_row, first_column, end_row - first_row, end_column - first_column)
+        data, eighths, first_row, first_column, end_row - first_row, end_column - first_column, to_end)
     image = np.frombuffer(pixels, np.uint8).reshape(end_row - first_row, decoded_width, 3)
     return image, Box(top - first_row, left - decoded_left, scaled.height, scaled.width)
 
