@@ -268,14 +268,14 @@ class ProducerPool:
         if current is not None and current.compact:
             where = "while compacting a batch"  # no file to blame: moving rows within a slot
         elif current is not None:
-            sample = int(current.work.sample_ids[position])
-            source = self.setup.train if current.work.kind == "train" else self.setup.val
+            sample = int(current.batch_plan.sample_ids[position])
+            source = self.setup.train if current.batch_plan.kind == "train" else self.setup.val
             assert source is not None, "validation work is scheduled only when there is a validation split"
             path = source.paths[sample]
             where = f"while decoding {printable(path)}"
             reason = self._skip_reason(handle, how, external, current, sample)
             if reason is not None:
-                self.unusable[(current.work.kind, sample)] = reason
+                self.unusable[(current.batch_plan.kind, sample)] = reason
                 reissue = [replace(t, skip={**t.skip, sample: reason}) if t is current else t for t in reissue]
         message = f"producer {handle.producer} (pid {handle.process.pid}) {how} {where}"
         if self.losses_since_progress > MAX_LOSSES_WITHOUT_PROGRESS:
@@ -292,8 +292,8 @@ class ProducerPool:
     def _skip_known_unusable(self, part: Part) -> Part:
         if not self.unusable or part.compact:
             return part
-        kind = part.work.kind
-        samples = part.work.sample_ids[part.first:part.end].tolist()
+        kind = part.batch_plan.kind
+        samples = part.batch_plan.sample_ids[part.first:part.end].tolist()
         known = {s: self.unusable[(kind, s)] for s in samples if (kind, s) in self.unusable}
         return replace(part, skip={**known, **part.skip}) if known else part
 
