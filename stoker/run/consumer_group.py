@@ -292,7 +292,7 @@ class ConsumerGroup:
             old.close()
             self.ready_queues[consumer] = CONTEXT.Queue()
             setup = replace(self.setups[consumer], joining=True, resume_from=None, elastic=True,
-                            model_settings=ModelSettings(model=self.config.model, init=None))
+                            model=ModelSettings(model=self.config.model, init=None))
             self.failure_causes.pop(consumer, None)
             self.processes[consumer] = self._start_one(consumer, setup)
             self.starting_again[consumer] = self.processes[consumer]
