@@ -377,6 +377,20 @@ class AveragingSettings:
                              "overlapped replicas never hold one agreed state to go on from; use 'stop' or 'auto'")
         return self
 
+    def check_failure_settings(self, consumers: int, several_machines: bool, on_gpus: bool, devices: str) -> None:
+        """Before any process starts: `--on-consumer-failure continue` and `--min-consumers` this run can keep
+        (`consumers` of this machine, from `devices`)."""
+        if self.on_consumer_failure == "continue" and several_machines:
+            raise ValueError("on_consumer_failure='continue' works on one machine; on several, a lost machine is "
+                             "restarted by torchrun and resumes from the last checkpoint: use 'auto' or 'stop'")
+        if self.on_consumer_failure == "continue" and on_gpus:
+            raise ValueError("on_consumer_failure='continue' works with CPU consumers for now: on a GPU the state "
+                             "kept after an averaging is copied before the device has finished it, and NCCL peers "
+                             "of a dead consumer wait out the collective timeout; use 'auto' or 'stop'")
+        if self.min_consumers > consumers:
+            raise ValueError(f"min_consumers={self.min_consumers} is more than the {consumers} consumer(s) of "
+                             f"devices={devices!r}")
+
     def continues_after_failure(self, consumers: int, machines: int, on_gpus: bool) -> bool:
         """Whether the survivors of a consumer's death go on without it (`on_consumer_failure`)."""
         if self.on_consumer_failure == "stop" or consumers < 2 or self.overlap_averaging:

@@ -56,20 +56,6 @@ def with_deaths(verdict: Verdict, deaths: list[ConsumerDeath]) -> Verdict:
     return replace(verdict, text="; ".join([verdict.text, *told])) if told else verdict
 
 
-def check_membership_settings(config: Any, consumers: int, several_machines: bool, on_gpus: bool) -> None:
-    """Before any process starts: `--on-consumer-failure continue` and `--min-consumers` this run can keep."""
-    if config.on_consumer_failure == "continue" and several_machines:
-        raise ValueError("on_consumer_failure='continue' works on one machine; on several, a lost machine is "
-                         "restarted by torchrun and resumes from the last checkpoint: use 'auto' or 'stop'")
-    if config.on_consumer_failure == "continue" and on_gpus:
-        raise ValueError("on_consumer_failure='continue' works with CPU consumers for now: on a GPU the state "
-                         "kept after an averaging is copied before the device has finished it, and NCCL peers of "
-                         "a dead consumer wait out the collective timeout; use 'auto' or 'stop'")
-    if config.min_consumers > consumers:
-        raise ValueError(f"min_consumers={config.min_consumers} is more than the {consumers} consumer(s) of "
-                         f"devices={config.devices!r}")
-
-
 class Membership:
     """The consumers of this machine that train now, in rank order, and the deaths so far."""
 

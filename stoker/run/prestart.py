@@ -35,7 +35,6 @@ from stoker.pipeline.pool import check_producer_timeout
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.cluster import Cluster
-from stoker.run.membership import check_membership_settings
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
@@ -112,8 +111,9 @@ def prepare(config: TrainConfig) -> RunPlan:
         log.warning("%s", warning)
     machines = cluster.from_environment(len(devices))
     on_gpus = any(device.startswith("cuda") for device in devices)
-    elastic = config.section(AveragingSettings).continues_after_failure(len(devices), machines.nodes, on_gpus)
-    check_membership_settings(config, len(devices), machines.multi, on_gpus)
+    averaging = config.section(AveragingSettings)
+    elastic = averaging.continues_after_failure(len(devices), machines.nodes, on_gpus)
+    averaging.check_failure_settings(len(devices), machines.multi, on_gpus, config.devices)
     data = load_data(config)
     one_batch = shares_one_batch(config.devices, devices)
     plan = _epoch_plan(config, data, machines, one_batch)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
 from stoker.cli import config_from_args
 from stoker.common import procs
-from stoker.common.config import ConfigError, load_toml, make_config
+from stoker.common.config import AveragingSettings, ConfigError, load_toml, make_config
 from stoker.common.procs import check_memory_for_producers
 from tests.conftest import run_cli, stoker_processes
 
@@ -115,3 +116,15 @@ def test_more_producers_than_the_memory_holds_is_refused_naming_the_setting(monk
     check_memory_for_producers(160)  # 64 MiB each: 160 fill 10 GiB
     with pytest.raises(ValueError, match=r"^initial_producers=161: .* 10.0 GiB is available .* expected at most 160"):
         check_memory_for_producers(161, "initial_producers")
+
+
+@pytest.mark.parametrize("settings, facts, named", [
+    ({"on_consumer_failure": "continue"}, (2, True, False), "works on one machine"),
+    ({"on_consumer_failure": "continue"}, (2, False, True), "works with CPU consumers for now"),
+    ({"min_consumers": 3}, (2, False, False), "min_consumers=3 is more than the 2 consumer(s) of devices='cpu:2'"),
+])
+def test_failure_settings_the_run_cannot_keep_are_refused_naming_the_setting(settings, facts, named):
+    averaging = AveragingSettings(**settings)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        averaging.check_failure_settings(*facts, devices="cpu:2")
+    averaging.check_failure_settings(3, False, False, devices="cpu:3")  # one CPU machine of enough consumers: kept
