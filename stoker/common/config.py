@@ -464,6 +464,15 @@ class TrainConfig(ObserveSettings, RunSettings, AveragingSettings, RecipeSetting
                              "when the EMA would be updated)")
         return self
 
+    def producer_timeout_warning(self, world: int) -> str | None:
+        """With several consumers, a rank whose batch is stuck in a hung producer leaves its peers waiting in the
+        collective: the producer must be declared hung, replaced and the batch rebuilt well within their timeout."""
+        if world > 1 and self.producer_timeout_s > self.collective_timeout_s / 2:
+            return (f"producer_timeout_s={self.producer_timeout_s:g} is more than half of collective_timeout_s="
+                    f"{self.collective_timeout_s:g}: a producer hung on a file may make the run fail (its peers stop "
+                    "waiting) before it is replaced; keep it at a third or less")
+        return None
+
     def section(self, section: type[S]) -> S:
         return section(**{name: getattr(self, name) for name in setting_names(section)})
 

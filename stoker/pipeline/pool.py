@@ -79,15 +79,6 @@ class LostProducer:
     reissue: list[Part]
 
 
-def check_producer_timeout(*, producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
-    """With several consumers, a rank whose batch is stuck in a hung producer leaves its peers waiting in the
-    collective: the producer must be declared hung, replaced and the batch rebuilt well within their timeout."""
-    if world > 1 and producer_timeout_s > collective_timeout_s / 2:
-        log.warning("producer_timeout_s=%g is more than half of collective_timeout_s=%g: a producer hung on a file "
-                    "may make the run fail (its peers stop waiting) before it is replaced; keep it at a third or "
-                    "less", producer_timeout_s, collective_timeout_s)
-
-
 class ProducerPool:
     def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int, *,
                  producer_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote"

@@ -31,7 +31,6 @@ from stoker.observe.summary import read_accounting
 from stoker.pipeline.driver import check_room
 from stoker.pipeline.engine import EngineSpec, HostShare, Samples
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import check_producer_timeout
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.cluster import Cluster
@@ -124,8 +123,8 @@ def prepare(config: TrainConfig) -> RunPlan:
                                       slots=config.slots_per_consumer * len(devices),
                                       batch_size=plan.largest_share(fewest))
     check_room(engine, "producers" if config.producers != "auto" else "initial_producers (or min_producers)")
-    check_producer_timeout(producer_timeout_s=config.producer_timeout_s,
-                       collective_timeout_s=config.collective_timeout_s, world=machines.world)
+    if warning := config.producer_timeout_warning(machines.world):
+        log.warning("%s", warning)
     _check_model(config, len(data.train.classes))
     run_dir = Path(config.out or config.resume or rundir.default_run_dir())
     # Held until the run ends: taken before the folder is looked at, so two starts cannot both find it free.

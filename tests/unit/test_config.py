@@ -128,3 +128,10 @@ def test_failure_settings_the_run_cannot_keep_are_refused_naming_the_setting(set
     with pytest.raises(ValueError, match=re.escape(named)):
         averaging.check_failure_settings(*facts, devices="cpu:2")
     averaging.check_failure_settings(3, False, False, devices="cpu:3")  # one CPU machine of enough consumers: kept
+
+
+def test_a_producer_timeout_over_half_the_collective_timeout_is_warned_of_with_several_consumers_only():
+    config = make_config({"producer_timeout_s": 40, "collective_timeout_s": 60})
+    assert "producer_timeout_s=40 is more than half of collective_timeout_s=60" in config.producer_timeout_warning(2)
+    assert config.producer_timeout_warning(1) is None  # no peer waits on a lone consumer's batch
+    assert make_config({"producer_timeout_s": 20, "collective_timeout_s": 60}).producer_timeout_warning(2) is None
