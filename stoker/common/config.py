@@ -148,13 +148,16 @@ class DataSettings:
     def _paths_exist(self) -> DataSettings:
         check_data_path("data", self.data)
         check_data_path("val", self.val)
-        if self.cache_size is not None:
-            parse_size("cache_size", self.cache_size)
-            if self.cache_dir is None:
-                raise ValueError(f"cache_size={self.cache_size!r} bounds --cache-dir, which is not given")
+        if self.cache_bytes is not None and self.cache_dir is None:  # (a cache_size that does not parse: named)
+            raise ValueError(f"cache_size={self.cache_size!r} bounds --cache-dir, which is not given")
         if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
             raise ValueError(f"cache_dir={str(self.cache_dir)!r} is a file, not a folder")
         return self
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """`cache_size` in bytes (None: not given)."""
+        return None if self.cache_size is None else parse_size("cache_size", self.cache_size)
 
     @property
     def resolved_image_size(self) -> int:

@@ -37,6 +37,8 @@ from tests.conftest import run_cli, stoker_processes
     ({"seed": 10**23}, "seed"),
     ({"lr": float("inf")}, "lr"),
     ({"lr": float("nan")}, "lr"),
+    ({"cache_size": "lots", "cache_dir": "/tmp"}, "cache_size"),
+    ({"cache_size": "50GB"}, "bounds --cache-dir, which is not given"),
 ])
 def test_bad_setting_is_named(settings, named):
     with pytest.raises(ConfigError, match=named):
