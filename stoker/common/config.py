@@ -148,13 +148,16 @@ class DataSettings:
     def _paths_exist(self) -> DataSettings:
         check_data_path("data", self.data)
         check_data_path("val", self.val)
-        if self.cache_size is not None:
-            parse_size("cache_size", self.cache_size)
-            if self.cache_dir is None:
-                raise ValueError(f"cache_size={self.cache_size!r} bounds --cache-dir, which is not given")
+        if self.cache_bytes is not None and self.cache_dir is None:  # (a cache_size that does not parse: named)
+            raise ValueError(f"cache_size={self.cache_size!r} bounds --cache-dir, which is not given")
         if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
             raise ValueError(f"cache_dir={str(self.cache_dir)!r} is a file, not a folder")
         return self
+
+    @property
+    def cache_bytes(self) -> int | None:
+        """`cache_size` in bytes (None: not given)."""
+        return None if self.cache_size is None else parse_size("cache_size", self.cache_size)
 
     @property
     def resolved_image_size(self) -> int:
@@ -377,6 +380,20 @@ class AveragingSettings:
                              "overlapped replicas never hold one agreed state to go on from; use 'stop' or 'auto'")
         return self
 
+    def check_failure_settings(self, consumers: int, several_machines: bool, on_gpus: bool, devices: str) -> None:
+        """Before any process starts: `--on-consumer-failure continue` and `--min-consumers` this run can keep
+        (`consumers` of this machine, from `devices`)."""
+        if self.on_consumer_failure == "continue" and several_machines:
+            raise ValueError("on_consumer_failure='continue' works on one machine; on several, a lost machine is "
+                             "restarted by torchrun and resumes from the last checkpoint: use 'auto' or 'stop'")
+        if self.on_consumer_failure == "continue" and on_gpus:
+            raise ValueError("on_consumer_failure='continue' works with CPU consumers for now: on a GPU the state "
+                             "kept after an averaging is copied before the device has finished it, and NCCL peers "
+                             "of a dead consumer wait out the collective timeout; use 'auto' or 'stop'")
+        if self.min_consumers > consumers:
+            raise ValueError(f"min_consumers={self.min_consumers} is more than the {consumers} consumer(s) of "
+                             f"devices={devices!r}")
+
     def continues_after_failure(self, consumers: int, machines: int, on_gpus: bool) -> bool:
         """Whether the survivors of a consumer's death go on without it (`on_consumer_failure`)."""
         if self.on_consumer_failure == "stop" or consumers < 2 or self.overlap_averaging:
@@ -449,6 +466,15 @@ class TrainConfig(ObserveSettings, RunSettings, AveragingSettings, RecipeSetting
                              "averaged model, and overlapped replicas are averaged one window late (they differ "
                              "when the EMA would be updated)")
         return self
+
+    def producer_timeout_warning(self, world: int) -> str | None:
+        """With several consumers, a rank whose batch is stuck in a hung producer leaves its peers waiting in the
+        collective: the producer must be declared hung, replaced and the batch rebuilt well within their timeout."""
+        if world > 1 and self.producer_timeout_s > self.collective_timeout_s / 2:
+            return (f"producer_timeout_s={self.producer_timeout_s:g} is more than half of collective_timeout_s="
+                    f"{self.collective_timeout_s:g}: a producer hung on a file may make the run fail (its peers stop "
+                    "waiting) before it is replaced; keep it at a third or less")
+        return None
 
     def section(self, section: type[S]) -> S:
         return section(**{name: getattr(self, name) for name in setting_names(section)})

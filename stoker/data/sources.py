@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stoker.common.sizes import parse_size
 from stoker.common.waiting import waiting
 from stoker.data.formats.builtin_data import builtin_dataset
 from stoker.data.formats.folders import Skipped, validation_ids
@@ -34,7 +33,7 @@ class Data:
 def load_data(config: TrainConfig) -> Data:
     """The run's training and validation samples (the built-in dataset without `--data`)."""
     train_root, val_root = (config.data, config.val) if config.data is not None else builtin_dataset()
-    copies = local_copies(config.cache_dir, config.cache_size)
+    copies = local_copies(config.cache_dir, config.cache_bytes)
     columns = Columns(config.image_column, config.label_column)
     train = _load(train_root, copies=copies, columns=columns)
     val: PackedIndex | None
@@ -69,13 +68,14 @@ def load_source(spec: Path | str, classes: tuple[str, ...] | None = None, cache:
     return load_image_folder(Path(spec), classes, cache)
 
 
-def local_copies(cache_dir: Path | None, cache_size: str | None) -> LocalCopies | None:
-    """The `--cache-dir` of remote shards, bounded by `--cache-size` (default: half of what the disk has free now,
-    the copies it holds counted as free: another run's copies are not evicted for want of room they take)."""
+def local_copies(cache_dir: Path | None, cache_bytes: int | None) -> LocalCopies | None:
+    """The `--cache-dir` of remote shards, bounded by `--cache-size` in bytes (default: half of what the disk has
+    free now, the copies it holds counted as free: another run's copies are not evicted for want of room they
+    take)."""
     if cache_dir is None:
         return None
-    if cache_size is not None:
-        return LocalCopies(cache_dir, parse_size("cache_size", cache_size))
+    if cache_bytes is not None:
+        return LocalCopies(cache_dir, cache_bytes)
     cache_dir.mkdir(parents=True, exist_ok=True)
     held = held_by_copies(cache_dir)  # stoker's copies count as free, the user's files there do not
     return LocalCopies(cache_dir, (shutil.disk_usage(cache_dir).free + held) // 2)

@@ -268,8 +268,8 @@ class Engine:
                 if issued is None:
                     idle_for_a_slot = self._idle_for_a_slot()
                     break
-                if issued.work.kind == "train":
-                    self.accounting.expect(issued.work.epoch, issued.work.sample_ids)
+                if issued.batch_plan.kind == "train":
+                    self.accounting.expect(issued.batch_plan.epoch, issued.batch_plan.sample_ids)
                 self.pending_parts.extend(self.assembler.split(issued))
             self._assign(self.pending_parts.popleft())
         self.gauges.note_slot_bound(idle_for_a_slot)
@@ -322,14 +322,14 @@ class Engine:
         part = self.pool.finished(done)
         if part is None:
             return
-        if done.cost is not None and part.work.kind == "train":
+        if done.cost is not None and part.batch_plan.kind == "train":
             self.gauges.feed_cost += done.cost
         del self.parts[done.part_id]
         if done.skipped:
-            epoch = part.work.epoch if part.work.kind == "train" else None
+            epoch = part.batch_plan.epoch if part.batch_plan.kind == "train" else None
             new = [item for item in done.skipped.values() if item.path not in self.accounting.skipped]
             self.accounting.record_skipped(epoch, done.skipped)
-            self.pool.remember_unusable(part.work.kind, {s: item.reason for s, item in done.skipped.items()})
+            self.pool.remember_unusable(part.batch_plan.kind, {s: item.reason for s, item in done.skipped.items()})
             for item in new:  # once a run: later epochs skip the file without decoding it (`pool.unusable`)
                 log.warning("skipped %s: %s", item.path, item.reason)
                 self.events.write("skipped", path=item.path, reason=item.reason)

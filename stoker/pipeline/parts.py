@@ -60,8 +60,8 @@ class Assembler:
         self._assemblies: dict[int, _Assembly] = {}  # slot -> the batch being built in it
 
     def split(self, issue: Placement) -> list[Part]:
-        bounds = part_bounds(len(issue.work.sample_ids), self.parts)
-        new_parts = [Part(-1, issue.work, issue.slot, {}, first, stop) for first, stop in bounds]
+        bounds = part_bounds(len(issue.batch_plan.sample_ids), self.parts)
+        new_parts = [Part(-1, issue.batch_plan, issue.slot, {}, first, stop) for first, stop in bounds]
         self._assemblies[issue.slot] = _Assembly(issue, {part.first: part for part in new_parts})
         return new_parts
 
@@ -77,7 +77,7 @@ class Assembler:
         if all(first == row for (first, _), row in zip(layout, _rows_after(layout), strict=True)):
             self.ring.counts[part.slot] = sum(n for _, n in layout)  # every part full (or only the last short)
             return self._complete(part.slot), None
-        return None, Part(-1, assembly.issue.work, part.slot, compact=layout)
+        return None, Part(-1, assembly.issue.batch_plan, part.slot, compact=layout)
 
     def again(self, part: Part) -> list[Part]:
         """The parts to build again for a lost one: the part itself (with what its loss taught to skip); for a lost

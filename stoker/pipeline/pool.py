@@ -79,15 +79,6 @@ class LostProducer:
     reissue: list[Part]
 
 
-def check_producer_timeout(*, producer_timeout_s: float, collective_timeout_s: float, world: int) -> None:
-    """With several consumers, a rank whose batch is stuck in a hung producer leaves its peers waiting in the
-    collective: the producer must be declared hung, replaced and the batch rebuilt well within their timeout."""
-    if world > 1 and producer_timeout_s > collective_timeout_s / 2:
-        log.warning("producer_timeout_s=%g is more than half of collective_timeout_s=%g: a producer hung on a file "
-                    "may make the run fail (its peers stop waiting) before it is replaced; keep it at a third or "
-                    "less", producer_timeout_s, collective_timeout_s)
-
-
 class ProducerPool:
     def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int, *,
                  producer_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote"
@@ -268,14 +259,14 @@ class ProducerPool:
         if current is not None and current.compact:
             where = "while compacting a batch"  # no file to blame: moving rows within a slot
         elif current is not None:
-            sample = int(current.work.sample_ids[position])
-            source = self.setup.train if current.work.kind == "train" else self.setup.val
+            sample = int(current.batch_plan.sample_ids[position])
+            source = self.setup.train if current.batch_plan.kind == "train" else self.setup.val
             assert source is not None, "validation work is scheduled only when there is a validation split"
             path = source.paths[sample]
             where = f"while decoding {printable(path)}"
             reason = self._skip_reason(handle, how, external, current, sample)
             if reason is not None:
-                self.unusable[(current.work.kind, sample)] = reason
+                self.unusable[(current.batch_plan.kind, sample)] = reason
                 reissue = [replace(t, skip={**t.skip, sample: reason}) if t is current else t for t in reissue]
         message = f"producer {handle.producer} (pid {handle.process.pid}) {how} {where}"
         if self.losses_since_progress > MAX_LOSSES_WITHOUT_PROGRESS:
@@ -292,8 +283,8 @@ class ProducerPool:
     def _skip_known_unusable(self, part: Part) -> Part:
         if not self.unusable or part.compact:
             return part
-        kind = part.work.kind
-        samples = part.work.sample_ids[part.first:part.end].tolist()
+        kind = part.batch_plan.kind
+        samples = part.batch_plan.sample_ids[part.first:part.end].tolist()
         known = {s: self.unusable[(kind, s)] for s in samples if (kind, s) in self.unusable}
         return replace(part, skip={**known, **part.skip}) if known else part
 

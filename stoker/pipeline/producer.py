@@ -64,12 +64,12 @@ class ProducerSetup:
 
 @dataclass(frozen=True)
 class Part:
-    """Build part of a batch: samples `first` to `stop` of `work` into the same rows of `slot`, compacted over
+    """Build part of a batch: samples `first` to `stop` of `batch_plan` into the same rows of `slot`, compacted over
     unusable files from row `first` on (several producers fill one slot at once, each its own rows). A part with
     `compact` builds nothing: it moves each part's rows down so the slot holds its samples contiguously."""
 
     part_id: int
-    work: BatchPlan
+    batch_plan: BatchPlan
     slot: int
     skip: dict[int, str] = field(default_factory=dict)  # sample id -> why: a previous producer died on it
     first: int = 0
@@ -78,11 +78,11 @@ class Part:
 
     @property
     def end(self) -> int:
-        return len(self.work.sample_ids) if self.stop is None else self.stop
+        return len(self.batch_plan.sample_ids) if self.stop is None else self.stop
 
     @property
     def part_key(self) -> tuple:
-        return (*self.work.key, self.first)
+        return (*self.batch_plan.key, self.first)
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def _serve(producer: int, setup: ProducerSetup, ring: SlotRing, parts, outbox, s
             return
         started = time.perf_counter()
         if previous is not None and faults.wants("producer-batch", "repeat-batch", f"part={part.part_id};"):
-            part = replace(part, work=previous.work, first=previous.first, stop=previous.stop)
+            part = replace(part, batch_plan=previous.batch_plan, first=previous.first, stop=previous.stop)
         previous = part
         skipped: dict[int, Skipped] = {}
         reads, stages, cpu = ReadClock(), StageClock(), time.process_time()
@@ -228,23 +228,23 @@ def _take_ahead(parts, held: deque[Part | None], setup: ProducerSetup) -> None:
 def _read_ahead(part: Part | None, setup: ProducerSetup) -> None:
     if part is None or part.compact:
         return
-    source = setup.train if part.work.kind == "train" else setup.val
+    source = setup.train if part.batch_plan.kind == "train" else setup.val
     if isinstance(source, PackedIndex) and not setup.transport_only:
-        source.read_ahead([int(i) for i in part.work.sample_ids[part.first:part.end] if int(i) not in part.skip])
+        source.read_ahead([int(i) for i in part.batch_plan.sample_ids[part.first:part.end] if int(i) not in part.skip])
 
 
 def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.ndarray, reads: ReadClock | None = None,
                 stop: Any = None, stages: StageClock | None = None) -> tuple[int, dict[int, Skipped]]:
     """Write the part's samples into its rows of the slot, compacting over unusable files; returns (count, skipped
     by id). A part that is the whole batch also sets the slot's count; for parts the engine does (`parts.py`)."""
-    work = part.work
+    batch_plan = part.batch_plan
     if setup.transport_only:
         return _copy_ready_made(part, ring), {}
-    source = setup.train if work.kind == "train" else setup.val
+    source = setup.train if batch_plan.kind == "train" else setup.val
     assert source is not None, "validation work is scheduled only when there is a validation split"
-    augment = setup.augment if work.kind == "train" else "none"
-    images, labels, ids = ring.images_of(work.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]
-    loaded = ring.loaded_of(work.kind)
+    augment = setup.augment if batch_plan.kind == "train" else "none"
+    images, labels, ids = ring.images_of(batch_plan.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]
+    loaded = ring.loaded_of(batch_plan.kind)
     reads = reads or ReadClock()
     count = part.first
     skipped: dict[int, Skipped] = {}
@@ -253,7 +253,7 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
         # that waited for it killed the producer at its deadline.
         if stop is not None and stop.is_set():
             raise StopRequested
-        sample_id = int(work.sample_ids[position])
+        sample_id = int(batch_plan.sample_ids[position])
         status[:] = (part.part_id, position, time.monotonic_ns())
         if sample_id in part.skip:
             skipped[sample_id] = Skipped(source.paths[sample_id], part.skip[sample_id])
@@ -262,12 +262,12 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
             faults.maybe_inject("producer", source.paths[sample_id])
         # Drawing a generator costs more than decoding a small PNG: only augmentations that draw get one.
         drawing = time.thread_time()
-        rng = sample_rng(setup.seed, work.kind, work.epoch, sample_id) if augment != "none" else None
+        rng = sample_rng(setup.seed, batch_plan.kind, batch_plan.epoch, sample_id) if augment != "none" else None
         if stages is not None:
             stages.draw += time.thread_time() - drawing
         try:
             if isinstance(source, DatasetSource):  # the user's own __getitem__, seeded per sample
-                labels[count] = source.fill(sample_id, images[count], setup.seed, work.epoch)
+                labels[count] = source.fill(sample_id, images[count], setup.seed, batch_plan.epoch)
             else:
                 data = reads.read(source, sample_id)
                 load_into(data, images[count], augment, rng, stages, checked_before=loaded[sample_id] == len(data))
@@ -284,7 +284,7 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
 
 
 def _whole_batch(part: Part) -> bool:
-    return part.first == 0 and part.end == len(part.work.sample_ids)
+    return part.first == 0 and part.end == len(part.batch_plan.sample_ids)
 
 
 def compact_slot(part: Part, ring: SlotRing, status: np.ndarray) -> int:
@@ -294,7 +294,7 @@ def compact_slot(part: Part, ring: SlotRing, status: np.ndarray) -> int:
     row = 0
     for first, count in part.compact:
         if first != row:
-            for array in (ring.images_of(part.work.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]):
+            for array in (ring.images_of(part.batch_plan.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]):
                 array[row:row + count] = array[first:first + count]  # numpy copies overlapping ranges safely
         row += count
     ring.counts[part.slot] = row
@@ -306,11 +306,11 @@ def _copy_ready_made(part: Part, ring: SlotRing) -> int:
     is written from one small source, as the decoder writes each sample from the image it just made; a whole
     ready-made batch as the source would add a 9.6 MB read from memory per batch that no real producer does
     (measured: the producer's part of a batch took 0.56 ms that way, 0.30 ms this way)."""
-    images = ring.images_of(part.work.kind)[part.slot]
+    images = ring.images_of(part.batch_plan.kind)[part.slot]
     rows = slice(part.first, part.end)
     np.copyto(images[rows], _ready_made(images.shape[1:]))
     ring.labels[part.slot, rows] = 0
-    ring.ids[part.slot, rows] = part.work.sample_ids[rows]
+    ring.ids[part.slot, rows] = part.batch_plan.sample_ids[rows]
     if _whole_batch(part):
         ring.counts[part.slot] = part.end
     return part.end - part.first

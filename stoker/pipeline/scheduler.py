@@ -22,7 +22,7 @@ from stoker.pipeline.plan import BatchPlan, EpochPlan
 class Entry:
     row: int
     global_step: int
-    work: BatchPlan | None = None  # a batch to build, or
+    batch_plan: BatchPlan | None = None  # a batch to build, or
     message: Any = None  # a message that needs no slot (ValEnd, Save)
     resume_at: Position | None = None  # set on the last item of a row: where training continues after it
 
@@ -42,7 +42,7 @@ class Placement:
 
     rank: int
     seq: int
-    work: BatchPlan
+    batch_plan: BatchPlan
     slot: int
     global_step: int
 
@@ -91,7 +91,7 @@ class Scheduler:
                 last = step + 1 == steps
                 after = Position(epoch + 1, 0, global_step + 1, 0) if last else Position(
                     epoch, step + 1, global_step + 1, plan.offset(epoch, step + 1))
-                yield Entry(row, global_step, work=plan.train_work(epoch, step, rank), resume_at=after)
+                yield Entry(row, global_step, batch_plan=plan.train_work(epoch, step, rank), resume_at=after)
                 if checkpoint_every and (global_step + 1) % checkpoint_every == 0 and not last:
                     yield Entry(row, global_step, message=_save(run_dir, after), resume_at=after)
                 row += 1
@@ -104,7 +104,7 @@ class Scheduler:
         """The row after an epoch's last step: its validation pass, then its checkpoint."""
         if has_val:
             for index in range(self.plan.val_batches(rank)):
-                yield Entry(row, after.global_step - 1, work=self.plan.val_work(epoch, index, rank))
+                yield Entry(row, after.global_step - 1, batch_plan=self.plan.val_work(epoch, index, rank))
             yield Entry(row, after.global_step - 1, message=ValEnd(epoch), resume_at=after)
         if save:
             yield Entry(row, after.global_step - 1, message=_save(run_dir, after), resume_at=after)
@@ -146,11 +146,11 @@ class Scheduler:
                 self._ready[rank][self._take(rank)] = self._message(item, slot=None)
             if item is None or not self.free_slots or self._outstanding[rank] >= self.per_rank_slots:
                 continue
-            assert item.work is not None  # an item that needs a slot has work
+            assert item.batch_plan is not None  # an item that needs a slot has work
             slot = self.free_slots.popleft()
             self.owner[slot] = rank
             self._outstanding[rank] += 1
-            return Placement(rank, self._take(rank), item.work, slot, item.global_step)
+            return Placement(rank, self._take(rank), item.batch_plan, slot, item.global_step)
         return None
 
     def waits_for_slot(self) -> bool:
@@ -171,7 +171,7 @@ class Scheduler:
     def _skipped(self, item: Entry) -> bool:
         if item.row != self._skip_validation_row:
             return False
-        return isinstance(item.message, ValEnd) or (item.work is not None and item.work.kind == "val")
+        return isinstance(item.message, ValEnd) or (item.batch_plan is not None and item.batch_plan.kind == "val")
 
     def _take(self, rank: int) -> int:
         item = self._peeked[rank]
@@ -185,12 +185,12 @@ class Scheduler:
         return self._next_seq[rank] - 1
 
     def _message(self, item: Entry, slot: int | None) -> Any:
-        if item.work is None:
+        if item.batch_plan is None:
             return item.message
-        work, plan = item.work, self.plan
-        return Batch(work.kind, work.epoch, work.step, item.global_step, slot, work.step_samples,
-                     schedule_step=plan.schedule_step(work.epoch, work.step), lr_scale=plan.lr_scale,
-                     epoch_steps=plan.steps_in(work.epoch))
+        batch_plan, plan = item.batch_plan, self.plan
+        return Batch(batch_plan.kind, batch_plan.epoch, batch_plan.step, item.global_step, slot,
+                     batch_plan.step_samples, schedule_step=plan.schedule_step(batch_plan.epoch, batch_plan.step),
+                     lr_scale=plan.lr_scale, epoch_steps=plan.steps_in(batch_plan.epoch))
 
     def complete(self, issue: Placement) -> None:
         """A producer finished the batch: it can be handed over once every earlier one has been."""
@@ -224,7 +224,7 @@ class Scheduler:
 
 
 def _needs_slot(item: Entry) -> bool:
-    return item.work is not None and len(item.work.sample_ids) > 0
+    return item.batch_plan is not None and len(item.batch_plan.sample_ids) > 0
 
 
 def _save(run_dir: Path, position: Position) -> Save:

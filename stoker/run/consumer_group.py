@@ -245,13 +245,13 @@ class ConsumerGroup:
         return told_death(consumer, process, self.failure_causes.pop(consumer, None))
 
     def _lose(self, consumer: int, cause: str) -> None:
-        loss = self.membership.lose(consumer, cause)  # below --min-consumers: the run fails
-        if loss is None:  # started again, died before it joined
+        death = self.membership.lose(consumer, cause)  # below --min-consumers: the run fails
+        if death is None:  # started again, died before it joined
             log.warning("%s before it joined the others", cause)
         else:
             log.warning("%s; the other %d consumer(s) go on without it", cause, len(self.membership.members))
-            self._write("consumer_lost", consumer=consumer, device=loss.device, cause=cause,
-                        t=round(loss.died_s, 3), consumers=len(self.membership.members))
+            self._write("consumer_lost", consumer=consumer, device=death.device, cause=cause,
+                        t=round(death.died_s, 3), consumers=len(self.membership.members))
         self._plan_restart(consumer)
 
     def _kill_stuck(self) -> None:
@@ -292,7 +292,7 @@ class ConsumerGroup:
             old.close()
             self.ready_queues[consumer] = CONTEXT.Queue()
             setup = replace(self.setups[consumer], joining=True, resume_from=None, elastic=True,
-                            model_settings=ModelSettings(model=self.config.model, init=None))
+                            model=ModelSettings(model=self.config.model, init=None))
             self.failure_causes.pop(consumer, None)
             self.processes[consumer] = self._start_one(consumer, setup)
             self.starting_again[consumer] = self.processes[consumer]
@@ -342,15 +342,15 @@ class ConsumerGroup:
         """A dead consumer's steps up to the agreed state are in the survivors' weights (its part of every
         averaging up to it arrived) even where its report did not (on a GPU, steps are reported in groups):
         they count, with the samples the plan gave it, less those that were unusable."""
-        for loss in self.membership.losses:
-            if loss.recovered_s is not None:
+        for death in self.membership.deaths:
+            if death.recovered_s is not None:
                 continue
-            first = max(self.membership.last_reported.get(loss.consumer, -1) + 1, old.start.global_step)
+            first = max(self.membership.last_reported.get(death.consumer, -1) + 1, old.start.global_step)
             for global_step in range(first, agreed + 1):
-                work = old.work_of(global_step, loss.rank)
+                work = old.work_of(global_step, death.rank)
                 skipped = stats.epochs[work.epoch].skipped_ids if work.epoch in stats.epochs else set()
                 ids = np.array([i for i in work.sample_ids.tolist() if i not in skipped], np.int64)
-                report = StepReport(loss.consumer, work.epoch, work.step, global_step, len(ids), 0.0, 0.0, 0.0,
+                report = StepReport(death.consumer, work.epoch, work.step, global_step, len(ids), 0.0, 0.0, 0.0,
                                     0.0, ids, None, epoch_steps=old.plan.steps_in(work.epoch))
                 stats.record_step(report, time.monotonic())
                 ledger.record_step(report)

@@ -294,7 +294,7 @@ class Controller:
     def run_verdict(self) -> Verdict:
         """The verdict over the run so far (`outcome.run_verdict`)."""
         return outcome.run_verdict(self.stats, self.ledger, self.config, self.prepared.overlap_allowed,
-                                   self.driver.verdict_fields(), self.group.membership.losses)
+                                   self.driver.verdict_fields(), self.group.membership.deaths)
 
     def _steps_left(self, position: Position) -> int:
         """Global steps from `position` to the end of the run, as the plan stands now."""
@@ -350,6 +350,6 @@ class Controller:
             checkpoint=self.checkpoints.last, run_dir=self.run_dir, classes=classes, ema=bool(self.config.ema),
             image_size=self.image_size, val_image_size=self.val_image_size, start_step=self.start_at.global_step,
             start_epoch=self.start_at.epoch, started=self.started,
-            consumers_lost=tuple(loss.as_json() for loss in self.group.membership.losses),
+            consumers_lost=tuple(death.as_json() for death in self.group.membership.deaths),
             consumers_rejoined=tuple(self.group.membership.rejoined), consumers_left_out=tuple(self.group.left_out),
             consumers_at_end=None if self.cluster.multi else len(self.group.membership.members)), status, error)

@@ -27,7 +27,7 @@ KEEP_WINDOWS = 2
 
 
 @dataclass
-class Loss:
+class ConsumerDeath:
     """One consumer's death, as metrics.jsonl, the summary and the verdict tell it."""
 
     consumer: int
@@ -45,33 +45,19 @@ class Loss:
         return {key: round(value, 3) if isinstance(value, float) else value for key, value in asdict(self).items()}
 
 
-def with_losses(verdict: Verdict, losses: list[Loss]) -> Verdict:
+def with_deaths(verdict: Verdict, deaths: list[ConsumerDeath]) -> Verdict:
     """The verdict, with what each death cost: "consumer 2 died (the others went on from the state after step 811):
     0.4 s without training, 0 step(s) trained again; 2 consumer(s) from then", in the words of the regroup's log
     line ("2 consumer(s) go on from the state after step 811")."""
-    told = [f"consumer {loss.consumer} died (the others went on from the state after step {loss.agreed_step}): "
-            + (f"{loss.without_training_s:.1f} s without training, " if loss.without_training_s is not None else "")
-            + f"{loss.steps_taken_back} step(s) trained again; {loss.consumers_after} consumer(s) from then"
-            for loss in losses if loss.recovered_s is not None]
+    told = [f"consumer {death.consumer} died (the others went on from the state after step {death.agreed_step}): "
+            + (f"{death.without_training_s:.1f} s without training, " if death.without_training_s is not None else "")
+            + f"{death.steps_taken_back} step(s) trained again; {death.consumers_after} consumer(s) from then"
+            for death in deaths if death.recovered_s is not None]
     return replace(verdict, text="; ".join([verdict.text, *told])) if told else verdict
 
 
-def check_membership_settings(config: Any, consumers: int, several_machines: bool, on_gpus: bool) -> None:
-    """Before any process starts: `--on-consumer-failure continue` and `--min-consumers` this run can keep."""
-    if config.on_consumer_failure == "continue" and several_machines:
-        raise ValueError("on_consumer_failure='continue' works on one machine; on several, a lost machine is "
-                         "restarted by torchrun and resumes from the last checkpoint: use 'auto' or 'stop'")
-    if config.on_consumer_failure == "continue" and on_gpus:
-        raise ValueError("on_consumer_failure='continue' works with CPU consumers for now: on a GPU the state "
-                         "kept after an averaging is copied before the device has finished it, and NCCL peers of "
-                         "a dead consumer wait out the collective timeout; use 'auto' or 'stop'")
-    if config.min_consumers > consumers:
-        raise ValueError(f"min_consumers={config.min_consumers} is more than the {consumers} consumer(s) of "
-                         f"devices={config.devices!r}")
-
-
 class Membership:
-    """The consumers of this machine that train now, in rank order, and the losses so far."""
+    """The consumers of this machine that train now, in rank order, and the deaths so far."""
 
     def __init__(self, devices: list[str], generation: Any, min_consumers: int, sync_every: int,
                  timeout_s: float, started: float) -> None:
@@ -81,7 +67,7 @@ class Membership:
         self.min_consumers = min_consumers
         self.timeout_s = timeout_s
         self.started = started
-        self.losses: list[Loss] = []
+        self.deaths: list[ConsumerDeath] = []
         self.stranded: dict[int, Stranded] = {}
         self.first_stranded_at: float | None = None
         self.regrouping_since: float | None = None
@@ -89,7 +75,7 @@ class Membership:
         self.recent: deque[StepReport] = deque()
         self.keep_steps = KEEP_WINDOWS * sync_every + 1
         self.last_reported: dict[int, int] = {}  # consumer -> the newest global step it reported
-        self.gone: dict[int, int] = {}  # consumer -> the generation its loss was regrouped in: older reports void
+        self.gone: dict[int, int] = {}  # consumer -> the generation its death was regrouped in: older reports void
         self.fresh: set[int] = set()  # consumers started again, members from the next regroup on, with no state
         self.rejoined: list[dict[str, Any]] = []  # each consumer that rejoined: when, from which step
         self.scheduled = list(self.members)  # rank -> consumer in the plan the consumers train now
@@ -120,9 +106,9 @@ class Membership:
             while self.recent and self.recent[0].global_step < report.global_step - self.keep_steps:
                 self.recent.popleft()
         self.last_reported[report.rank] = max(report.global_step, self.last_reported.get(report.rank, -1))
-        if report.generation == self.current and self.losses and self.losses[-1].without_training_s is None \
-                and self.losses[-1].recovered_s is not None:
-            self.losses[-1].without_training_s = time.monotonic() - self.started - self.losses[-1].died_s
+        if report.generation == self.current and self.deaths and self.deaths[-1].without_training_s is None \
+                and self.deaths[-1].recovered_s is not None:
+            self.deaths[-1].without_training_s = time.monotonic() - self.started - self.deaths[-1].died_s
         return True
 
     def slot_counts(self, generation: int) -> bool:
@@ -149,7 +135,7 @@ class Membership:
         with self.generation.get_lock():
             self.generation.value += 1
 
-    def lose(self, consumer: int, cause: str) -> Loss | None:
+    def lose(self, consumer: int, cause: str) -> ConsumerDeath | None:
         """`consumer` died: the survivors are told to leave the group (or the run fails when they may not go on)."""
         survivors = [c for c in self.members if c != consumer]
         if consumer in self.fresh:  # started again, died before it joined: no loss of training
@@ -164,15 +150,16 @@ class Membership:
             raise StokerRunError(f"{cause}; {len(holding)} consumer(s) left, fewer than min_consumers="
                                  f"{self.min_consumers}")
         now = time.monotonic()
-        loss = Loss(consumer, self.scheduled.index(consumer), self.devices[consumer], cause, now - self.started)
-        self.losses.append(loss)
+        death = ConsumerDeath(consumer, self.scheduled.index(consumer), self.devices[consumer], cause,
+                              now - self.started)
+        self.deaths.append(death)
         self.members = survivors
         self.stranded.pop(consumer, None)
         if self.regrouping_since is None:
             self.regrouping_since = now
         with self.generation.get_lock():
             self.generation.value += 1
-        return loss
+        return death
 
     def strand(self, message: Stranded) -> None:
         if message.rank in self.members:
@@ -229,12 +216,12 @@ class Membership:
 
     def regrouped(self, agreed: int, taken_back: int) -> None:
         now = time.monotonic()
-        for loss in self.losses:
-            if loss.recovered_s is None:
-                loss.agreed_step, loss.steps_taken_back = agreed, taken_back
-                loss.recovered_s = now - self.started - loss.died_s
-                loss.consumers_after = len(self.members)
-                self.gone[loss.consumer] = self.current
+        for death in self.deaths:
+            if death.recovered_s is None:
+                death.agreed_step, death.steps_taken_back = agreed, taken_back
+                death.recovered_s = now - self.started - death.died_s
+                death.consumers_after = len(self.members)
+                self.gone[death.consumer] = self.current
         self.rejoined += [{"consumer": c, "from_step": agreed + 1, "t": round(now - self.started, 3)}
                           for c in sorted(self.fresh)]
         self.fresh = set()

@@ -18,26 +18,26 @@ from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.observe.summary import Ledger, exactly_once_breach
 from stoker.pipeline.messages import ValReport
 from stoker.run import cluster
-from stoker.run.membership import Loss, with_losses
+from stoker.run.membership import ConsumerDeath, with_deaths
 from stoker.training.model_file import BEST_MODEL_FILE, ModelFileError, read_model
 
 log = logging.getLogger(__name__)
 
 
 def run_verdict(stats: RunStats, ledger: Ledger, config: TrainConfig, overlap_allowed: bool,
-                producers: dict[str, Any], losses: list[Loss]) -> Verdict:
+                producers: dict[str, Any], deaths: list[ConsumerDeath]) -> Verdict:
     """The verdict over the run so far, from every consumer's totals (after --resume, the parts before this one
     too), with what each consumer's death cost: the live view, the log lines, the summary and the report all show
     this one. `producers`: the engine's side (`EngineDriver.verdict_fields`)."""
     if not stats.steps_done:
         return Verdict("starting", "no training step finished")
     run = ledger.so_far(stats)
-    return with_losses(diagnose(TimeSplit(
+    return with_deaths(diagnose(TimeSplit(
         compute=mean(run["compute_fraction"]), input_wait=mean(run["input_stall_fraction"]),
         averaging=mean(run["averaging_fraction"]), sync_every=config.sync_every,
         overlapped=config.overlap_averaging, host=mean(run["host_fraction"]), compiled=config.compile,
         slots=config.slots_per_consumer, overlap_allowed=overlap_allowed, image_size=config.resolved_image_size,
-        **producers)), losses)
+        **producers)), deaths)
 
 
 def final_status(status: str, error: str | None, forced: bool, checkpoint_failure: str | None,
@@ -101,7 +101,7 @@ class RunFacts:
     start_step: int
     start_epoch: int  # epochs done before this part
     started: float  # time.monotonic() at the start
-    consumers_lost: tuple[dict[str, Any], ...] = ()  # `run.membership.Loss.as_json()`, in order
+    consumers_lost: tuple[dict[str, Any], ...] = ()  # `run.membership.ConsumerDeath.as_json()`, in order
     consumers_rejoined: tuple[dict[str, Any], ...] = ()  # consumers started again after a death, as they joined
     consumers_left_out: tuple[int, ...] = ()  # consumers that died past --consumer-restarts: their devices stay out
     consumers_at_end: int | None = None  # consumers training at the end (None: `world`)

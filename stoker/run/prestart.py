@@ -31,11 +31,9 @@ from stoker.observe.summary import read_accounting
 from stoker.pipeline.driver import check_room
 from stoker.pipeline.engine import EngineSpec, HostShare, Samples
 from stoker.pipeline.plan import EpochPlan
-from stoker.pipeline.pool import check_producer_timeout
 from stoker.run import cluster, resume, rundir
 from stoker.run.checkpoint_fit import model_fit_check
 from stoker.run.cluster import Cluster
-from stoker.run.membership import check_membership_settings
 from stoker.training.ema import ema_warning
 from stoker.training.groups import check_head_multiplier
 from stoker.training.init import check_init
@@ -112,8 +110,9 @@ def prepare(config: TrainConfig) -> RunPlan:
         log.warning("%s", warning)
     machines = cluster.from_environment(len(devices))
     on_gpus = any(device.startswith("cuda") for device in devices)
-    elastic = config.section(AveragingSettings).continues_after_failure(len(devices), machines.nodes, on_gpus)
-    check_membership_settings(config, len(devices), machines.multi, on_gpus)
+    averaging = config.section(AveragingSettings)
+    elastic = averaging.continues_after_failure(len(devices), machines.nodes, on_gpus)
+    averaging.check_failure_settings(len(devices), machines.multi, on_gpus, config.devices)
     data = load_data(config)
     one_batch = shares_one_batch(config.devices, devices)
     plan = _epoch_plan(config, data, machines, one_batch)
@@ -124,8 +123,8 @@ def prepare(config: TrainConfig) -> RunPlan:
                                       slots=config.slots_per_consumer * len(devices),
                                       batch_size=plan.largest_share(fewest))
     check_room(engine, "producers" if config.producers != "auto" else "initial_producers (or min_producers)")
-    check_producer_timeout(producer_timeout_s=config.producer_timeout_s,
-                       collective_timeout_s=config.collective_timeout_s, world=machines.world)
+    if warning := config.producer_timeout_warning(machines.world):
+        log.warning("%s", warning)
     _check_model(config, len(data.train.classes))
     run_dir = Path(config.out or config.resume or rundir.default_run_dir())
     # Held until the run ends: taken before the folder is looked at, so two starts cannot both find it free.

@@ -36,8 +36,8 @@ def consumer_setups(config: TrainConfig, devices: list[str], cluster: Cluster, s
     return [ConsumerSetup(
         rank=cluster.first_rank + rank, local_rank=rank, world_size=cluster.world, device=device, store=store,
         ring=ring, num_classes=len(classes), total_steps=total_steps, num_threads=threads, resume_from=resume_from,
-        seed=config.seed, model_settings=model, optim=config.section(OptimizerSettings),
+        seed=config.seed, model=model, optimizer=config.section(OptimizerSettings),
         recipe=config.section(RecipeSettings), averaging=config.section(AveragingSettings),
-        hardware=config.section(DeviceSettings), warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
+        devices=config.section(DeviceSettings), warmup_steps=int(round(config.warmup_epochs * steps_per_epoch)),
         model_card=card, best_model=run_dir / BEST_MODEL_FILE, local_consumers=len(devices))
         for rank, device in enumerate(devices)]

@@ -91,11 +91,11 @@ class ConsumerSetup:
     num_threads: int
     resume_from: Path | None
     seed: int
-    model_settings: ModelSettings  # init: None on resume, which continues from its checkpoint
-    optim: OptimizerSettings
+    model: ModelSettings  # init: None on resume, which continues from its checkpoint
+    optimizer: OptimizerSettings
     recipe: RecipeSettings
     averaging: AveragingSettings
-    hardware: DeviceSettings
+    devices: DeviceSettings  # the section: `device` above is this consumer's own
     warmup_steps: int = 0
     model_card: model_file.ModelCard | None = None  # written into model.pt beside the weights (None: plain weights)
     best_model: Path | None = None  # where rank 0 keeps the model of the best validation accuracy so far
@@ -197,7 +197,7 @@ class Replica:
         self._build_training(setup)
         self._build_feed(setup, ring)
         ema = setup.recipe.ema
-        self.ema = ModelEma(build_model(setup.model_settings.model, setup.num_classes).to(self.device), self.model,
+        self.ema = ModelEma(build_model(setup.model.model, setup.num_classes).to(self.device), self.model,
                             ema) if ema else None
         self._warm_up(setup)
         self._initial_state(setup)
@@ -215,18 +215,19 @@ class Replica:
 
     def _build_training(self, setup: ConsumerSetup) -> None:
         """The model, its recipe and schedule, the averager, the (compiled) forward, precision and optimizer."""
-        self.model = build_model(setup.model_settings.model, setup.num_classes).to(self.device)
+        self.model = build_model(setup.model.model, setup.num_classes).to(self.device)
         self.recipe = Recipe(RecipeSpec(setup.num_classes, setup.seed, setup.recipe))
-        self.learning_rate = LearningRate(setup.optim.lr, setup.optim.schedule, setup.total_steps, setup.warmup_steps)
+        self.learning_rate = LearningRate(setup.optimizer.lr, setup.optimizer.schedule, setup.total_steps,
+                                          setup.warmup_steps)
         averaging = setup.averaging
-        in_backward = averages_in_backward(averaging, setup.hardware, setup.recipe)
+        in_backward = averages_in_backward(averaging, setup.devices, setup.recipe)
         self.averager = Averager(self.model, averaging.sync_every, setup.world_size,
                                  setup.outer, averaging.overlap_averaging, in_backward)
         # Compiled after the averager re-pointed the parameters into its buckets; the original module keeps the
         # state_dict keys checkpoints use.
         threads = compile_threads(setup.device, setup.num_threads, setup.local_consumers)
-        self.forward = accel.compiled(self.model, threads) if setup.hardware.compile else self.model
-        self.precision = accel.MixedPrecision(setup.hardware.precision, self.device, agree=setup.world_size > 1)
+        self.forward = accel.compiled(self.model, threads) if setup.devices.compile else self.model
+        self.precision = accel.MixedPrecision(setup.devices.precision, self.device, agree=setup.world_size > 1)
         self.optimizer = _make_optimizer(self.model, setup, self.device)
 
     def _build_feed(self, setup: ConsumerSetup, ring: SlotRing) -> None:
@@ -236,17 +237,17 @@ class Replica:
         # to run channels_last (PyTorch follows the input), converting the small weights, not the activations.
         # As many staging buffers as steps ahead: the buffer a step refills was read by the step `steps_ahead`
         # back, whose end the clock has already waited for, so the feed itself never waits for a copy.
-        ahead = setup.hardware.steps_ahead
-        self.loader = DeviceLoader(ring, self.device, setup.hardware.channels_last, ops, num_staging=ahead)
+        ahead = setup.devices.steps_ahead
+        self.loader = DeviceLoader(ring, self.device, setup.devices.channels_last, ops, num_staging=ahead)
         self.clock = StepClock(ops, ahead)
         self.reports = StepReports(self.outbox, self.clock, self.device, setup.local_rank, ops.asynchronous)
 
     def _warm_up(self, setup: ConsumerSetup) -> None:
         """Before the first collective: a peer's compile must not time it out (one started again joins later)."""
-        if not setup.hardware.compile:
+        if not setup.devices.compile:
             return
         warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
-                       setup.ring.image_size, setup.num_classes, setup.hardware.channels_last, setup.ring.val_size,
+                       setup.ring.image_size, setup.num_classes, setup.devices.channels_last, setup.ring.val_size,
                        setup.one_sample)
         if not setup.joining:
             warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
@@ -259,8 +260,8 @@ class Replica:
         if setup.resume_from is not None:
             self._restore(setup.resume_from)
             return
-        if setup.model_settings.init is not None:
-            self._load_init(setup.model_settings.init)
+        if setup.model.init is not None:
+            self._load_init(setup.model.init)
         _broadcast_initial_state(self.averager)
         if self.averager.outer is not None:
             self.averager.outer.reset_anchor()
@@ -619,23 +620,23 @@ def _next_message(ready, check: Callable[[], None], when_idle, while_idle: Calla
                 idle = True
 
 
-def averages_in_backward(averaging: AveragingSettings, hardware: DeviceSettings, recipe: RecipeSettings) -> bool:
+def averages_in_backward(averaging: AveragingSettings, devices: DeviceSettings, recipe: RecipeSettings) -> bool:
     """Whether groups of parameters average and step as their gradients complete. Not under fp16 (the gradient
     scaler steps the whole model after unscaling), clipping (it needs every gradient's norm first) or --compile
     (the compiled backward is one autograd node: every group's hook fires at its end, so the per-group steps and
     all_reduces would hide nothing and cost launches; compiled autograd would be needed, and is not used)."""
-    return (averaging.average_in_backward and hardware.precision != "fp16" and not recipe.clip_grad_norm
-            and not hardware.compile)
+    return (averaging.average_in_backward and devices.precision != "fp16" and not recipe.clip_grad_norm
+            and not devices.compile)
 
 
 def _make_optimizer(model: torch.nn.Module, setup: ConsumerSetup, device: torch.device) -> torch.optim.Optimizer:
-    optim = setup.optim
-    groups = optimizer_groups(model, optim.weight_decay, optim.no_decay_norm_bias, optim.lr_head_multiplier)
-    if optim.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=optim.lr, weight_decay=optim.weight_decay,
+    settings = setup.optimizer
+    groups = optimizer_groups(model, settings.weight_decay, settings.no_decay_norm_bias, settings.lr_head_multiplier)
+    if settings.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=settings.lr, weight_decay=settings.weight_decay,
                                  **accel.fused_option(torch.optim.AdamW, device))
-    return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum,
-                           weight_decay=optim.weight_decay, **accel.fused_option(torch.optim.SGD, device))
+    return torch.optim.SGD(groups, lr=settings.lr, momentum=settings.momentum,
+                           weight_decay=settings.weight_decay, **accel.fused_option(torch.optim.SGD, device))
 
 
 def compile_threads(device: str, num_threads: int, local_consumers: int) -> int:
@@ -653,7 +654,7 @@ def _claim_device(setup: ConsumerSetup) -> torch.device:
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    accel.configure_backends(setup.hardware.deterministic)
+    accel.configure_backends(setup.devices.deterministic)
     return device
 
 

@@ -206,7 +206,7 @@ class Loader:
 
     def _open(self, data: str | Path | Any | None, data_settings: DataSettings) -> None:
         """The samples, and this loader's books and place in them."""
-        copies = local_copies(data_settings.cache_dir, data_settings.cache_size)
+        copies = local_copies(data_settings.cache_dir, data_settings.cache_bytes)
         columns = Columns(data_settings.image_column, data_settings.label_column)
         self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies,
                                                                                columns)

@@ -362,6 +362,7 @@ def test_a_cache_folder_holding_the_users_files_never_removes_or_counts_them(sha
     (and named in its ledger), with --cache-size below what the user's files hold, and with the default size
     (here the user's file claims more than the disk: a sparse file counted as held made the old default evict it,
     and a copy of any name but one stoker recorded is left alone)."""
+    from stoker.common.config import DataSettings
     from stoker.data.sources import load_source, local_copies
     from stoker.data.transports.object_store import LocalCopies
 
@@ -374,7 +375,7 @@ def test_a_cache_folder_holding_the_users_files_never_removes_or_counts_them(sha
         big.truncate(2 * shutil.disk_usage(folder).total)  # sparse: claims more than the disk, takes nothing
     with servers.nginx(shards / "train") as server:
         index = load_source(f"{server.url}/{SHARDS}", cache=tmp_path / "cache")
-        copies = local_copies(folder, cache_size)
+        copies = local_copies(folder, DataSettings(cache_dir=folder, cache_size=cache_size).cache_bytes)
         assert isinstance(copies, LocalCopies)
         for _ in range(2):  # again: the second filling evicts the first's copies for its own, in another order
             copies.fill(index.remote_shards()[::-1] if _ else index.remote_shards(), lambda: True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 
 import pytest
 
 from stoker.cli import config_from_args
 from stoker.common import procs
-from stoker.common.config import ConfigError, load_toml, make_config
+from stoker.common.config import AveragingSettings, ConfigError, load_toml, make_config
 from stoker.common.procs import check_memory_for_producers
 from tests.conftest import run_cli, stoker_processes
 
@@ -36,6 +37,8 @@ from tests.conftest import run_cli, stoker_processes
     ({"seed": 10**23}, "seed"),
     ({"lr": float("inf")}, "lr"),
     ({"lr": float("nan")}, "lr"),
+    ({"cache_size": "lots", "cache_dir": "/tmp"}, "cache_size"),
+    ({"cache_size": "50GB"}, "bounds --cache-dir, which is not given"),
 ])
 def test_bad_setting_is_named(settings, named):
     with pytest.raises(ConfigError, match=named):
@@ -115,3 +118,22 @@ def test_more_producers_than_the_memory_holds_is_refused_naming_the_setting(monk
     check_memory_for_producers(160)  # 64 MiB each: 160 fill 10 GiB
     with pytest.raises(ValueError, match=r"^initial_producers=161: .* 10.0 GiB is available .* expected at most 160"):
         check_memory_for_producers(161, "initial_producers")
+
+
+@pytest.mark.parametrize("settings, facts, named", [
+    ({"on_consumer_failure": "continue"}, (2, True, False), "works on one machine"),
+    ({"on_consumer_failure": "continue"}, (2, False, True), "works with CPU consumers for now"),
+    ({"min_consumers": 3}, (2, False, False), "min_consumers=3 is more than the 2 consumer(s) of devices='cpu:2'"),
+])
+def test_failure_settings_the_run_cannot_keep_are_refused_naming_the_setting(settings, facts, named):
+    averaging = AveragingSettings(**settings)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        averaging.check_failure_settings(*facts, devices="cpu:2")
+    averaging.check_failure_settings(3, False, False, devices="cpu:3")  # one CPU machine of enough consumers: kept
+
+
+def test_a_producer_timeout_over_half_the_collective_timeout_is_warned_of_with_several_consumers_only():
+    config = make_config({"producer_timeout_s": 40, "collective_timeout_s": 60})
+    assert "producer_timeout_s=40 is more than half of collective_timeout_s=60" in config.producer_timeout_warning(2)
+    assert config.producer_timeout_warning(1) is None  # no peer waits on a lone consumer's batch
+    assert make_config({"producer_timeout_s": 20, "collective_timeout_s": 60}).producer_timeout_warning(2) is None

@@ -269,17 +269,17 @@ def test_a_consumer_told_to_stop_leaves_the_meeting(tmp_path):
         wait_for_peers(dist.FileStore(str(Path(tmp_path) / "store"), 2), "compiled", 2, alive=stopped)
 
 
-@pytest.mark.parametrize(("hardware", "clip", "expected"), [
+@pytest.mark.parametrize(("devices", "clip", "expected"), [
     ({}, 0.0, True),
     ({"compile": True}, 0.0, False),  # one compiled backward node: every group's hook fires at its end
     ({"precision": "fp16"}, 0.0, False),  # the scaler unscales and steps the whole model after backward
     ({}, 1.0, False),  # clipping needs every gradient's norm first
 ])
-def test_averaging_in_backward_only_where_a_group_can_step_as_its_gradients_complete(hardware, clip, expected):
+def test_averaging_in_backward_only_where_a_group_can_step_as_its_gradients_complete(devices, clip, expected):
     from stoker.common.config import AveragingSettings, DeviceSettings, RecipeSettings
     from stoker.training.consumer import averages_in_backward
 
-    assert averages_in_backward(AveragingSettings(), DeviceSettings(**hardware),
+    assert averages_in_backward(AveragingSettings(), DeviceSettings(**devices),
                                 RecipeSettings(clip_grad_norm=clip)) is expected
 
 

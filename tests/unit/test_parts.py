@@ -105,7 +105,7 @@ def test_a_compaction_lost_half_way_is_redone_from_the_parts_it_moved(source, ri
         count, _ = build_batch(part, setup, ring, ring.status[0])
         _, compaction = assembler.done(part, count)
     assert compaction is not None
-    half = Part(-1, compaction.work, 0, compact=compaction.compact[:3])  # killed after moving three parts
+    half = Part(-1, compaction.batch_plan, 0, compact=compaction.compact[:3])  # killed after moving three parts
     compact_slot(half, ring, ring.status[0])
     again = assembler.again(compaction)
     moved = [first for first, _ in compaction.compact[1:]]
