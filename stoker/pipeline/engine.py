@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from stoker.common.choices import SizeRamp
 from stoker.common.config import DataSettings, FeedSettings
 from stoker.common.devices import available_cores
 from stoker.common.memory import available_memory
@@ -138,6 +139,7 @@ class Build:
     max_bad_fraction: float
     val_image_size: int | None = None
     max_in_flight: int = MAX_IN_FLIGHT  # parts a producer may hold
+    ramp: SizeRamp | None = None  # training's side by epoch (`--image-size-ramp`), `image_size` its largest
 
     @property
     def total_files(self) -> int:
@@ -168,9 +170,10 @@ class EngineSpec:
         # A map-style dataset's items are the images as they are: resized, never cropped or flipped.
         augment = "none" if isinstance(samples.train, DatasetSource) else data.augment
         image_size = samples.image_size or data.resolved_image_size
+        ramp = data.size_ramp
         build = Build(samples.train, samples.val, augment, seed, batch_size or feed.batch_size, image_size,
                       num_slots, producer_timeout_s=feed.producer_timeout_s, max_bad_fraction=data.max_bad_fraction,
-                      val_image_size=data.val_image_size or image_size, max_in_flight=held)
+                      val_image_size=data.val_image_size or image_size, max_in_flight=held, ramp=ramp)
         return cls(build, counts)
 
     def holding(self, batch_size: int) -> EngineSpec:
@@ -215,7 +218,8 @@ class Engine:
         self.copying: CopyFiller | None = None
         self.closed = False
         sweep_dead_segments()
-        self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size)
+        self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size,
+                                    build.ramp)
         self.assembler = Assembler(self.ring, self._parts_for(counts.initial))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
