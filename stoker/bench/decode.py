@@ -1,8 +1,9 @@
 """`stoker bench decode`: CPU milliseconds per image of decode + RandomResizedCrop + flip into a preallocated slot,
 the producer's own work, crop-aware against whole-image decoding, on a folder's JPEGs as they are and packed with
-`stoker pack --max-side`. One process, one thread, the passes of every variant interleaved; each figure is the
-median over passes of the process's CPU time per image, beside the stage clocks (`imaging.StageClock`) of the same
-passes, whose sum must come within 10% of it."""
+`stoker pack --max-side`, at one or several training sides (`--image-size 160 192 224`: what a lower side, or
+`--image-size-ramp`, saves the feed). One process, one thread, the passes of every variant interleaved; each figure
+is the median over passes of the process's CPU time per image, beside the stage clocks (`imaging.StageClock`) of
+the same passes, whose sum must come within 10% of it."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import statistics
 import tarfile
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                                                                   "of `stoker bench pipeline --generate`)")
     parser.add_argument("--max-side", type=int, nargs="*", default=[256], help="also pack the folder at these sides "
                                                                               "(default 256)")
-    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--image-size", type=int, nargs="+", default=[224], help="training sides, measured "
+                                                                                 "interleaved (default 224)")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--json", type=Path)
     parser.set_defaults(run=run)
@@ -38,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
             sets[f"--max-side {side}"] = _packed_jpegs(args.data, Path(scratch) / str(side), side)
     rows = measure(sets, args.image_size, args.passes)
     for row in rows:
-        print(f"{row['set']:<16} {row['decoder']:<11} {row['cpu_ms_per_image']:6.3f} ms/image "
-              f"(stages {row['stage_ms_per_image']:.3f}; passes {' '.join(f'{v:.3f}' for v in row['passes'])})")
+        print(f"{row['image_size']:>4} px {row['set']:<16} {row['decoder']:<11} {row['cpu_ms_per_image']:6.3f} "
+              f"ms/image (stages {row['stage_ms_per_image']:.3f}: decode {row['decode_ms_per_image']:.3f}, crop "
+              f"and resize {row['resize_ms_per_image']:.3f}; passes {' '.join(f'{v:.3f}' for v in row['passes'])})")
     if args.json:
         args.json.write_text(json.dumps({"image_size": args.image_size, "passes": args.passes, "rows": rows},
                                         indent=1) + "\n")
@@ -65,30 +69,37 @@ def _packed_jpegs(folder: Path, out: Path, side: int) -> list[bytes]:
     return found
 
 
-def measure(sets: dict[str, list[bytes]], size: int, passes: int) -> list[dict[str, Any]]:
+def measure(sets: dict[str, list[bytes]], sizes: Sequence[int], passes: int) -> list[dict[str, Any]]:
     import numpy as np
 
     from stoker.data.pixels import imaging
 
     crop_aware = imaging._jpegcrop
     decoders = {"crop-aware": crop_aware, "whole": None} if crop_aware is not None else {"whole": None}
-    out = np.empty((size, size, 3), np.uint8)
-    seconds: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    seconds: dict[tuple[int, str, str], list[tuple[float, float, float]]] = {}
     try:
         for number in range(passes):
-            for name, images in sets.items():
-                for decoder, module in decoders.items():
-                    imaging._jpegcrop = module  # type: ignore[assignment]
-                    rng, clock = np.random.default_rng(number), imaging.StageClock()
-                    started = time.process_time()
-                    for data in images:
-                        imaging.load_into(data, out, "standard", rng, clock)
-                    spent = time.process_time() - started
-                    seconds.setdefault((name, decoder), []).append((spent, clock.decode + clock.resize))
+            for (size, name, decoder) in [(z, n, d) for z in sizes for n in sets for d in decoders]:
+                imaging._jpegcrop = decoders[decoder]  # type: ignore[assignment]
+                out = np.empty((size, size, 3), np.uint8)
+                rng, clock = np.random.default_rng(number), imaging.StageClock()
+                started = time.process_time()
+                for data in sets[name]:
+                    imaging.load_into(data, out, "standard", rng, clock)
+                spent = time.process_time() - started
+                seconds.setdefault((size, name, decoder), []).append((spent, clock.decode, clock.resize))
     finally:
         imaging._jpegcrop = crop_aware
-    return [{"set": name, "decoder": decoder, "images": len(sets[name]),
-             "cpu_ms_per_image": round(statistics.median(s for s, _ in runs) * 1000 / len(sets[name]), 4),
-             "stage_ms_per_image": round(statistics.median(c for _, c in runs) * 1000 / len(sets[name]), 4),
-             "passes": [round(s * 1000 / len(sets[name]), 4) for s, _ in runs]}
-            for (name, decoder), runs in seconds.items()]
+    return [_row(size, name, decoder, len(sets[name]), runs) for (size, name, decoder), runs in seconds.items()]
+
+
+def _row(size: int, name: str, decoder: str, images: int, runs: list[tuple[float, float, float]]) -> dict[str, Any]:
+    def per_image(values: Any) -> float:
+        return round(statistics.median(values) * 1000 / images, 4)
+
+    return {"image_size": size, "set": name, "decoder": decoder, "images": images,
+            "cpu_ms_per_image": per_image(s for s, _, _ in runs),
+            "stage_ms_per_image": per_image(d + r for _, d, r in runs),
+            "decode_ms_per_image": per_image(d for _, d, _ in runs),
+            "resize_ms_per_image": per_image(r for _, _, r in runs),
+            "passes": [round(s * 1000 / images, 4) for s, _, _ in runs]}

@@ -25,7 +25,7 @@ import pydantic
 from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic.dataclasses import dataclass
 
-from stoker.common.choices import BUILTIN_IMAGE_SIZE, DEFAULT_IMAGE_SIZE, Augment
+from stoker.common.choices import BUILTIN_IMAGE_SIZE, DEFAULT_IMAGE_SIZE, Augment, SizeRamp
 from stoker.common.devices import check_devices_form
 from stoker.common.procs import MAX_PRODUCERS
 from stoker.common.sizes import parse_size
@@ -43,6 +43,7 @@ _UNSET: Any = object()
 S = TypeVar("S")
 MAX_SLOTS_PER_CONSUMER = 64  # each slot holds a whole batch in shared memory
 MIN_IMAGE_SIZE = 8
+MAX_IMAGE_SIZE = 2048
 
 
 class ConfigError(ValueError):
@@ -129,7 +130,14 @@ class DataSettings:
         "share of each class held out for validation when --val is not given", "F")] = Field(
         default=0.1, ge=0.0, lt=1.0)
     image_size: Annotated[MaybeCount, Setting("training resolution (default 32 on the built-in data, else 224)",
-                                              "PX", loader=True)] = Field(default=None, ge=MIN_IMAGE_SIZE, le=2048)
+                                              "PX", loader=True)] = Field(default=None, ge=MIN_IMAGE_SIZE,
+                                                                          le=MAX_IMAGE_SIZE)
+    # FFCV's progressive resizing (its ResNet-50 recipe: 160 px, ramped to 192 over the last epochs): the side is a
+    # pure function of the epoch, so the batches stay a pure function of (seed, epoch, step, rank).
+    image_size_ramp: Annotated[str | None, Setting(
+        "MIN:MAX@START-END: train at MIN px up to epoch START and at MAX px from epoch END on, linear in between in "
+        "steps of 32 (FFCV's min_res, max_res, start_ramp, end_ramp; epochs from 0); validation stays at "
+        "--val-image-size (default MAX)", "RAMP", loader=True)] = None
     augment: Annotated[Augment, Setting(
         "standard (random resized crop + flip) | noflip | none | trivial (standard + TrivialAugment) | randaug "
         "(standard + RandAugment, 2 ops at magnitude 9)", "MODE", group=RECIPE, loader=True)] = "standard"
@@ -142,7 +150,7 @@ class DataSettings:
     val_image_size: Annotated[MaybeCount, Setting(
         "validation resolution: short side resized, centre crop (default: --image-size; larger than training's "
         "helps, e.g. train 160, validate 224)", "PX", may_change_on_resume=True)] = Field(
-        default=None, ge=MIN_IMAGE_SIZE, le=2048)
+        default=None, ge=MIN_IMAGE_SIZE, le=MAX_IMAGE_SIZE)
 
     @model_validator(mode="after")
     def _paths_exist(self) -> DataSettings:
@@ -152,7 +160,29 @@ class DataSettings:
             raise ValueError(f"cache_size={self.cache_size!r} bounds --cache-dir, which is not given")
         if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
             raise ValueError(f"cache_dir={str(self.cache_dir)!r} is a file, not a folder")
+        self._ramp_fits()
         return self
+
+    def _ramp_fits(self) -> None:
+        ramp = self.size_ramp
+        if ramp is None:
+            return
+        if not MIN_IMAGE_SIZE <= ramp.low <= ramp.high <= MAX_IMAGE_SIZE:
+            raise ValueError(f"image_size_ramp={self.image_size_ramp!r}: sizes from {MIN_IMAGE_SIZE} to "
+                             f"{MAX_IMAGE_SIZE} px expected")
+        if self.image_size is not None and self.image_size != ramp.high:
+            raise ValueError(f"image_size={self.image_size} and image_size_ramp={self.image_size_ramp!r} disagree: "
+                             f"the ramp ends at {ramp.high} px, the largest training size (give one of the two)")
+
+    @property
+    def size_ramp(self) -> SizeRamp | None:
+        """`image_size_ramp` read (None: every epoch at `resolved_image_size`)."""
+        if self.image_size_ramp is None:
+            return None
+        try:
+            return SizeRamp.parse(self.image_size_ramp)
+        except ValueError as error:
+            raise ValueError(f"image_size_ramp={self.image_size_ramp!r}: {error}") from None
 
     @property
     def cache_bytes(self) -> int | None:
@@ -161,6 +191,9 @@ class DataSettings:
 
     @property
     def resolved_image_size(self) -> int:
+        """The largest training side: every epoch's, or the ramp's last."""
+        if self.image_size_ramp is not None:
+            return SizeRamp.parse(self.image_size_ramp).high
         if self.image_size is not None:
             return self.image_size
         return BUILTIN_IMAGE_SIZE if self.data is None else DEFAULT_IMAGE_SIZE

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from stoker.common.choices import SizeRamp
 from stoker.common.config import DataSettings, FeedSettings
 from stoker.common.devices import available_cores
 from stoker.common.memory import available_memory
@@ -119,7 +120,9 @@ class ProducerCounts:
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,
                      val_image_size: int | None = None, samples: tuple[int, int] = (0, 0)) -> None:
     """Before any process starts: a /dev/shm that cannot hold the ring is a user error, not a bus error."""
-    check_shm_space(RingSpec("check", num_slots, batch_size, image_size, num_status, val_image_size, *samples).nbytes)
+    spec = RingSpec("check", num_slots, batch_size, image_size, num_status, val_image_size,
+                    train_samples=samples[0], val_samples=samples[1])
+    check_shm_space(spec.nbytes)
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class Build:
     max_bad_fraction: float
     val_image_size: int | None = None
     max_in_flight: int = MAX_IN_FLIGHT  # parts a producer may hold
+    ramp: SizeRamp | None = None  # training's side by epoch (`--image-size-ramp`), `image_size` its largest
 
     @property
     def total_files(self) -> int:
@@ -173,9 +177,10 @@ class EngineSpec:
         # A map-style dataset's items are the images as they are: resized, never cropped or flipped.
         augment = "none" if isinstance(samples.train, DatasetSource) else data.augment
         image_size = samples.image_size or data.resolved_image_size
+        ramp = data.size_ramp
         build = Build(samples.train, samples.val, augment, seed, batch_size or feed.batch_size, image_size,
                       num_slots, producer_timeout_s=feed.producer_timeout_s, max_bad_fraction=data.max_bad_fraction,
-                      val_image_size=data.val_image_size or image_size, max_in_flight=held)
+                      val_image_size=data.val_image_size or image_size, max_in_flight=held, ramp=ramp)
         return cls(build, counts)
 
     def holding(self, batch_size: int) -> EngineSpec:
@@ -221,7 +226,7 @@ class Engine:
         self.closed = False
         sweep_dead_segments()
         self.ring = SlotRing.create(build.num_slots, build.batch_size, build.image_size, budget, build.val_image_size,
-                                    build.sample_counts)
+                                    build.ramp, build.sample_counts)
         self.assembler = Assembler(self.ring, self._parts_for(counts.initial))
         try:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.

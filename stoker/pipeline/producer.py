@@ -243,7 +243,8 @@ def build_batch(part: Part, setup: ProducerSetup, ring: SlotRing, status: np.nda
     source = setup.train if batch_plan.kind == "train" else setup.val
     assert source is not None, "validation work is scheduled only when there is a validation split"
     augment = setup.augment if batch_plan.kind == "train" else "none"
-    images, labels, ids = ring.images_of(batch_plan.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]
+    images = ring.images_of(batch_plan.kind, batch_plan.epoch)[part.slot]  # at its epoch's side (`--image-size-ramp`)
+    labels, ids = ring.labels[part.slot], ring.ids[part.slot]
     loaded = ring.loaded_of(batch_plan.kind)
     reads = reads or ReadClock()
     count = part.first
@@ -292,9 +293,10 @@ def compact_slot(part: Part, ring: SlotRing, status: np.ndarray) -> int:
     move down and each part's rows are read before any later part's are written, so one pass suffices."""
     status[:] = (part.part_id, part.compact[0][0], time.monotonic_ns())
     row = 0
+    images = ring.images_of(part.batch_plan.kind, part.batch_plan.epoch)[part.slot]
     for first, count in part.compact:
         if first != row:
-            for array in (ring.images_of(part.batch_plan.kind)[part.slot], ring.labels[part.slot], ring.ids[part.slot]):
+            for array in (images, ring.labels[part.slot], ring.ids[part.slot]):
                 array[row:row + count] = array[first:first + count]  # numpy copies overlapping ranges safely
         row += count
     ring.counts[part.slot] = row
@@ -306,7 +308,7 @@ def _copy_ready_made(part: Part, ring: SlotRing) -> int:
     is written from one small source, as the decoder writes each sample from the image it just made; a whole
     ready-made batch as the source would add a 9.6 MB read from memory per batch that no real producer does
     (measured: the producer's part of a batch took 0.56 ms that way, 0.30 ms this way)."""
-    images = ring.images_of(part.batch_plan.kind)[part.slot]
+    images = ring.images_of(part.batch_plan.kind, part.batch_plan.epoch)[part.slot]
     rows = slice(part.first, part.end)
     np.copyto(images[rows], _ready_made(images.shape[1:]))
     ring.labels[part.slot, rows] = 0

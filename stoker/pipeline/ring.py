@@ -23,6 +23,8 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from stoker.common.choices import SizeRamp
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
@@ -45,6 +47,7 @@ class RingSpec:
     image_size: int
     num_status: int
     val_image_size: int | None = None  # None: validation at `image_size` (`--val-image-size`)
+    ramp: SizeRamp | None = None  # training's side by epoch (`--image-size-ramp`), `image_size` its largest
     train_samples: int = 0  # the sources' sizes: a mark per sample, `SlotRing.loaded_of`
     val_samples: int = 0
 
@@ -58,8 +61,14 @@ class RingSpec:
         hands out whichever slot is free), so each holds the larger of the two."""
         return max(self.image_size, self.val_size)
 
-    def side(self, kind: str) -> int:
-        return self.val_size if kind == "val" else self.image_size
+    def side(self, kind: str, epoch: int | None = None) -> int:
+        """The side of a batch of this kind; with a ramp, a training batch's is its epoch's."""
+        if kind == "val":
+            return self.val_size
+        if self.ramp is None:
+            return self.image_size
+        assert epoch is not None, "a ramped ring's training side depends on the epoch"
+        return self.ramp.size_at(epoch)
 
     def _layout(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
         s, b, px = self.num_slots, self.batch_size, self.slot_side
@@ -113,9 +122,16 @@ class SlotRing:
             self.pixels, shape=(self.spec.num_slots, self.spec.batch_size, side, side, 3),
             strides=(self.pixels.strides[0], sample, side * 3, 3, 1), writeable=True)
 
-    def images_of(self, kind: str) -> np.ndarray:
-        """The view a batch of this kind ("train" or "val") is written and read through."""
-        return self.val_images if kind == "val" else self.images
+    def images_of(self, kind: str, epoch: int | None = None) -> np.ndarray:
+        """The view a batch of this kind ("train" or "val") of `epoch` is written and read through: with
+        `--image-size-ramp` a training batch is contiguous at its epoch's side from the slot's start, as a
+        validation batch is at its own."""
+        if kind == "val":
+            return self.val_images
+        if self.spec.ramp is None:
+            return self.images
+        side = self.spec.side(kind, epoch)
+        return self.images if side == self.spec.image_size else self._images_at(side)
 
     def loaded_of(self, kind: str) -> np.ndarray:
         """By sample id, the byte length of the sample's file when a producer last loaded it whole and strictly
@@ -126,11 +142,12 @@ class SlotRing:
 
     @classmethod
     def create(cls, num_slots: int, batch_size: int, image_size: int, num_status: int,
-               val_image_size: int | None = None, samples: tuple[int, int] = (0, 0)) -> SlotRing:
+               val_image_size: int | None = None, ramp: SizeRamp | None = None,
+               samples: tuple[int, int] = (0, 0)) -> SlotRing:
         """`samples`: how many the training and validation sources hold (a `loaded_of` mark each)."""
         for _ in range(3):  # a start's sweep may take the segment between its creation and our lock: rare
             name = f"{NAME_PREFIX}{os.getpid()}_{secrets.token_hex(4)}"
-            spec = RingSpec(name, num_slots, batch_size, image_size, num_status, val_image_size, *samples)
+            spec = RingSpec(name, num_slots, batch_size, image_size, num_status, val_image_size, ramp, *samples)
             check_shm_space(spec.nbytes)
             segment = shared_memory.SharedMemory(name=name, create=True, size=spec.nbytes)
             ring = cls(spec, segment, owner=True)

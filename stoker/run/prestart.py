@@ -165,6 +165,8 @@ def _epoch_plan(config: TrainConfig, data: Data, machines: Cluster, one_batch: b
 def _check_model(config: TrainConfig, classes: int) -> None:
     """The model builds for the classes and sizes given, `--init` fits it, and the head multiplier finds a head."""
     check_model(config.model, classes, config.resolved_image_size)
+    if config.size_ramp is not None and config.size_ramp.low != config.resolved_image_size:
+        check_model(config.model, classes, config.size_ramp.low, "image_size_ramp")
     if config.resolved_val_image_size != config.resolved_image_size:
         check_model(config.model, classes, config.resolved_val_image_size, "val_image_size")
     if config.init is not None and config.resume is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stoker.common.choices import SizeRamp
 from stoker.common.config import (
     BUILTIN_IMAGE_SIZE,
     DEFAULT_IMAGE_SIZE,
@@ -70,7 +71,10 @@ def setting_differences(recorded: Any, config: TrainConfig) -> list[str]:
 
 
 def _image_size(recorded: dict[str, Any]) -> Any:
-    """The resolution the recorded run trained at (an unset image size depends on whether data was given)."""
+    """The largest resolution the recorded run trained at (an unset image size depends on whether data was given;
+    a ramp's is its MAX)."""
+    if isinstance(recorded.get("image_size_ramp"), str):
+        return SizeRamp.parse(recorded["image_size_ramp"]).high
     if recorded.get("image_size") is not None:
         return recorded["image_size"]
     return BUILTIN_IMAGE_SIZE if recorded.get("data") is None else DEFAULT_IMAGE_SIZE

@@ -248,7 +248,7 @@ class Replica:
             return
         warmup.warm_up(self.model, self.forward, self.precision, self.device, setup.ring.batch_size,
                        setup.ring.image_size, setup.num_classes, setup.devices.channels_last, setup.ring.val_size,
-                       setup.one_sample)
+                       setup.one_sample, setup.ring.ramp.sizes if setup.ring.ramp is not None else ())
         if not setup.joining:
             warmup.wait_for_peers(self.store, "compiled", setup.world_size, self._check_alive)
 
@@ -438,7 +438,7 @@ class Replica:
         if self.first_wait_s is None:
             self.first_wait_s, wait_s = wait_s, 0.0  # waiting for the very first batch is start-up, not a stall
         self.clock.begin(wait_s)
-        images, labels, ids = self.loader.take(batch.slot, self._release, fed=self.clock.fed)
+        images, labels, ids = self.loader.take(batch.slot, self._release, fed=self.clock.fed, epoch=batch.epoch)
         self.averager.begin_step(batch.global_step, len(ids), batch.step_samples, self.optimizer)
         loss = None
         if len(ids):

@@ -63,9 +63,11 @@ class DeviceLoader:
         self.turn = 0
 
     def take(self, slot: int | None, release: Callable[[int], None], kind: Kind = "train",
-             fed: Callable[[], None] = lambda: None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+             fed: Callable[[], None] = lambda: None,
+             epoch: int | None = None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         """The batch in `slot` on the device; `release(slot)` is called as soon as the slot may be refilled. `kind`
-        says which side the slot's images have (`--val-image-size`). `fed()` is called once the compute stream
+        and `epoch` say which side the slot's images have (`--val-image-size`, `--image-size-ramp`; the epoch
+        matters only with a ramp). `fed()` is called once the compute stream
         waits for the batch's copy, before the normalization: a step's start event goes there, so the
         normalization's kernels count as the step's compute (on the CPU, where a step starts when the host has its
         batch, it is called last)."""
@@ -74,7 +76,7 @@ class DeviceLoader:
             return torch.empty(0), torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
         count = int(self.ring.counts[slot])
         ids = self.ring.ids[slot, :count].copy()
-        pixels = self.ring.images_of(kind)[slot, :count]
+        pixels = self.ring.images_of(kind, epoch)[slot, :count]
         if not self.staging:
             labels = torch.from_numpy(self.ring.labels[slot, :count].copy())
             images = self._normalize(torch.from_numpy(pixels))  # the copy out of the slot

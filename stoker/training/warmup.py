@@ -29,13 +29,15 @@ POLL_S = 0.05
 
 def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], precision: MixedPrecision,
             device: torch.device, batch_size: int, image_size: int, num_classes: int, channels_last: bool,
-            val_image_size: int | None = None, one_sample: tuple[bool, bool] = (True, True)) -> None:
+            val_image_size: int | None = None, one_sample: tuple[bool, bool] = (True, True),
+            ramp_sizes: tuple[int, ...] = ()) -> None:
     """Run the compiled `forward` (and its backward) in train and eval mode, batch dimension dynamic, and in eval
     mode at `val_image_size` too (--val-image-size: validation's own shape); the model's parameters, buffers,
     gradients and the random state come out as they went in. `one_sample`: whether the run's plan can give a
     training share, and a validation batch, of one sample (`EpochPlan.one_sample_batches`): size 1 is warmed up
     only in the modes where it can occur. A BatchNorm cannot train on one value per channel (a 1x1 last stage, a
-    BatchNorm1d head), so a run that never meets such a batch must not fail on one at its warm-up."""
+    BatchNorm1d head), so a run that never meets such a batch must not fail on one at its warm-up. `ramp_sizes`:
+    the other sides training reaches (`--image-size-ramp`), each a shape of its own, trained at too."""
     startup.phase(startup.COMPILING)
     saved = [tensor.detach().clone() for tensor in (*model.parameters(), *model.buffers())]
     rng = torch.get_rng_state()
@@ -50,9 +52,11 @@ def warm_up(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], p
                 labels = torch.arange(size, device=device) % max(1, num_classes)
                 torch._dynamo.maybe_mark_dynamic(labels, 0)
                 model.train()
-                with precision.autocast():
-                    loss = F.cross_entropy(forward(images[0]), labels)
-                loss.backward()
+                ramped = [_dummy(size, side, device, memory_format) for side in ramp_sizes if side != image_size]
+                for batch in (images[0], *ramped):
+                    with precision.autocast():
+                        loss = F.cross_entropy(forward(batch), labels)
+                    loss.backward()
             if evaluate:
                 model.eval()
                 with torch.no_grad(), precision.autocast():

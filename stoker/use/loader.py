@@ -190,7 +190,7 @@ class Loader:
                  max_bad_fraction: float = default_of("max_bad_fraction"),
                  channels_last: bool = default_of("channels_last"), image_column: str | None = None,
                  label_column: str | None = None, cache_dir: str | Path | None = None, cache_size: str | None = None,
-                 metrics_file: str | Path | None = None) -> None:
+                 image_size_ramp: str | None = None, metrics_file: str | Path | None = None) -> None:
         """Every argument but `data`, `device` and `metrics_file` is `stoker train`'s setting of the same name, with
         its default, checked by the same section (the same value gets the same message). `device`: None, 'auto',
         'cpu', 'cuda' or 'cuda:N'. `metrics_file`: where the engine's events go as JSON lines."""
@@ -208,8 +208,11 @@ class Loader:
         """The samples, and this loader's books and place in them."""
         copies = local_copies(data_settings.cache_dir, data_settings.cache_bytes)
         columns = Columns(data_settings.image_column, data_settings.label_column)
-        self.source, self.image_size, self.classes, self.refused = _open_data(data, data_settings.image_size, copies,
-                                                                               columns)
+        largest = data_settings.resolved_image_size if data_settings.size_ramp else data_settings.image_size
+        self.source, self.image_size, self.classes, self.refused = _open_data(data, largest, copies, columns)
+        if data_settings.size_ramp is not None and isinstance(self.source, DatasetSource):
+            raise ValueError(f"image_size_ramp={data_settings.image_size_ramp!r}: a map-style dataset's items keep "
+                             "their own size; the ramp resizes decoded files (a folder, shards or Parquet)")
         self.paths: Sequence[str] = self.source.paths  # what names position i: a file, SHARD.tar:KEY, Dataset[i]
         self.sampler = EpochSampler(self)
         self.epoch = 0
@@ -462,21 +465,22 @@ class Loader:
         """Out of the slot into tensors of their own (a batch stays valid after the next one), slot handed back."""
         engine = self._require_engine()
         if self.feed is not None:
-            images, labels, ids = self.feed.take(batch.slot, engine.release)
+            images, labels, ids = self.feed.take(batch.slot, engine.release, epoch=batch.epoch)
         else:
-            images, labels, ids = self._host_copy(batch.slot)
+            images, labels, ids = self._host_copy(batch.slot, batch.epoch)
         engine.dispatch()  # the freed slot is refilled while the user trains
         return images, labels, ids
 
-    def _host_copy(self, slot: int | None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    def _host_copy(self, slot: int | None, epoch: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
         engine = self._require_engine()
         ring = engine.ring
+        side = ring.spec.side("train", epoch)  # the epoch's, with image_size_ramp
         if slot is None:  # this rank has no sample in a short last step
-            empty = torch.empty((0, 3, self.image_size, self.image_size), dtype=torch.uint8)
+            empty = torch.empty((0, 3, side, side), dtype=torch.uint8)
             return empty, torch.empty(0, dtype=torch.int64), np.zeros(0, dtype=np.int64)
         count = int(ring.counts[slot])
-        images = torch.empty((count, self.image_size, self.image_size, 3), dtype=torch.uint8, pin_memory=self._pin)
-        np.copyto(images.numpy(), ring.images[slot, :count])
+        images = torch.empty((count, side, side, 3), dtype=torch.uint8, pin_memory=self._pin)
+        np.copyto(images.numpy(), ring.images_of("train", epoch)[slot, :count])
         labels = torch.from_numpy(ring.labels[slot, :count].copy())
         ids = ring.ids[slot, :count].copy()
         engine.release(slot)

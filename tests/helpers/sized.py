@@ -1,7 +1,9 @@
 """A model that writes down every input it sees (process, train or eval mode, shape) to the file named by
 STOKER_TEST_SHAPES: the --val-image-size test reads what the consumer trained and validated on
-(loaded through --model sized:recording_cnn)."""
+(loaded through --model sized:recording_cnn). With STOKER_TEST_DIGESTS it also writes each input's SHA-256 there,
+in the same order (the --image-size-ramp resume test compares the bytes two runs trained on)."""
 
+import hashlib
 import multiprocessing
 import os
 
@@ -18,6 +20,10 @@ class RecordingCnn(nn.Module):
         with open(os.environ["STOKER_TEST_SHAPES"], "a") as record:
             mode = "train" if self.training else "eval"
             record.write(f"{multiprocessing.current_process().name}|{mode}|{tuple(images.shape)}\n")
+        if "STOKER_TEST_DIGESTS" in os.environ:
+            with open(os.environ["STOKER_TEST_DIGESTS"], "a") as record:
+                digest = hashlib.sha256(images.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+                record.write(f"{multiprocessing.current_process().name}|{mode}|{digest}\n")
         return self.body(images)
 
 

@@ -128,6 +128,31 @@ def test_compile_warm_up_covers_every_shape_a_run_meets_and_leaves_the_model_as_
     torch._dynamo.reset()
 
 
+def test_compile_warm_up_covers_every_side_of_an_image_size_ramp():
+    """Training steps at the other sides an --image-size-ramp reaches (here 16 and 24 px, the ring's side 32; the
+    consumer passes `SizeRamp.sizes`) compile nothing after the warm-up either."""
+    import torch._dynamo
+
+    from stoker.training import accel, warmup
+
+    torch._dynamo.reset()
+    model = build_model("resnet8", 10)
+    flatten_float_state(model)
+    compiles, backend = _count_compiles()
+    forward = accel.compiled(model, threads=1, backend=backend)
+    precision = accel.MixedPrecision("fp32", torch.device("cpu"))
+    warmup.warm_up(model, forward, precision, torch.device("cpu"), 8, 32, 10, channels_last=True,
+                   ramp_sizes=(16, 24, 32))
+    after_warm_up = compiles[0]
+    model.train()
+    for side in (16, 24):
+        for size in (8, 5, 1):
+            images = torch.randn(size, 3, side, side).contiguous(memory_format=torch.channels_last)
+            F.cross_entropy(forward(images), torch.zeros(size, dtype=torch.int64)).backward()
+    assert compiles[0] == after_warm_up
+    torch._dynamo.reset()
+
+
 
 def _counting_aot_backend() -> tuple[list[int], object]:
     """aot_eager that counts its forward graphs: AOTAutograd runs over the real model (functionalization, the
