@@ -66,7 +66,7 @@ def test_the_setting_sizes_training_and_validation_and_is_checked_by_name():
 @pytest.fixture()
 def ramped():
     ring = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=48, num_status=1, val_image_size=24,
-                           ramp=SizeRamp.parse("16:48@0-2"))
+                           ramp=SizeRamp.parse("16:48@0-2"), samples=(BATCH, BATCH))
     yield ring
     ring.close()
 
@@ -77,7 +77,7 @@ def test_each_epochs_batch_is_the_fixed_sides_batch(pictures, ramped):  # noqa: 
     for epoch, side in ((0, 16), (1, 32), (2, 48), (7, 48)):
         work = BatchPlan("train", epoch, 0, 0, np.arange(BATCH, dtype=np.int64)[::-1].copy(), BATCH)
         build_batch(Part(epoch, work, 0), setup, ramped, ramped.status[0])
-        plain = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=side, num_status=1)
+        plain = SlotRing.create(num_slots=2, batch_size=BATCH, image_size=side, num_status=1, samples=(BATCH, BATCH))
         try:
             build_batch(Part(epoch, work, 0), ProducerSetup(plain.spec, source, source, "standard", seed=0), plain,
                         plain.status[0])
