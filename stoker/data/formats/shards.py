@@ -46,7 +46,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
-from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, too_large
+from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, RAW_EXTENSION, too_large
 from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,8 @@ CLASSES_FILE = "classes.json"
 TAR_BLOCK = 512
 _ZERO_BLOCK = bytes(TAR_BLOCK)
 _PLAIN_KINDS = (b"0", b"\0", b"5", b"7")  # regular file (three spellings) and directory
-IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
+# An image member: a file's extension, or the raw pixels `stoker pack --raw-max-side` stores (imaging.raw_pixels)
+IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in (*IMAGE_EXTENSIONS, RAW_EXTENSION))
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _OCTAL = re.compile(rb"[0-7]+")  # a size field: int(_, 8) would also take '-1000', '+7' and '1_0'
