@@ -13,3 +13,23 @@ def test_every_set_is_timed_with_both_decoders_and_the_stages_add_up():
     for row in rows:
         assert row["images"] == 6 and len(row["passes"]) == 2
         assert 0 < row["stage_ms_per_image"] <= row["cpu_ms_per_image"] * 1.01
+
+
+def test_the_command_times_the_raw_pixel_pack_beside_the_jpeg_ones_with_their_shard_bytes(tmp_path):
+    import json
+
+    from tests.conftest import run_cli
+
+    for index in range(4):
+        folder = tmp_path / "photos" / f"class{index % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{index}.jpg").write_bytes(photograph_jpeg(index % 2, False))
+    run_cli("bench", "decode", "--data", str(tmp_path / "photos"), "--max-side", "64", "--raw-max-side", "64",
+            "--passes", "1", "--image-size", "32", "--json", str(tmp_path / "decode.json"))
+    rows = {(row["set"], row["decoder"]): row for row in json.loads((tmp_path / "decode.json").read_text())["rows"]}
+    raw = rows["--max-side 64 --raw-max-side 64", "whole"]
+    assert raw["images"] == 4 and rows["original", "crop-aware"]["images"] == 4
+    shards = {name: row["shard_bytes"] for (name, _), row in rows.items()}
+    # 64x43 pixels: 8 KiB raw, between the small JPEGs and the original 640x427 photographs
+    assert all(row["read_ms_per_image"] > 0 for row in rows.values())
+    assert shards["--max-side 64"] < shards["--max-side 64 --raw-max-side 64"] < shards["original"]
