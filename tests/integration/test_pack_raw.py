@@ -16,7 +16,7 @@ from PIL import Image
 
 import stoker
 from stoker.data.pixels import imaging
-from tests.conftest import photograph_jpeg, run_cli
+from tests.conftest import assert_same_weights, photograph_jpeg, read_summary, run_cli
 
 MAX_SIDE, RAW_MAX_SIDE = 96, 90
 SIZES = [(200, 150), (150, 200), (90, 60), (70, 70)]  # (width, height): shrunk to 96 and stored as JPEG; raw
@@ -135,3 +135,19 @@ def test_a_damaged_raw_member_is_refused_and_named_and_the_epoch_goes_on(packed,
     assert listed.keys() == set(cut)
     assert all(reason.startswith("truncated: raw pixels of") for reason in listed.values())
     assert len({i for e, batch in ids if e == 1 for i in batch}) == 30
+
+
+def test_stoker_train_on_raw_members_resumes_exactly_with_other_producers(packed, tmp_path):
+    """Interrupted at step 5 of 32 (2 epochs of 32 in batches of 2) with 1 producer, resumed with 3: bitwise the
+    weights of the run that was never stopped."""
+    common = ("--data", str(packed), "--epochs", "2", "--seed", "3", "--batch-size", "2", "--image-size", "32",
+              "--quiet")
+    run_cli("train", *common, "--producers", "1", "--out", str(tmp_path / "straight"))
+    stopped = run_cli("train", *common, "--producers", "1", "--out", str(tmp_path / "resumed"),
+                      env={"STOKER_FAULT": "consumer:interrupt-parent:rank=0,step=5;"}, check=False)
+    assert stopped.returncode == 130, stopped.stderr[-2000:]
+    run_cli("train", "--resume", str(tmp_path / "resumed"), "--producers", "3", "--quiet")
+    summary = read_summary(tmp_path / "resumed")
+    assert summary["status"] == "completed" and 5 < summary["start_step"] < 32
+    assert summary["duplicate_samples"] == 0 and summary["missing_samples"] == 0 and summary["skipped_files"] == []
+    assert_same_weights(tmp_path / "straight", tmp_path / "resumed")
