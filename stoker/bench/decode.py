@@ -1,23 +1,28 @@
 """`stoker bench decode`: CPU milliseconds per image of decode + RandomResizedCrop + flip into a preallocated slot,
 the producer's own work, crop-aware against whole-image decoding, on a folder's JPEGs as they are and packed with
-`stoker pack --max-side`, at one or several training sides (`--image-size 160 192 224`: what a lower side, or
-`--image-size-ramp`, saves the feed). One process, one thread, the passes of every variant interleaved; each figure
-is the median over passes of the process's CPU time per image, beside the stage clocks (`imaging.StageClock`) of
-the same passes, whose sum must come within 10% of it."""
+`stoker pack --max-side` (and `--raw-max-side`: small images as raw pixels), beside the bytes each set's shards
+take, at one or several training sides (`--image-size 160 192 224`: what a lower side, or `--image-size-ramp`, saves
+the feed). "crop-aware, loaded before" is a file's load from its second on (the ring's `loaded_of` mark: the scan
+below the box unread). One process, one thread, the passes of every variant interleaved; each figure is the median
+over passes of the process's CPU time per image, beside the stage clocks (`imaging.StageClock`) of the same passes,
+whose sum must come within 10% of it."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tarfile
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 EXTENSIONS = (".jpg", ".jpeg")
+PACKED = (*EXTENSIONS, ".npy")  # the image members of a pack: JPEGs, and raw pixels
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -27,6 +32,8 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
                                                                   "of `stoker bench pipeline --generate`)")
     parser.add_argument("--max-side", type=int, nargs="*", default=[256], help="also pack the folder at these sides "
                                                                               "(default 256)")
+    parser.add_argument("--raw-max-side", type=int, nargs="*", default=[256], help="also pack the folder at each "
+                        "--max-side with these --raw-max-side (default 256: every image of a --max-side 256 set)")
     parser.add_argument("--image-size", type=int, nargs="+", default=[224], help="training sides, measured "
                                                                                  "interleaved (default 224)")
     parser.add_argument("--passes", type=int, default=3)
@@ -35,15 +42,21 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sets = {"original": _folder_jpegs(args.data)}
     with tempfile.TemporaryDirectory(prefix="stoker-bench-decode-") as scratch:
+        sets = {"original": _packed(args.data, Path(scratch) / "original", None, None, _folder_jpegs(args.data))}
         for side in args.max_side:
-            sets[f"--max-side {side}"] = _packed_jpegs(args.data, Path(scratch) / str(side), side)
-    rows = measure(sets, args.image_size, args.passes)
+            sets[f"--max-side {side}"] = _packed(args.data, Path(scratch) / str(side), side, None)
+            for raw in args.raw_max_side:
+                sets[f"--max-side {side} --raw-max-side {raw}"] = _packed(args.data, Path(scratch) / f"{side}-{raw}",
+                                                                            side, raw)
+        reads = {name: read_ms_per_image(packed.places, args.passes) for name, packed in sets.items()}
+    rows = measure({name: packed.images for name, packed in sets.items()}, args.image_size, args.passes)
     for row in rows:
-        print(f"{row['image_size']:>4} px {row['set']:<16} {row['decoder']:<11} {row['cpu_ms_per_image']:6.3f} "
+        row["shard_bytes"], row["read_ms_per_image"] = sets[row["set"]].shard_bytes, reads[row["set"]]
+        print(f"{row['image_size']:>4} px {row['set']:<34} {row['decoder']:<26} {row['cpu_ms_per_image']:6.3f} "
               f"ms/image (stages {row['stage_ms_per_image']:.3f}: decode {row['decode_ms_per_image']:.3f}, crop "
-              f"and resize {row['resize_ms_per_image']:.3f}; passes {' '.join(f'{v:.3f}' for v in row['passes'])})")
+              f"and resize {row['resize_ms_per_image']:.3f}; passes {' '.join(f'{v:.3f}' for v in row['passes'])}); "
+              f"shards {row['shard_bytes'] / 1e6:.1f} MB, pread {row['read_ms_per_image']:.3f} ms/image")
     if args.json:
         args.json.write_text(json.dumps({"image_size": args.image_size, "passes": args.passes, "rows": rows},
                                         indent=1) + "\n")
@@ -57,16 +70,44 @@ def _folder_jpegs(folder: Path) -> list[bytes]:
     return [p.read_bytes() for p in files]
 
 
-def _packed_jpegs(folder: Path, out: Path, side: int) -> list[bytes]:
+@dataclass
+class Packed:
+    images: list[bytes]  # what is timed
+    shard_bytes: int
+    places: list[tuple[Path, int, int]]  # (shard, offset, size) of each image member
+
+
+def _packed(folder: Path, out: Path, side: int | None, raw: int | None, images: list[bytes] | None = None) -> Packed:
+    """The image members of `folder` packed with these --max-side and --raw-max-side (`images`, where given, are
+    timed instead: the folder's own files), the bytes its shards take and where each member lies."""
     from stoker.data.formats.pack import Shrink, pack
 
-    found = []
-    for shard in pack(folder, out, 1 << 40, shrink=Shrink(side)):
+    found, places = [], []
+    shards = pack(folder, out, 1 << 40, shrink=Shrink(side, raw_max_side=raw) if side or raw else None)
+    for shard in shards:
         with tarfile.open(shard) as archive:
             for member in archive.getmembers():
-                if member.name.lower().endswith(EXTENSIONS):
+                if member.name.lower().endswith(PACKED):
                     found.append(archive.extractfile(member).read())  # type: ignore[union-attr]
-    return found
+                    places.append((shard, member.offset_data, member.size))
+    return Packed(images if images is not None else found, sum(shard.stat().st_size for shard in shards), places)
+
+
+def read_ms_per_image(places: list[tuple[Path, int, int]], passes: int) -> float:
+    """CPU ms per image of a producer's read of a member from a shard in the page cache (one pread): the part of
+    a sample's cost that grows with its bytes. The first pass fills the cache and is not counted."""
+    spent = []
+    handles = {path: os.open(path, os.O_RDONLY) for path in {path for path, _, _ in places}}
+    try:
+        for _ in range(passes + 1):
+            started = time.process_time()
+            for path, offset, size in places:
+                os.pread(handles[path], size, offset)
+            spent.append(time.process_time() - started)
+    finally:
+        for handle in handles.values():
+            os.close(handle)
+    return round(statistics.median(spent[1:]) * 1000 / max(1, len(places)), 4)
 
 
 def measure(sets: dict[str, list[bytes]], sizes: Sequence[int], passes: int) -> list[dict[str, Any]]:
@@ -75,17 +116,19 @@ def measure(sets: dict[str, list[bytes]], sizes: Sequence[int], passes: int) -> 
     from stoker.data.pixels import imaging
 
     crop_aware = imaging._jpegcrop
-    decoders = {"crop-aware": crop_aware, "whole": None} if crop_aware is not None else {"whole": None}
+    decoders: dict[str, tuple[Any, bool]] = {"whole": (None, False)}  # name: (the extension or None, checked_before)
+    if crop_aware is not None:
+        decoders = {"crop-aware": (crop_aware, False), "crop-aware, loaded before": (crop_aware, True), **decoders}
     seconds: dict[tuple[int, str, str], list[tuple[float, float, float]]] = {}
     try:
         for number in range(passes):
             for (size, name, decoder) in [(z, n, d) for z in sizes for n in sets for d in decoders]:
-                imaging._jpegcrop = decoders[decoder]  # type: ignore[assignment]
+                imaging._jpegcrop, checked_before = decoders[decoder]
                 out = np.empty((size, size, 3), np.uint8)
                 rng, clock = np.random.default_rng(number), imaging.StageClock()
                 started = time.process_time()
                 for data in sets[name]:
-                    imaging.load_into(data, out, "standard", rng, clock)
+                    imaging.load_into(data, out, "standard", rng, clock, checked_before)
                 spent = time.process_time() - started
                 seconds.setdefault((size, name, decoder), []).append((spent, clock.decode, clock.resize))
     finally:

@@ -7,6 +7,8 @@ import contextlib
 import io
 import shlex
 
+import pytest
+
 from stoker.cli import main
 from stoker.data.formats.folders import scan_image_folder
 from stoker.data.sources import load_source
@@ -62,6 +64,16 @@ def test_pack_help_says_what_its_positionals_and_shard_size_take():
 def test_max_side_and_quality_are_checked_before_anything_is_written(textures, tmp_path, capsys):
     train, _ = textures
     for flags, said in ((["--quality", "80"], "give --max-side too"), (["--max-side", "0"], "--max-side 0: expected"),
-                        (["--max-side", "64", "--quality", "101"], "--quality 101: expected")):
+                        (["--max-side", "64", "--quality", "101"], "--quality 101: expected"),
+                        (["--raw-max-side", "0"], "--raw-max-side 0: expected a length in pixels from 1 to 4096"),
+                        (["--raw-max-side", "4097"], "--raw-max-side 4097: expected a length in pixels from 1 to"),
+                        (["--raw-max-side", "64", "--quality", "80"], "give --max-side too")):
         assert main(["pack", str(train), str(tmp_path / "out"), *flags]) == 2
         assert said in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_a_raw_max_side_that_is_no_number_is_refused_naming_the_flag(textures, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["pack", str(textures[0]), str(tmp_path / "out"), "--raw-max-side", "64px"])
+    assert stopped.value.code == 2 and not (tmp_path / "out").exists()
+    assert "argument --raw-max-side: invalid int value: '64px'" in capsys.readouterr().err

@@ -383,3 +383,14 @@ def test_what_data_names_is_said_plainly(tmp_path):
     (tmp_path / "binary").write_bytes(b"\xff\xfe\x00junk")
     with pytest.raises(ValueError, match="not UTF-8 text"):
         shard_paths(tmp_path / "binary")
+
+
+def test_a_npy_member_is_the_image_only_of_a_key_without_an_image_file(tmp_path):
+    """`stoker pack --raw-max-side` stores KEY.npy alone; beside KEY.jpg a .npy is another field (features, say),
+    used by nothing and listed as nothing, whichever comes first."""
+    write_tar(tmp_path / "a.tar", [("raw.npy", b"pixels"), ("raw.cls", b"0"),
+                                   ("both.npy", b"features"), ("both.jpg", b"jpeg"), ("both.cls", b"1"),
+                                   ("jpeg.jpg", b"jpeg 2"), ("jpeg.npy", b"features 2"), ("jpeg.cls", b"1")])
+    index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
+    assert [index.read(i) for i in range(len(index))] == [b"pixels", b"jpeg", b"jpeg 2"]
+    assert not index.skipped

@@ -2,8 +2,9 @@
 
 Samples go in the folder's index order, so sample i of the shards is sample i of the folder (the same training run
 either way), with headers that carry no time or owner (the same bytes whatever `--workers`); `--max-side` stores the
-larger images smaller. A pack is written whole or not at all: into a hidden folder renamed to OUT_DIR at the end (an
-`s3://` prefix: uploaded, the index last), so an interrupted pack never trains as if complete. Each file is decoded
+larger images smaller, `--raw-max-side` the small ones as raw pixels. A pack is written whole or not at all: into a
+hidden folder renamed to OUT_DIR at the end (an `s3://` prefix: uploaded, the index last), so an interrupted pack
+never trains as if complete. Each file is decoded
 once as it is packed: one that cannot be is packed all the same (training skips and lists it), logged and counted
 in what pack prints. Keys, `index.json` and the upload order: docs/contracts.md, the command line."""
 
@@ -48,19 +49,38 @@ DEFAULT_QUALITY = 90  # --max-side's JPEGs: FFCV's and most ImageNet copies' qua
 Member = tuple[str, str, int]  # (source file, key, label)
 
 
+# A raw image holds 3 bytes a pixel: 4096 x 4096 is 48 MiB, under the MAX_SAMPLE_BYTES one sample may hold.
+MAX_RAW_SIDE = 4096
+
+
 @dataclass(frozen=True)
 class Shrink:
-    """`--max-side`, `--quality`: images whose longer side exceeds `max_side` are stored as JPEGs at `quality`
-    with that longer side (what ImageNet trainers do once: a copy at 256-500 px); smaller ones are kept as they are."""
+    """How training images are stored. `--max-side`, `--quality`: those whose longer side exceeds `max_side` as
+    JPEGs at `quality` with that longer side (what ImageNet trainers do once: a copy at 256-500 px).
+    `--raw-max-side`: those whose longer side, after `max_side`, is `raw_max_side` or less as their RGB pixels
+    (a .npy member: no decode in training, FFCV's trick, for 3 bytes a pixel). The others are kept as they are."""
 
-    max_side: int
+    max_side: int | None
     quality: int = DEFAULT_QUALITY
+    raw_max_side: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_side < 1:
+        if self.max_side is not None and self.max_side < 1:
             raise ValueError(f"--max-side {self.max_side}: expected a length in pixels, 1 or more")
         if not 1 <= self.quality <= 100:
             raise ValueError(f"--quality {self.quality}: expected a JPEG quality from 1 to 100")
+        if self.raw_max_side is not None and not 1 <= self.raw_max_side <= MAX_RAW_SIDE:
+            raise ValueError(f"--raw-max-side {self.raw_max_side}: expected a length in pixels from 1 to "
+                             f"{MAX_RAW_SIDE} (raw pixels take 3 bytes each: {MAX_RAW_SIDE}x{MAX_RAW_SIDE} is 48 MiB)")
+
+    def stores_raw(self, size: tuple[int, int]) -> bool:
+        """Whether an image of header size `size` is stored as raw pixels."""
+        stored = max(size) if self.max_side is None else min(max(size), self.max_side)
+        return self.raw_max_side is not None and stored <= self.raw_max_side
+
+    def rewrites(self, size: tuple[int, int]) -> bool:
+        """Whether an image of header size `size` is stored other than as its file."""
+        return (self.max_side is not None and max(size) > self.max_side) or self.stores_raw(size)
 
 
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
@@ -216,19 +236,31 @@ def write_shard(target: Path, members: list[Member], shrink: Shrink | None = Non
             faults.simulated_delay(faults.READ_LATENCY_ENV)  # tests stretch a pack to signal it midway
             with open(path, "rb") as handle:
                 data = handle.read()
-            try:
-                imaging.load_into(data, probe, "none", None)  # as a producer decodes it
-                usable = True
-            except imaging.UnusableImage as error:
-                bad.append((path, str(error)))
-                usable = False
-            # a file training skips is stored as it is: never made into a clean JPEG by another decoder's rules
-            smaller = imaging.shrink(data, shrink.max_side, shrink.quality) if shrink is not None and usable else None
-            extension = ".jpg" if smaller is not None else os.path.splitext(path)[1].lower()
-            _add(archive, key + extension, data if smaller is None else smaller)
+            stored, extension, reason = _stored_form(data, shrink, probe)
+            if reason is not None:
+                bad.append((path, reason))
+            _add(archive, key + (extension or os.path.splitext(path)[1].lower()), stored)
             _add(archive, key + ".cls", str(label).encode())
     os.replace(temporary, target)
     return bad
+
+
+def _stored_form(data: bytes, shrink: Shrink | None, probe: np.ndarray) -> tuple[bytes, str | None, str | None]:
+    """(what the member holds, its extension where not the file's own, why the file cannot be decoded or None).
+    Each file is decoded once, as a producer decodes it: into `probe` where it is kept as it is, else whole for
+    `shrink` (that decode is the check). A file training skips is stored as it is: never made into a clean image
+    by another decoder's rules."""
+    size = imaging.stored_size(data) if shrink is not None else None
+    try:
+        if shrink is None or size is None or not shrink.rewrites(size):
+            imaging.load_into(data, probe, "none", None)
+            return data, None, None
+        pixels = imaging.shrunk_pixels(data, size, shrink.max_side)
+    except imaging.UnusableImage as error:
+        return data, None, str(error)
+    if shrink.stores_raw(size):
+        return imaging.encode_raw(pixels), imaging.RAW_EXTENSION, None
+    return imaging.encode_jpeg(pixels, shrink.quality), ".jpg", None
 
 
 def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -255,6 +287,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         "kept whole, at the resolution validation needs): less to decode each epoch")
     parser.add_argument("--quality", type=int, metavar="Q", help=f"JPEG quality of the images --max-side shrinks "
                         f"(default {DEFAULT_QUALITY})")
+    parser.add_argument("--raw-max-side", type=int, metavar="PX", help="store training images whose longer side "
+                        "(after --max-side) is PX or less as raw RGB pixels (.npy members: no decode each epoch, for "
+                        "3 bytes a pixel; --val kept as it is)")
     parser.set_defaults(run=pack_command)
 
 
@@ -289,11 +324,11 @@ def pack_command(args: argparse.Namespace) -> int:
 
 
 def _shrink(args: argparse.Namespace) -> Shrink | None:
-    if args.max_side is None:
-        if args.quality is not None:
-            raise ValueError("--quality is the quality of the images --max-side shrinks: give --max-side too")
+    if args.max_side is None and args.quality is not None:
+        raise ValueError("--quality is the quality of the images --max-side shrinks: give --max-side too")
+    if args.max_side is None and args.raw_max_side is None:
         return None
-    return Shrink(args.max_side, DEFAULT_QUALITY if args.quality is None else args.quality)
+    return Shrink(args.max_side, DEFAULT_QUALITY if args.quality is None else args.quality, args.raw_max_side)
 
 
 def _print_use(where: str, shards: list[Path], val_shards: list[Path], undecodable: int) -> None:

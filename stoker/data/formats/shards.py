@@ -46,7 +46,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
-from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, too_large
+from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, RAW_EXTENSION, too_large
 from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,9 @@ TAR_BLOCK = 512
 _ZERO_BLOCK = bytes(TAR_BLOCK)
 _PLAIN_KINDS = (b"0", b"\0", b"5", b"7")  # regular file (three spellings) and directory
 IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
+# The raw pixels `stoker pack --raw-max-side` stores (imaging.raw_pixels): a key's image where it has no image file.
+# Beside one, a .npy is another of the sample's fields (WebDataset shards carry features so) and is not looked at.
+RAW_SUFFIX = RAW_EXTENSION.lstrip(".")
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _OCTAL = re.compile(rb"[0-7]+")  # a size field: int(_, 8) would also take '-1000', '+7' and '1_0'
@@ -644,7 +647,7 @@ def _split_name(name: str) -> tuple[str, str, str]:
 
 def _sample(data, parts: dict[str, Member]) -> tuple[int, Member] | str:
     """(label, image member), or why these members are not a sample."""
-    image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), None)
+    image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), parts.get(RAW_SUFFIX))
     if image is None:
         return f"no image member (found {', '.join(sorted('.' + s for s in parts))})"
     if image[2] > MAX_SAMPLE_BYTES:

@@ -13,6 +13,7 @@ import io
 import logging
 import math
 import os
+import re
 import struct
 import threading
 import time
@@ -175,19 +176,34 @@ def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
 
 def _crop_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
                clock: StageClock | None, checked_before: bool = False) -> None:
+    if data[:2] == JPEG_MAGIC:
+        try:
+            _jpeg_into(data, out, augment, rng, clock, checked_before)
+            return
+        except _NeedsPillow:  # a CMYK/YCCK JPEG, checked strictly already
+            image = _pillow_pixels(data)
+    else:
+        image = whole_pixels(data)
+    box, flip = choose_box(image.shape[0], image.shape[1], augment, rng)  # every draw after the decode
+    resize_box_into(image, box, flip, out, clock)
+
+
+def whole_pixels(data: bytes, min_height: int = 0, min_width: int = 0) -> np.ndarray:
+    """The whole image as RGB (H, W, 3) uint8, as training decodes it, a JPEG at the smallest SIMD scale at least
+    min_height x min_width; UnusableImage where training refuses it. A raw member is its own pixels, not copied."""
     if not data:
         raise UnusableImage("empty file")
+    if data[:len(NPY_MAGIC)] == NPY_MAGIC:
+        return raw_pixels(data)
     chunks = png_chunks(data) if data[:8] == PNG_MAGIC else None
     try:
         if data[:2] == JPEG_MAGIC:
-            _jpeg_into(data, out, augment, rng, clock, checked_before)
-            return
+            return _jpeg_whole(data, min_height, min_width)
         if _is_plain_png(data):
-            _png_into(data, out, augment, rng, clock)
-            return
+            return _png_pixels(data)
     except _NeedsPillow:
         pass
-    _pillow_into(data, out, augment, rng, chunks, clock)
+    return _pillow_pixels(data, chunks)
 
 
 class _NeedsPillow(Exception):
@@ -246,47 +262,109 @@ def scaled_side(side: int, eighths: int) -> int:
 
 def shrink(data: bytes, max_side: int, quality: int) -> bytes | None:
     """The image as a JPEG at `quality` whose longer side is `max_side`, or None where the file is to be kept as it
-    is: its longer side is `max_side` or less (never upscaled), or it cannot be decoded (the run reports it). The
-    pixels are those training decodes (same modes to RGB, no EXIF rotation), shrunk by area averaging."""
-    size = _stored_size(data)
+    is: its longer side is `max_side` or less (never upscaled), or it cannot be decoded (the run reports it)."""
+    size = stored_size(data)
     if size is None or max(size) <= max_side:
         return None
-    height, width = size
-    scale = max_side / max(height, width)
-    target = (max(1, round(width * scale)), max(1, round(height * scale)))
-    try:  # at twice the size or more, then area averaging: a plain reduced-size decode blurs less evenly
-        pixels = _decode_whole(data, 2 * target[1], 2 * target[0])
+    try:
+        return encode_jpeg(shrunk_pixels(data, size, max_side), quality)
     except UnusableImage:
         return None
-    small = cv2.resize(pixels, target, interpolation=cv2.INTER_AREA)
-    return cast(bytes, simplejpeg.encode_jpeg(np.ascontiguousarray(small), quality=quality, colorspace="RGB",
+
+
+def shrunk_pixels(data: bytes, size: tuple[int, int], max_side: int | None) -> np.ndarray:
+    """The image of header size `size` (height, width) decoded once, as training decodes it (UnusableImage where
+    training refuses it: the decode is also the check), shrunk by area averaging to a longer side of `max_side`
+    where it is longer (never upscaled); `max_side` None keeps its size."""
+    if max_side is None or max(size) <= max_side:
+        return whole_pixels(data)
+    scale = max_side / max(size)
+    height, width = max(1, round(size[0] * scale)), max(1, round(size[1] * scale))
+    # at twice the size or more, then area averaging: a plain reduced-size decode blurs less evenly
+    pixels = whole_pixels(data, 2 * height, 2 * width)
+    return cast(np.ndarray, cv2.resize(pixels, (width, height), interpolation=cv2.INTER_AREA))
+
+
+def encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
+    """RGB pixels as a 4:2:0 JPEG at `quality`, as `stoker pack --max-side` stores them."""
+    return cast(bytes, simplejpeg.encode_jpeg(np.ascontiguousarray(pixels), quality=quality, colorspace="RGB",
                                               colorsubsampling="420"))
 
 
-def _stored_size(data: bytes) -> tuple[int, int] | None:
+def stored_size(data: bytes) -> tuple[int, int] | None:
     """(height, width) from the header, or None where there is no readable header."""
     try:
+        if data[:len(NPY_MAGIC)] == NPY_MAGIC:
+            return _raw_header(data)[:2]
         if data[:2] == JPEG_MAGIC:
             height, width = simplejpeg.decode_jpeg_header(data)[:2]
             return height, width
         with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as image:
             return image.height, image.width
-    except (ValueError, OSError, SyntaxError, EOFError, Image.DecompressionBombError):
+    except (ValueError, OSError, SyntaxError, EOFError, Image.DecompressionBombError, UnusableImage):
         return None
 
 
-def _decode_whole(data: bytes, min_height: int, min_width: int) -> np.ndarray:
-    """The whole image as RGB, a JPEG at the smallest scale at least min_height x min_width; UnusableImage where
-    training would refuse it."""
-    header = simplejpeg.decode_jpeg_header(data) if data[:2] == JPEG_MAGIC else None  # read by _stored_size before
-    if header is not None and header[2] not in ("CMYK", "YCCK"):
-        _check_pixels(header[0], header[1])
-        try:
-            return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=min_height,
-                                                           min_width=min_width, strict=True))
-        except ValueError as error:
-            raise UnusableImage(_jpeg_failure(str(error))) from None
-    return _pillow_pixels(data, png_chunks(data) if data[:8] == PNG_MAGIC else None)
+def _jpeg_whole(data: bytes, min_height: int, min_width: int) -> np.ndarray:
+    """The whole JPEG decoded strictly, as _jpeg_into decodes it; a CMYK/YCCK one is checked and left to Pillow."""
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError as error:
+        raise UnusableImage(f"bad JPEG header: {error}") from None
+    _check_pixels(height, width)
+    if colorspace in ("CMYK", "YCCK"):
+        _check_jpeg_strictly(data)
+        raise _NeedsPillow
+    eighths = scale_eighths(height, width, min_height, min_width)  # a SIMD scale, as training's
+    try:
+        return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
+                                                       min_width=scaled_side(width, eighths), strict=True))
+    except ValueError as error:
+        raise UnusableImage(_jpeg_failure(str(error))) from None
+
+
+# Raw members: `stoker pack --raw-max-side` stores small images as their RGB pixels in numpy's .npy format, read
+# with no decode and no copy (np.frombuffer) straight into the crop and resize. Only the header np.save writes for a
+# C-order uint8 (H, W, 3) array is taken: parsing it costs 1.5 us here, numpy's own reader (ast.literal_eval) 46 us.
+NPY_MAGIC = b"\x93NUMPY"
+RAW_EXTENSION = ".npy"
+_NPY_HEADER = re.compile(rb"\{'descr': '\|u1', 'fortran_order': False, 'shape': \((\d{1,9}), (\d{1,9}), 3\), \} *\n")
+
+
+def encode_raw(pixels: np.ndarray) -> bytes:
+    """RGB pixels (H, W, 3) uint8 as a .npy member (format 1.0: a 128-byte header, then the pixels)."""
+    stored = io.BytesIO()
+    np.save(stored, np.ascontiguousarray(pixels, np.uint8), allow_pickle=False)
+    return stored.getvalue()
+
+
+def raw_pixels(data: bytes) -> np.ndarray:
+    """A raw member's pixels, a view of `data`; UnusableImage where it is not a whole (H, W, 3) uint8 .npy."""
+    height, width, offset = _raw_header(data)
+    _check_pixels(height, width)
+    held, expected = len(data) - offset, height * width * 3
+    if held < expected:
+        raise UnusableImage(f"truncated: raw pixels of {held} bytes where its .npy header says {height}x{width}x3 "
+                            f"({expected} bytes)")
+    if held > expected:
+        raise UnusableImage(f"corrupt raw pixels: {held} bytes where its .npy header says {height}x{width}x3 "
+                            f"({expected} bytes)")
+    return np.frombuffer(data, np.uint8, expected, offset).reshape(height, width, 3)
+
+
+def _raw_header(data: bytes) -> tuple[int, int, int]:
+    """(height, width, where the pixels start) of a .npy member."""
+    if data[6:8] != b"\x01\x00" or len(data) < 10:
+        raise UnusableImage(f"corrupt raw pixels: a .npy of version {tuple(data[6:8])}, not 1.0 as pack writes")
+    end = 10 + int.from_bytes(data[8:10], "little")
+    if len(data) < end:
+        raise UnusableImage(f"truncated: the file ends inside its .npy header ({len(data)} of {end} bytes)")
+    header = bytes(data[10:end])
+    found = _NPY_HEADER.fullmatch(header)
+    if found is None:
+        raise UnusableImage(f"corrupt raw pixels: the .npy header {header[:100]!r} is not that of uint8 "
+                            f"(height, width, 3) pixels in C order")
+    return int(found[1]), int(found[2]), end
 
 
 def _scaled_box(box: Box, scale_y: float, scale_x: float) -> Box:
@@ -391,8 +469,7 @@ def _is_plain_png(data: bytes) -> bool:
         and data[25] in PLAIN_PNG_COLOUR_TYPES
 
 
-def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-              clock: StageClock | None = None) -> None:
+def _png_pixels(data: bytes) -> np.ndarray:
     """Through libpng, when it has nothing to say: the same pixels as Pillow's decode, in less than half its time
     on small images (no Python per image). A file libpng decodes with a warning (a bad ancillary chunk, an odd
     colour profile) goes to Pillow, as every PNG did before. One it refuses is unusable, even where Pillow would
@@ -408,9 +485,8 @@ def _png_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     if image is None:
         raise UnusableImage(_png_refusal(data, said))
     if said:
-        raise _NeedsPillow  # before any draw: Pillow's path makes the same draws from the same generator
-    box, flip = choose_box(height, width, augment, rng)
-    resize_box_into(image, box, flip, out, clock)
+        raise _NeedsPillow
+    return image
 
 
 # Where libpng's stderr goes during a decode: (pid, memory file), one per process (a forked child makes its own: a
@@ -484,13 +560,6 @@ def _jpeg_failure(message: str) -> str:
     if message.startswith("Premature end"):  # libjpeg's JWRN_JPEG_EOF: the data ran out before EOI
         return f"truncated: {message} (the file ends inside its image data)"
     return f"corrupt JPEG: {message}"
-
-
-def _pillow_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
-                 chunks: list[tuple[bytes, int, int]] | None = None, clock: StageClock | None = None) -> None:
-    pixels = _pillow_pixels(data, chunks)
-    box, flip = choose_box(pixels.shape[0], pixels.shape[1], augment, rng)
-    resize_box_into(pixels, box, flip, out, clock)
 
 
 def _pillow_pixels(data: bytes, chunks: list[tuple[bytes, int, int]] | None = None) -> np.ndarray:
