@@ -43,8 +43,9 @@ from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
 
-INDEX_VERSION = 4  # 2: stamps with size, ctime and inode; checksums; labels read strictly. 3: the root stamped
+INDEX_VERSION = 5  # 2: stamps with size, ctime and inode; checksums; labels read strictly. 3: the root stamped
 # 4: samples over 64 MiB refused; Parquet rows that name a file read from it; a blob's samples named by their file
+# 5: a shard's KEY.npy with no image file of its key is the key's image (raw pixels, `pack --raw-max-side`)
 # A directory changed within this long before its listing may have changed again inside the same timestamp tick
 # (filesystems keep times as coarse as 1-2 s): such a listing is used but never trusted from the cache.
 MTIME_GUARD_NS = 2_000_000_000
