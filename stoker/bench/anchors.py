@@ -49,6 +49,9 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--images-per-run", type=int, default=2048, help="images timed per run, after warm-up")
+    parser.add_argument("--warmup-epochs", type=int, default=1, help="epochs each feed runs before it is timed "
+                        "(default 1: a long run's steady state, files in the page cache and stoker's loaded marks "
+                        "set; 0: a few batches, the first epoch timed)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, metavar="FILE")
     parser.add_argument("--feed", help=argparse.SUPPRESS)  # internal: one run of one feed
@@ -112,6 +115,7 @@ def measure(folder: Path, scratch: Path, feeds: list[str], args: argparse.Namesp
     return {"command": "stoker bench anchors " + " ".join(sys.argv[3:]), "cores": os.cpu_count(),
             "workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
             "images": _count(folder), "images_per_run": args.images_per_run, "repeats": args.repeats,
+            "warmup_epochs": args.warmup_epochs,
             "medians": medians, "runs": runs, "unavailable": skipped, "load_average_before": load_before,
             "load_average_after": os.getloadavg()}
 
@@ -130,6 +134,7 @@ def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None
         command = [sys.executable, "-m", "stoker", "bench", "anchors", "--feed", feed, "--data", str(folder),
                    "--workers", str(args.workers), "--batch-size", str(args.batch_size), "--image-size",
                    str(args.image_size), "--images-per-run", str(args.images_per_run), "--result", str(result),
+                   "--warmup-epochs", str(args.warmup_epochs),
                    *(["--beton", str(beton)] if beton else []), *(["--images", "0"] if write else [])]
         completed = subprocess.run(command, timeout=RUN_TIMEOUT_S, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
@@ -147,8 +152,11 @@ def run_feed(args: argparse.Namespace) -> int:
         return 0
     batches = anchor_feeds.make(args)
     try:
-        for _ in range(max(8, 4 * args.workers)):  # process or thread start-up, JIT compilation, prefetch filled
-            next(batches)
+        # Process or thread start-up, JIT compilation, prefetch filled; and the epochs asked.
+        warmup = max(8 * args.batch_size, args.warmup_epochs * _count(args.data))
+        images = 0
+        while images < warmup:
+            images += next(batches)
         images, cpu_before, started = 0, tree_cpu_s(), time.perf_counter()
         while images < args.images_per_run:
             images += next(batches)
@@ -163,7 +171,8 @@ def run_feed(args: argparse.Namespace) -> int:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"{result['images']} JPEGs, RandomResizedCrop {result['image_size']} + flip, {result['workers']} workers, "
-          f"batch {result['batch_size']}, {result['images_per_run']} images per run, median of {result['repeats']}, "
+          f"batch {result['batch_size']}, {result['images_per_run']} images per run after "
+          f"{result.get('warmup_epochs', 0)} warm-up epoch(s), median of {result['repeats']}, "
           f"{result['cores']} cores; load average {result['load_average_before'][0]:.2f} before, "
           f"{result['load_average_after'][0]:.2f} after")
     medians = result["medians"]
