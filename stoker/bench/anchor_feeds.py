@@ -41,7 +41,13 @@ def _dataloader(args: argparse.Namespace) -> Iterator[int]:
         dataset = TorchvisionStyleDataset(index.paths, index.labels, args.image_size, to_float=False)
     else:
         dataset = StokerDecodeDataset(list(index.paths), index.labels, args.image_size)
-    return dataloader_batches(dataset, args)
+    return dataloader_batches(dataset, args, warmup_images(args))
+
+
+def warmup_images(args: argparse.Namespace) -> int:
+    """What a feed runs before it is timed: process or thread start-up, JIT compilation, prefetch filled; and the
+    epochs asked (--warmup-epochs)."""
+    return max(8 * args.batch_size, args.warmup_epochs * len(scan_image_folder(args.data).paths))
 
 
 def _dali(args: argparse.Namespace) -> Iterator[int]:

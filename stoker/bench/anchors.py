@@ -152,9 +152,7 @@ def run_feed(args: argparse.Namespace) -> int:
         return 0
     batches = anchor_feeds.make(args)
     try:
-        # Process or thread start-up, JIT compilation, prefetch filled; and the epochs asked.
-        warmup = max(8 * args.batch_size, args.warmup_epochs * _count(args.data))
-        images = 0
+        images, warmup = 0, anchor_feeds.warmup_images(args)
         while images < warmup:
             images += next(batches)
         images, cpu_before, started = 0, tree_cpu_s(), time.perf_counter()

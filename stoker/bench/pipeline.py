@@ -300,9 +300,10 @@ def time_dataloader(paths, labels, args: argparse.Namespace, to_float: bool) -> 
     return _rate(dataloader_batches(dataset, args), args)
 
 
-def dataloader_batches(dataset: Any, args: argparse.Namespace) -> Iterator[int]:
+def dataloader_batches(dataset: Any, args: argparse.Namespace, warmup_images: int = 0) -> Iterator[int]:
     """Batch sizes from torch's DataLoader over `dataset` in its best configuration (persistent workers, prefetch
-    PREFETCH, one epoch as long as the measurement); its workers are shut down when the iterator is closed."""
+    PREFETCH, one epoch as long as the measurement and `warmup_images` before it); its workers are shut down when
+    the iterator is closed."""
     import torch
     from torch.utils.data import DataLoader, Dataset, RandomSampler
     from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -310,7 +311,7 @@ def dataloader_batches(dataset: Any, args: argparse.Namespace) -> Iterator[int]:
     skip, timed = _batches_to_time(args)
     # One epoch covers the whole measurement plus what the workers prefetch beyond it: random order without
     # replacement, the file list walked again whenever it runs out, as shuffle=True does epoch after epoch.
-    sampler = RandomSampler(dataset, num_samples=(skip + timed + 2 * skip) * args.batch_size,
+    sampler = RandomSampler(dataset, num_samples=(skip + timed + 2 * skip) * args.batch_size + warmup_images,
                             generator=torch.Generator().manual_seed(0))
     # DataLoader reads any object with __getitem__ and __len__; the stub asks for a Dataset
     loader: DataLoader[Any] = DataLoader(cast("Dataset[Any]", dataset), batch_size=args.batch_size, sampler=sampler,
