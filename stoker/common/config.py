@@ -192,8 +192,9 @@ class DataSettings:
     @property
     def resolved_image_size(self) -> int:
         """The largest training side: every epoch's, or the ramp's last."""
-        if self.image_size_ramp is not None:
-            return SizeRamp.parse(self.image_size_ramp).high
+        ramp = self.size_ramp
+        if ramp is not None:
+            return ramp.high
         if self.image_size is not None:
             return self.image_size
         return BUILTIN_IMAGE_SIZE if self.data is None else DEFAULT_IMAGE_SIZE

@@ -232,7 +232,9 @@ class Engine:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
             setup = ProducerSetup(self.ring.spec, build.train, build.val, build.augment, build.seed)
             self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget,
-                                     producer_timeout_s=build.producer_timeout_s, max_in_flight=build.max_in_flight)
+                                     producer_timeout_s=build.producer_timeout_s,
+                                     max_in_flight=self._held_for(counts.initial),
+                                     most_in_flight=max(build.max_in_flight, self.room))
             for _ in range(counts.initial):
                 self.pool.grow()
             self.copying = start_copying(build.train, build.val)
@@ -402,6 +404,7 @@ class Engine:
             self.pool.shrink(newest=decision.retire_newest)
         if decision.change:
             self.assembler.parts = self._parts_for(self.num_active)
+            self.pool.max_in_flight = self._held_for(self.num_active)
             gauges.record_producers(decision.reason, self.num_active, decision.measurement)
 
     @staticmethod
@@ -409,6 +412,14 @@ class Engine:
         """As many of `forks` as MEMORY_SHARE of the memory available now holds (a start-up fork may be many)."""
         available = available_memory()
         return forks if available is None else min(forks, int(MEMORY_SHARE * available) // PRODUCER_MEMORY)
+
+    def _held_for(self, producers: int) -> int:
+        """Parts a producer may hold: `build.max_in_flight`, and at least the samples of `MAX_IN_FLIGHT` parts of the
+        split `producers` alone need. Auto splits for the count it may jump to: at 2 producers, batches of 64 in 8
+        parts, of which 2 each kept half a batch in flight and left the producers waiting for their next part (auto
+        at 0.80 of 2 fixed producers on a short run)."""
+        own = parts_per_batch(self.build.batch_size, self.num_slots, producers, MAX_IN_FLIGHT)
+        return max(self.build.max_in_flight, MAX_IN_FLIGHT * max(1, self._parts_for(producers) // own))
 
     def _parts_for(self, producers: int) -> int:
         """Parts per batch for `producers` running or, under auto and while the ring has parts to give them all

@@ -135,8 +135,9 @@ class SlotRing:
 
     def loaded_of(self, kind: str) -> np.ndarray:
         """By sample id, the byte length of the sample's file when a producer last loaded it whole and strictly
-        (0: not yet), shared by every producer: a later load of the same bytes may stop decoding at the crop's box
-        (`load_into`'s `checked_before`). A file changed since is of another length, or is loaded whole again."""
+        (0: not yet), shared by every producer: a later load of bytes of that length may stop decoding at the crop's
+        box (`load_into`'s `checked_before`). Files are taken not to change during a run, as the index takes them; one
+        of another length since is loaded whole again."""
         train = self.spec.train_samples
         return self.loaded[train:] if kind == "val" else self.loaded[:train]
 

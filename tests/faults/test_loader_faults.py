@@ -41,8 +41,7 @@ def test_producer_killed_mid_epoch_every_sample_still_once(textures):
 def _epoch_killing_the_fullest_producer(train: Path, kill_at: int | None) -> tuple[list[torch.Tensor], list[int],
                                                                                      dict, list[int], int]:
     images, seen, held, bound = [], [], [], 0
-    with stoker.Loader(train, batch_size=8, image_size=32, producers="auto", max_producers=4, device="cpu",
-                       seed=5) as loader:
+    with stoker.Loader(train, batch_size=8, image_size=32, producers=4, device="cpu", seed=5) as loader:
         for step, (batch, _) in enumerate(loader):
             images.append(batch.clone())
             seen.extend(loader.batch_ids.tolist())
@@ -63,8 +62,8 @@ def test_a_producer_killed_holding_parts_of_two_batches_has_all_of_them_rebuilt(
     not one, so it does not run dry while the loop trains; killed then, every part it held is built again: the
     epoch has the same bytes as an undisturbed loader's, every sample once. Reads are slowed so that the producers
     are the bottleneck by construction: the ring's slots are then parts in flight, not finished batches waiting, and
-    the fullest producer holds several of them (how many depends on how many producers auto runs by then: the ring's
-    room is shared among them)."""
+    the fullest of the 4 producers holds several of them (the ring's 6 slots of 2 parts, less the loop's, shared
+    among them)."""
     monkeypatch.setenv("STOKER_READ_LATENCY_MS", "20")
     train, _ = textures
     undisturbed, _, _, _, _ = _epoch_killing_the_fullest_producer(train, None)

@@ -163,22 +163,21 @@ def _final_weights(textures, out, **settings):
 
 
 def _relative_distance(weights: dict, reference: dict) -> float:
-    """|a - b| / |b| over every floating-point tensor of the model at once."""
-    def flat(state: dict) -> torch.Tensor:
-        return torch.cat([t.flatten() for t in state.values() if t.is_floating_point()])
-    return float((flat(weights) - flat(reference)).norm() / flat(reference).norm())
+    """The largest |a - b| / |b| over the model's floating-point tensors, each taken whole."""
+    return max(float((weights[name] - tensor).norm() / tensor.norm().clamp_min(1e-12))
+               for name, tensor in reference.items() if tensor.is_floating_point())
 
 
 def test_outer_sgd_with_lr_1_and_no_momentum_is_plain_averaging_and_nesterov_is_not(textures, tmp_path):
-    """x - 1.0 * (x - average) is the average up to float32 rounding, which an epoch of training carries on (1e-5 of
-    the weights' norm here; a per-element tolerance failed on one weight at 1.9e-5 when the images changed); an
-    outer Nesterov step moves the weights thousands of times further."""
+    """x - 1.0 * (x - average) is the average up to float32 rounding, which an epoch of training carries on (at most
+    5.6e-4 of a tensor's norm here; a per-element tolerance failed on one weight at 1.9e-5 when the images changed);
+    an outer Nesterov step moves some tensor by more than its norm (1.26)."""
     plain = _final_weights(textures, tmp_path / "plain")
     outer = _final_weights(textures, tmp_path / "outer", outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0)
     nesterov = _final_weights(textures, tmp_path / "nesterov", outer_optimizer="nesterov", outer_lr=0.7,
                               outer_momentum=0.9)
-    assert _relative_distance(outer, plain) < 1e-4
-    assert _relative_distance(nesterov, plain) > 1e-2
+    assert _relative_distance(outer, plain) < 5e-3
+    assert _relative_distance(nesterov, plain) > 0.1
 
 
 def _start_and_steps(run_dir):

@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from stoker.data.pixels import imaging
 from stoker.data.pixels.imaging import make_decode_warnings_errors
 from stoker.pipeline.plan import BatchPlan
 from stoker.pipeline.producer import Part, ProducerSetup, Source, build_batch
 from stoker.pipeline.ring import SlotRing
 from tests.conftest import photograph_jpeg, scan_data_start
 
-pytest.importorskip("stoker.data.pixels._jpegcrop", reason="the crop-aware decoder was not built")
+_jpegcrop = pytest.importorskip("stoker.data.pixels._jpegcrop", reason="the crop-aware decoder was not built")
 
 
 def damaged_below_the_middle(data: bytes) -> bytes:
@@ -36,15 +37,34 @@ def load_both(ring: SlotRing, setup: ProducerSetup, epoch: int) -> dict:
     return skipped
 
 
-def test_a_sample_is_marked_with_its_length_once_it_loads_whole_and_never_when_refused(ring, tmp_path):
+class DecodeSpy:
+    """The crop-aware decoder, recording for each call the file's length and whether it read the scan to its end."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    def decode(self, data, *box_and_to_end):
+        to_end = bool(box_and_to_end[5]) if len(box_and_to_end) > 5 else True
+        self.calls.append((len(data), to_end))
+        return _jpegcrop.decode(data, *box_and_to_end)
+
+
+def test_a_sample_marked_once_it_loads_whole_is_later_decoded_to_its_box_and_a_refused_one_never(ring, tmp_path,
+                                                                                             monkeypatch):
     good, bad = tmp_path / "good.jpg", tmp_path / "bad.jpg"
     good.write_bytes(photograph_jpeg(0, False))
     bad.write_bytes(damaged_below_the_middle(photograph_jpeg(1, False)))
     make_decode_warnings_errors()
+    spy = DecodeSpy()
+    monkeypatch.setattr(imaging, "_jpegcrop", spy)
     setup = ProducerSetup(ring.spec, Source((str(good), str(bad)), np.zeros(2, np.int64)), None, "standard", 0)
     for epoch in range(3):
         assert set(load_both(ring, setup, epoch)) == {1}  # refused every epoch, whatever its crop
     assert ring.loaded_of("train").tolist() == [good.stat().st_size, 0]
+    sizes = {good.stat().st_size: "good", bad.stat().st_size: "bad"}
+    read_to_end = [(sizes[length], to_end) for length, to_end in spy.calls]
+    assert read_to_end.count(("good", True)) == 1 and read_to_end.count(("good", False)) == 2  # epochs 1 and 2
+    assert read_to_end.count(("bad", True)) == 3 and ("bad", False) not in read_to_end
 
 
 def test_a_file_changed_after_it_loaded_is_read_to_its_end_again(ring, tmp_path):

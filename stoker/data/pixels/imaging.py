@@ -315,7 +315,8 @@ def _jpeg_whole(data: bytes, min_height: int, min_width: int) -> np.ndarray:
     if colorspace in ("CMYK", "YCCK"):
         _check_jpeg_strictly(data)
         raise _NeedsPillow
-    eighths = scale_eighths(height, width, min_height, min_width)  # a SIMD scale, as training's
+    # A SIMD scale, as training's; no minimum is the whole size (scale_eighths would take 1/8 for it).
+    eighths = scale_eighths(height, width, min_height or height, min_width or width)
     try:
         return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
                                                        min_width=scaled_side(width, eighths), strict=True))
