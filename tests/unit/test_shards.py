@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 
 from stoker.common.sizes import parse_size
@@ -385,12 +386,23 @@ def test_what_data_names_is_said_plainly(tmp_path):
         shard_paths(tmp_path / "binary")
 
 
-def test_a_npy_member_is_the_image_only_of_a_key_without_an_image_file(tmp_path):
+def _npy(array: np.ndarray) -> bytes:
+    stored = io.BytesIO()
+    np.save(stored, array, allow_pickle=False)
+    return stored.getvalue()
+
+
+def test_a_npy_member_is_the_image_only_of_a_key_without_an_image_file_and_holding_pixels(tmp_path):
     """`stoker pack --raw-max-side` stores KEY.npy alone; beside KEY.jpg a .npy is another field (features, say),
-    used by nothing and listed as nothing, whichever comes first."""
-    write_tar(tmp_path / "a.tar", [("raw.npy", b"pixels"), ("raw.cls", b"0"),
+    used by nothing and listed as nothing, whichever comes first; alone, an array that is not (H, W, 3) uint8 pixels
+    (a WebDataset's features) is no image, as before .npy members were read: listed at indexing, not refused as a
+    damaged image in training."""
+    pixels = _npy(np.zeros((2, 3, 3), np.uint8))
+    features = _npy(np.zeros(16, np.float32))
+    write_tar(tmp_path / "a.tar", [("raw.npy", pixels), ("raw.cls", b"0"),
                                    ("both.npy", b"features"), ("both.jpg", b"jpeg"), ("both.cls", b"1"),
-                                   ("jpeg.jpg", b"jpeg 2"), ("jpeg.npy", b"features 2"), ("jpeg.cls", b"1")])
+                                   ("jpeg.jpg", b"jpeg 2"), ("jpeg.npy", b"features 2"), ("jpeg.cls", b"1"),
+                                   ("vector.npy", features), ("vector.cls", b"1")])
     index = load_shards([str(tmp_path / "a.tar")], cache=tmp_path / "cache")
-    assert [index.read(i) for i in range(len(index))] == [b"pixels", b"jpeg", b"jpeg 2"]
-    assert not index.skipped
+    assert [index.read(i) for i in range(len(index))] == [pixels, b"jpeg", b"jpeg 2"]
+    assert [s.reason for s in index.skipped] == ["no image member (found .cls, .npy)"]

@@ -46,7 +46,7 @@ from stoker.data.index import (
     warn_once,
     write_entry,
 )
-from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, RAW_EXTENSION, too_large
+from stoker.data.pixels.imaging import MAX_SAMPLE_BYTES, RAW_EXTENSION, is_raw_pixels, too_large
 from stoker.data.transports import object_store
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ IMAGE_SUFFIXES = frozenset(e.lstrip(".") for e in IMAGE_EXTENSIONS)
 # The raw pixels `stoker pack --raw-max-side` stores (imaging.raw_pixels): a key's image where it has no image file.
 # Beside one, a .npy is another of the sample's fields (WebDataset shards carry features so) and is not looked at.
 RAW_SUFFIX = RAW_EXTENSION.lstrip(".")
+RAW_HEAD_BYTES = 256  # enough for the .npy header np.save writes (128 bytes)
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 _ALTERNATIVES = re.compile(r"\{([^{}]*,[^{}]*)\}")
 _OCTAL = re.compile(rb"[0-7]+")  # a size field: int(_, 8) would also take '-1000', '+7' and '1_0'
@@ -648,6 +649,9 @@ def _split_name(name: str) -> tuple[str, str, str]:
 def _sample(data, parts: dict[str, Member]) -> tuple[int, Member] | str:
     """(label, image member), or why these members are not a sample."""
     image = next((parts[s] for s in parts if s in IMAGE_SUFFIXES), parts.get(RAW_SUFFIX))
+    if image is not None and image is parts.get(RAW_SUFFIX) and not is_raw_pixels(
+            bytes(data[image[1]:image[1] + min(image[2], RAW_HEAD_BYTES)])):
+        image = None  # another array (a WebDataset's features), not pixels pack wrote
     if image is None:
         return f"no image member (found {', '.join(sorted('.' + s for s in parts))})"
     if image[2] > MAX_SAMPLE_BYTES:

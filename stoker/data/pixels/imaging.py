@@ -353,6 +353,16 @@ def raw_pixels(data: bytes) -> np.ndarray:
     return np.frombuffer(data, np.uint8, expected, offset).reshape(height, width, 3)
 
 
+def is_raw_pixels(head: bytes) -> bool:
+    """Whether a member beginning with `head` (its first 256 bytes, say) has the header of raw pixels as `stoker pack
+    --raw-max-side` writes them, not of another array (a WebDataset's features)."""
+    try:
+        _raw_header(head)
+    except UnusableImage:
+        return False
+    return True
+
+
 def _raw_header(data: bytes) -> tuple[int, int, int]:
     """(height, width, where the pixels start) of a .npy member."""
     if data[6:8] != b"\x01\x00" or len(data) < 10:
