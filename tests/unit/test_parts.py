@@ -175,21 +175,24 @@ def test_a_stop_set_while_a_part_is_built_ends_it_between_samples(ring, source):
     assert len(reads) == 4  # not one sample more after the stop
 
 
-def _engine(batch_size: int, num_slots: int, ceiling: int, cores: int, auto: bool = True) -> Any:
-    """An engine's sizing state without its processes."""
+def _engine(batch_size: int, num_slots: int, ceiling: int, cores: int, auto: bool = True,
+            read_share: float = 0.9) -> Any:
+    """An engine's sizing state without its processes; `read_share`: of the producers' busy time in the last
+    window, the share spent reading."""
     from stoker.pipeline.engine import Engine
 
     engine = Engine.__new__(Engine)
-    engine.build = SimpleNamespace(batch_size=batch_size)
+    engine.build = SimpleNamespace(batch_size=batch_size, train=SimpleNamespace())
     engine.num_slots, engine.budget, engine.cores = num_slots, ceiling, cores
     engine.room = most_parts_in_flight(batch_size, num_slots)
     engine.autoscaler = object() if auto else None
+    engine.gauges = SimpleNamespace(window_read_share=read_share)
     return engine
 
 
-def test_auto_splits_for_its_next_jump_within_8_a_core_and_for_the_producers_past_it():
-    # The built-in demo: batch 64, 8 slots (2 consumers), a ceiling of 128 on 2 cores. One producer, or four, get
-    # the split of 16 producers (4 parts of 16 samples), as before the ceiling grew, not parts of 4 (2-9% slower).
+def test_auto_splits_for_its_next_jump_within_8_a_core_where_reads_wait_and_for_the_producers_past_it():
+    # Batch 64, 8 slots (2 consumers), a ceiling of 128 on 2 cores, reads waiting: one producer, or four, get the
+    # split of 16 producers (4 parts of 16 samples), not parts of 4 (2-9% slower).
     demo = _engine(64, 8, ceiling=128, cores=2)
     assert demo._parts_for(1) == demo._parts_for(4) == 4
     assert demo._parts_for(40) == 10  # past 8 a core: split for the producers running
@@ -197,4 +200,23 @@ def test_auto_splits_for_its_next_jump_within_8_a_core_and_for_the_producers_pas
     # 28 producers get one part each (7 a batch), not 32 parts with 4 producers holding two.
     slow_reads = _engine(32, 4, ceiling=32, cores=2)
     assert slow_reads._parts_for(1) == 8 and slow_reads._parts_for(28) == 7
+    # Producers that decode (reads a small share of their time) are never jumped past the cores: their own split,
+    # whole batches at 2 producers on 4 slots (8 parts of 4 ran 0.86 of 2 fixed producers).
+    decoding = _engine(32, 4, ceiling=32, cores=2, read_share=0.04)
+    assert decoding._parts_for(2) == 1 and decoding._parts_for(16) == 8
+    streamed = _engine(32, 4, ceiling=32, cores=2, read_share=0.0)
+    streamed.build.train.streamed = True  # samples over a network: split ahead from the first window
+    assert streamed._parts_for(2) == 8
     assert _engine(64, 8, ceiling=16, cores=2, auto=False)._parts_for(16) == 4  # a fixed count: its own split
+
+
+def test_a_producer_holds_the_samples_its_own_count_would_whatever_auto_splits_for():
+    """Split for a jump to 16 (8 parts of 4 a batch of 32), 2 producers holding 2 parts each kept a quarter of a batch
+    in flight and waited for their next part: each now holds what 2 parts of its own split hold (two batches)."""
+    slow_reads = _engine(32, 4, ceiling=32, cores=2)
+    slow_reads.build.max_in_flight = 2
+    assert slow_reads._parts_for(2) == 8 and slow_reads._held_for(2) == 16  # 16 parts of 4: 64 samples
+    assert slow_reads._held_for(16) == 2  # at the count it split for: MAX_IN_FLIGHT
+    decoding = _engine(32, 4, ceiling=32, cores=2, read_share=0.04)
+    decoding.build.max_in_flight = 2
+    assert decoding._held_for(2) == 2  # whole batches: 2 of them
