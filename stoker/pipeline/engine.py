@@ -118,6 +118,9 @@ class ProducerCounts:
                           self.initial if self.default_start else None)
 
 
+READ_SETTLED = 0.35  # under this share of their busy time reading, producers that waited on reads no longer do
+
+
 def check_ring_space(num_slots: int, batch_size: int, image_size: int, num_status: int,
                      val_image_size: int | None = None, samples: tuple[int, int] = (0, 0)) -> None:
     """Before any process starts: a /dev/shm that cannot hold the ring is a user error, not a bus error."""
@@ -212,6 +215,7 @@ class Engine:
         self.budget = budget = counts.budget
         self.cores = counts.cores
         self.room = most_parts_in_flight(build.batch_size, build.num_slots)  # producers past it have no part to build
+        self._reads_waiting: bool | None = None  # `_judge_reads`; None: no window measured yet
         self.autoscaler = counts.autoscaler()
         self.accounting = accounting
         self.events = events
@@ -233,9 +237,7 @@ class Engine:
             # The indexes pickle as the folder of their packed entry: every producer maps the same read-only files.
             setup = ProducerSetup(self.ring.spec, build.train, build.val, build.augment, build.seed)
             self.pool = ProducerPool(setup, self.ring, mailbox, stop, budget,
-                                     producer_timeout_s=build.producer_timeout_s,
-                                     max_in_flight=self._held_for(counts.initial),
-                                     most_in_flight=max(build.max_in_flight, self.room))
+                                     producer_timeout_s=build.producer_timeout_s, max_in_flight=build.max_in_flight)
             for _ in range(counts.initial):
                 self.pool.grow()
             self.copying = start_copying(build.train, build.val)
@@ -403,9 +405,10 @@ class Engine:
                 return
         for _ in range(-decision.change):
             self.pool.shrink(newest=decision.retire_newest)
-        # Every window, not only at a change: whether the reads wait (`_parts_for`) is learnt from the windows.
-        self.assembler.parts = self._parts_for(self.num_active)
-        self.pool.max_in_flight = self._held_for(self.num_active)
+        waited = self._reads_wait()
+        self._judge_reads()
+        if decision.change or self._reads_wait() != waited:
+            self.assembler.parts = self._parts_for(self.num_active)
         if decision.change:
             gauges.record_producers(decision.reason, self.num_active, decision.measurement)
 
@@ -415,29 +418,36 @@ class Engine:
         available = available_memory()
         return forks if available is None else min(forks, int(MEMORY_SHARE * available) // PRODUCER_MEMORY)
 
-    def _held_for(self, producers: int) -> int:
-        """Parts a producer may hold: `build.max_in_flight`, and at least the samples of `MAX_IN_FLIGHT` parts of the
-        split `producers` alone need. Auto splits for the count it may jump to: at 2 producers, batches of 64 in 8
-        parts, of which 2 each kept half a batch in flight and left the producers waiting for their next part (auto
-        at 0.80 of 2 fixed producers on a short run)."""
-        own = parts_per_batch(self.build.batch_size, self.num_slots, producers, MAX_IN_FLIGHT)
-        return max(self.build.max_in_flight, MAX_IN_FLIGHT * max(1, self._parts_for(producers) // own))
-
     def _parts_for(self, producers: int) -> int:
         """Parts per batch for `producers` running or, under auto where the producers wait on their reads and while
         the ring has parts to give them all `MAX_IN_FLIGHT`, for the count its next jump may reach within what the
         cores run at OVERSUBSCRIBE a core: a jump past the cores comes only then, and its new producers find parts of
-        the batches already issued. Where the producers decode, the finer split only costs messages (`parts.py`):
-        2 producers on batches of 32 in 8 parts ran 0.86 of 2 fixed ones on a short run."""
+        the batches already issued. Where the producers decode, the finer split only cost messages and starved them
+        (`parts.py`): 2 producers on batches of 32 in 8 parts, 2 parts each, ran 0.80 of 2 fixed ones on a short run."""
         spare = MAX_IN_FLIGHT * producers < self.room
         ahead = self.autoscaler is not None and spare and self._reads_wait()
         reach = min(self.budget, JUMP_MAX * producers, max(producers, OVERSUBSCRIBE * max(1, self.cores)))
         return parts_per_batch(self.build.batch_size, self.num_slots, reach if ahead else producers, MAX_IN_FLIGHT)
 
     def _reads_wait(self) -> bool:
-        """Whether the producers wait on storage: samples streamed over a network, or reads past READ_BOUND of the
-        producers' busy time in the last window."""
-        return bool(getattr(self.build.train, "streamed", False)) or self.gauges.window_read_share >= READ_BOUND
+        """Whether the producers wait on storage: as last judged from a window (`_judge_reads`), or before any,
+        where the samples are streamed over a network."""
+        if self._reads_waiting is None:
+            return bool(getattr(self.build.train, "streamed", False))
+        return self._reads_waiting
+
+    def _judge_reads(self) -> None:
+        """From the last window in which the producers worked: they wait on their reads past READ_BOUND of their busy
+        time, and no longer under READ_SETTLED (a share near the bound would re-split the batches every window). A
+        window without work (the ring full, producers starting) leaves the judgement as it was."""
+        _, _, read_s, busy_s = self.gauges.last_window
+        if busy_s <= 0:
+            return
+        share = read_s / busy_s
+        if share >= READ_BOUND:
+            self._reads_waiting = True
+        elif share < READ_SETTLED:
+            self._reads_waiting = False
 
     @property
     def num_active(self) -> int:

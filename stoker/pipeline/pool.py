@@ -81,16 +81,14 @@ class LostProducer:
 
 class ProducerPool:
     def __init__(self, setup: ProducerSetup, ring: SlotRing, mailbox: Mailbox, stop, capacity: int, *,
-                 producer_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote",
-                 most_in_flight: int | None = None) -> None:
+                 producer_timeout_s: float, max_in_flight: int = MAX_IN_FLIGHT, start_method: StartMethod = "zygote"
+                 ) -> None:
         """`start_method`: producers forked from the zygote, or spawned as new interpreters (`stoker bench start`'s
-        baseline); `most_in_flight`: the most the engine may raise `max_in_flight` to (each producer's queue is
-        that deep; default `max_in_flight`)."""
+        baseline)."""
         assert max_in_flight >= 1, max_in_flight
         self.start_method = start_method
         self.setup = setup
         self.max_in_flight = max_in_flight  # parts a producer holds at most: all of them re-issued if it is lost
-        self.most_in_flight = max(max_in_flight, most_in_flight or 0)
         self.ring = ring
         self.mailbox = mailbox
         self.stop = stop
@@ -127,7 +125,7 @@ class ProducerPool:
         if forker is not None and not self.zygote_lease.held:
             self.zygote_lease = forker.acquire()
         context = forker.context if forker is not None else CONTEXT
-        parts = context.Queue(self.most_in_flight + 1)
+        parts = context.Queue(self.max_in_flight + 1)
         outbox = self.mailbox.open()
         try:
             process = start(producer_main, (producer, self.setup, parts, outbox, self.stop),

@@ -186,7 +186,9 @@ def _engine(batch_size: int, num_slots: int, ceiling: int, cores: int, auto: boo
     engine.num_slots, engine.budget, engine.cores = num_slots, ceiling, cores
     engine.room = most_parts_in_flight(batch_size, num_slots)
     engine.autoscaler = object() if auto else None
-    engine.gauges = SimpleNamespace(window_read_share=read_share)
+    engine.gauges = SimpleNamespace(last_window=(0.0, 1.0, read_share, 1.0))  # 1 busy producer-second
+    engine._reads_waiting = None
+    engine._judge_reads()
     return engine
 
 
@@ -204,19 +206,19 @@ def test_auto_splits_for_its_next_jump_within_8_a_core_where_reads_wait_and_for_
     # whole batches at 2 producers on 4 slots (8 parts of 4 ran 0.86 of 2 fixed producers).
     decoding = _engine(32, 4, ceiling=32, cores=2, read_share=0.04)
     assert decoding._parts_for(2) == 1 and decoding._parts_for(16) == 8
-    streamed = _engine(32, 4, ceiling=32, cores=2, read_share=0.0)
-    streamed.build.train.streamed = True  # samples over a network: split ahead from the first window
+    streamed = _engine(32, 4, ceiling=32, cores=2)
+    streamed._reads_waiting = None  # no window measured yet: samples over a network are taken to wait
+    streamed.build.train.streamed = True
     assert streamed._parts_for(2) == 8
-    assert _engine(64, 8, ceiling=16, cores=2, auto=False)._parts_for(16) == 4  # a fixed count: its own split
 
 
-def test_a_producer_holds_the_samples_its_own_count_would_whatever_auto_splits_for():
-    """Split for a jump to 16 (8 parts of 4 a batch of 32), 2 producers holding 2 parts each kept a quarter of a batch
-    in flight and waited for their next part: each now holds what 2 parts of its own split hold (two batches)."""
-    slow_reads = _engine(32, 4, ceiling=32, cores=2)
-    slow_reads.build.max_in_flight = 2
-    assert slow_reads._parts_for(2) == 8 and slow_reads._held_for(2) == 16  # 16 parts of 4: 64 samples
-    assert slow_reads._held_for(16) == 2  # at the count it split for: MAX_IN_FLIGHT
-    decoding = _engine(32, 4, ceiling=32, cores=2, read_share=0.04)
-    decoding.build.max_in_flight = 2
-    assert decoding._held_for(2) == 2  # whole batches: 2 of them
+def test_the_reads_are_judged_to_wait_past_half_the_busy_time_and_to_stop_under_a_third_and_not_on_idle_windows():
+    engine = _engine(32, 4, ceiling=32, cores=2, read_share=0.2)
+    assert engine._reads_wait() is False
+    for share, waits in ((0.5, True), (0.4, True), (0.36, True), (0.34, False), (0.45, False), (0.6, True)):
+        engine.gauges.last_window = (0.0, 1.0, share, 1.0)
+        engine._judge_reads()
+        assert engine._reads_wait() is waits, share
+    engine.gauges.last_window = (0.0, 1.0, 0.0, 0.0)  # no producer worked: nothing learnt
+    engine._judge_reads()
+    assert engine._reads_wait() is True
