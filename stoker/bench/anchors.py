@@ -36,7 +36,8 @@ FEEDS = ("stoker", "dataloader_pillow", "dataloader_stoker", "dali", "ffcv", "ff
 NEEDS = {"dali": "nvidia.dali", "ffcv": "ffcv", "ffcv_raw50": "ffcv"}
 INSTALL = {"dali": "pip install nvidia-dali-cuda120",
            "ffcv": "pip install ffcv==1.0.2 (builds with Debian's pkg-config libopencv-dev libturbojpeg0-dev)"}
-RUN_TIMEOUT_S = 600
+RUN_TIMEOUT_S = 600  # a run's limit, and 20 ms more for each image its warm-up epochs decode (50 images/s)
+WARMUP_S_PER_IMAGE = 0.02
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -136,7 +137,8 @@ def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None
                    str(args.image_size), "--images-per-run", str(args.images_per_run), "--result", str(result),
                    "--warmup-epochs", str(args.warmup_epochs),
                    *(["--beton", str(beton)] if beton else []), *(["--images", "0"] if write else [])]
-        completed = subprocess.run(command, timeout=RUN_TIMEOUT_S, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        limit = RUN_TIMEOUT_S + WARMUP_S_PER_IMAGE * args.warmup_epochs * _count(folder)
+        completed = subprocess.run(command, timeout=limit, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
         if completed.returncode != 0:
             raise RuntimeError(f"bench anchors: {feed} exited {completed.returncode}: {completed.stderr[-3000:]}")
