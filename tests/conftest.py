@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import zlib
@@ -315,3 +316,13 @@ def assert_same_weights(run_a: Path, run_b: Path, file: str = "model.pt") -> Non
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def shard_members(shard_folder: Path) -> dict[str, bytes]:
+    """Every member of the tar shards in `shard_folder`, by name."""
+    found = {}
+    for shard in sorted(shard_folder.glob("*.tar")):
+        with tarfile.open(shard) as archive:
+            for member in archive.getmembers():
+                found[member.name] = archive.extractfile(member).read()  # type: ignore[union-attr]
+    return found

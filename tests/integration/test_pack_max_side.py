@@ -5,7 +5,6 @@ whatever the producers."""
 from __future__ import annotations
 
 import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -14,18 +13,9 @@ import simplejpeg
 from PIL import Image
 
 from stoker.data.pixels.imaging import shrink
-from tests.conftest import assert_same_weights, photograph_jpeg, read_summary, run_cli
+from tests.conftest import assert_same_weights, photograph_jpeg, read_summary, run_cli, shard_members
 
 MAX_SIDE = 96
-
-
-def members(shard_folder: Path) -> dict[str, bytes]:
-    found = {}
-    for shard in sorted(shard_folder.glob("*.tar")):
-        with tarfile.open(shard) as archive:
-            for member in archive.getmembers():
-                found[member.name] = archive.extractfile(member).read()  # type: ignore[union-attr]
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +45,7 @@ def packed(photos, tmp_path_factory) -> Path:
 
 
 def test_large_images_fit_small_ones_and_val_are_kept_byte_for_byte(photos, packed):
-    stored = members(packed / "one")
+    stored = shard_members(packed / "one")
     images = {name: data for name, data in stored.items() if not name.endswith(".cls")}
     assert len(images) == 24
     for name, data in images.items():
@@ -67,12 +57,12 @@ def test_large_images_fit_small_ones_and_val_are_kept_byte_for_byte(photos, pack
         else:
             assert name.endswith(".jpg") and max(simplejpeg.decode_jpeg_header(data)[:2]) == MAX_SIDE
             assert data == shrink(original, MAX_SIDE, 90)
-    val = {n: d for n, d in members(packed / "one" / "val").items() if not n.endswith(".cls")}
+    val = {n: d for n, d in shard_members(packed / "one" / "val").items() if not n.endswith(".cls")}
     assert all(data == next((photos / "val").glob(n.rsplit(".", 1)[0] + ".*")).read_bytes() for n, data in val.items())
 
 
 def test_the_same_pack_whatever_the_workers(packed):
-    assert members(packed / "one") == members(packed / "two")
+    assert shard_members(packed / "one") == shard_members(packed / "two")
 
 
 @pytest.mark.parametrize("index", [0, 1])

@@ -17,19 +17,10 @@ from PIL import Image
 
 import stoker
 from stoker.data.pixels import imaging
-from tests.conftest import assert_same_weights, photograph_jpeg, read_summary, run_cli
+from tests.conftest import assert_same_weights, photograph_jpeg, read_summary, run_cli, shard_members
 
 MAX_SIDE, RAW_MAX_SIDE = 96, 90
 SIZES = [(200, 150), (150, 200), (90, 60), (70, 70)]  # (width, height): shrunk to 96 and stored as JPEG; raw
-
-
-def members(shard_folder: Path) -> dict[str, bytes]:
-    found = {}
-    for shard in sorted(shard_folder.glob("*.tar")):
-        with tarfile.open(shard) as archive:
-            for member in archive.getmembers():
-                found[member.name] = archive.extractfile(member).read()  # type: ignore[union-attr]
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +47,7 @@ def packed(photos, tmp_path_factory) -> Path:
 
 
 def test_small_images_are_stored_as_their_pixels_and_large_ones_as_jpegs(photos, packed):
-    stored = members(packed)
+    stored = shard_members(packed)
     raw = {name: data for name, data in stored.items() if name.endswith(".npy")}
     jpegs = {name: data for name, data in stored.items() if name.endswith(".jpg")}
     assert len(raw) == 16 and len(jpegs) == 16 and len(list(packed.glob("*.tar"))) > 1
@@ -70,7 +61,7 @@ def test_small_images_are_stored_as_their_pixels_and_large_ones_as_jpegs(photos,
 
 def test_raw_pixels_of_a_shrunk_image_are_those_the_jpeg_would_encode(photos, tmp_path):
     run_cli("pack", str(photos), str(tmp_path / "all"), "--max-side", "64", "--raw-max-side", "64", "--workers", "1")
-    stored = members(tmp_path / "all")
+    stored = shard_members(tmp_path / "all")
     assert sum(name.endswith(".npy") for name in stored) == 32
     original = (photos / "class0" / "000.jpg").read_bytes()  # 200x150
     pixels = imaging.raw_pixels(stored["class0/000.npy"])

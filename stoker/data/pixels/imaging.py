@@ -213,14 +213,7 @@ class _NeedsPillow(Exception):
 
 def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Generator | None,
                clock: StageClock | None = None, checked_before: bool = False) -> None:
-    try:
-        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError as error:
-        raise UnusableImage(f"bad JPEG header: {error}") from None
-    _check_pixels(height, width)
-    if colorspace in ("CMYK", "YCCK"):
-        _check_jpeg_strictly(data)  # Pillow's libjpeg fills a damaged scan with grey and says nothing
-        raise _NeedsPillow
+    height, width = _jpeg_size(data)
     box, flip = choose_box(height, width, augment, rng)
     out_h, out_w = out.shape[:2]
     # The box at least out_h x out_w after the decode's scale (M/8).
@@ -233,9 +226,8 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
         eighths = scale_eighths(height, width, min_h, min_w)
         if _jpegcrop is not None:
             image, scaled = _decode_region(data, box, height, width, eighths, to_end=not checked_before)
-        else:  # simplejpeg picks the smallest scale whose size is at least the one asked: that scale's own
-            image = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
-                                           min_width=scaled_side(width, eighths), strict=True)
+        else:
+            image = _decode_at(data, height, width, eighths)
             scaled = _scaled_box(box, image.shape[0] / height, image.shape[1] / width)
     except ValueError as error:
         raise UnusableImage(_jpeg_failure(str(error))) from None
@@ -307,21 +299,33 @@ def stored_size(data: bytes) -> tuple[int, int] | None:
 
 def _jpeg_whole(data: bytes, min_height: int, min_width: int) -> np.ndarray:
     """The whole JPEG decoded strictly, as _jpeg_into decodes it; a CMYK/YCCK one is checked and left to Pillow."""
+    height, width = _jpeg_size(data)
+    # A SIMD scale, as training's; no minimum is the whole size (scale_eighths would take 1/8 for it).
+    eighths = scale_eighths(height, width, min_height or height, min_width or width)
+    try:
+        return _decode_at(data, height, width, eighths)
+    except ValueError as error:
+        raise UnusableImage(_jpeg_failure(str(error))) from None
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    """(height, width) from a JPEG's header, checked; a CMYK/YCCK JPEG is checked strictly and left to Pillow."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError as error:
         raise UnusableImage(f"bad JPEG header: {error}") from None
     _check_pixels(height, width)
     if colorspace in ("CMYK", "YCCK"):
-        _check_jpeg_strictly(data)
+        _check_jpeg_strictly(data)  # Pillow's libjpeg fills a damaged scan with grey and says nothing
         raise _NeedsPillow
-    # A SIMD scale, as training's; no minimum is the whole size (scale_eighths would take 1/8 for it).
-    eighths = scale_eighths(height, width, min_height or height, min_width or width)
-    try:
-        return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
-                                                       min_width=scaled_side(width, eighths), strict=True))
-    except ValueError as error:
-        raise UnusableImage(_jpeg_failure(str(error))) from None
+    return height, width
+
+
+def _decode_at(data: bytes, height: int, width: int, eighths: int) -> np.ndarray:
+    """The whole JPEG, strictly, at libjpeg-turbo's `eighths`/8 scale: simplejpeg picks the smallest scale whose size
+    is at least the one asked, so asked for that scale's own size it decodes at it. ValueError on a bad file."""
+    return cast(np.ndarray, simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=scaled_side(height, eighths),
+                                                   min_width=scaled_side(width, eighths), strict=True))
 
 
 # Raw members: `stoker pack --raw-max-side` stores small images as their RGB pixels in numpy's .npy format, read
