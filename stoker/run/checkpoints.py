@@ -13,6 +13,7 @@ from pathlib import Path
 from stoker.common import checkpoint
 from stoker.common.config import TrainConfig
 from stoker.common.positions import Position
+from stoker.data.pixels import PIXELS_VERSION
 from stoker.observe.metrics import MetricsLog, RunStats
 from stoker.observe.summary import ACCOUNTING_FILE, Ledger
 from stoker.pipeline.messages import Saved
@@ -89,7 +90,8 @@ class Checkpoints:
                 "num_consumers": writers if not self.cluster.multi else self.cluster.world,
                 "reference_consumers": self.reference_consumers,
                 "replicas_agree": global_step not in self.disagreeing,
-                "config": self.config.as_json(), "classes": self.classes, "samples": self.sample_counts}
+                "config": self.config.as_json(), "classes": self.classes, "samples": self.sample_counts,
+                "pixels": PIXELS_VERSION}
         final = checkpoint.checkpoint_dir(self.run_dir, global_step)
         temporary = checkpoint.checkpoint_dir(self.run_dir, global_step, temporary=True)
         extra = {}

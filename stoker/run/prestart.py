@@ -26,6 +26,7 @@ from stoker.common.devices import available_cores, oversubscription, resolve_dev
 from stoker.common.files import write_json
 from stoker.common.positions import Position
 from stoker.data.sources import Data, load_data
+from stoker.data.pixels import pixels_change
 from stoker.observe.metrics import MetricsLog
 from stoker.observe.summary import read_accounting
 from stoker.pipeline.driver import check_room
@@ -228,6 +229,8 @@ def _resume_point(config: TrainConfig, machines: Cluster, data: Data, plan: Epoc
         try:
             folder, meta = rundir.newest_checkpoint(config.resume, model_fit_check(config, len(data.train.classes)))
             resume.check_resumable(folder, meta, config, list(data.train.classes), sample_counts(data))
+            if (change := pixels_change(meta.get("pixels"))) is not None:
+                log.warning("%s: %s", folder, change)
             accounting = read_accounting(folder, meta)
             _set_aside_discarded_best(run_dir, meta["position"]["epoch"])
             found = (str(folder), meta["position"], meta["num_consumers"],

@@ -49,6 +49,7 @@ from stoker.data.formats.folders import Skipped
 from stoker.data.formats.parquet import DEFAULT_COLUMNS, Columns
 from stoker.data.formats.user_dataset import DatasetSource, check_dataset, unpack_item
 from stoker.data.index import PackedIndex
+from stoker.data.pixels import pixels_change
 from stoker.data.sources import load_source, local_copies, log_refused
 from stoker.data.transports.object_store import LocalCopies
 from stoker.observe.diagnosis import LOADER_ARGUMENTS, TimeSplit, diagnose
@@ -284,6 +285,8 @@ class Loader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at the saved batch: the next `iter()` of the saved epoch starts there (exact resume)."""
         self.position.check(state, self._world())
+        if (change := pixels_change(state.get("pixels"))) is not None:
+            log.warning("load_state_dict: the state was %s", change)
         self.epoch = self.position.load(state, self._world())
         if self.info is not None:
             self.plan = self.position.resume_plan(self.info.world_size)

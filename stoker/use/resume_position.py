@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from stoker.common.positions import Position
+from stoker.data.pixels import PIXELS_VERSION
 from stoker.pipeline.plan import EpochPlan
 
 STATE_VERSION = 1
@@ -57,7 +58,7 @@ class ResumePosition:
         moved = {"offset": offset} if offset != self.plan(world).offset(epoch, step) else {}
         return {"version": STATE_VERSION, "epoch": epoch, "step": step, **moved, "seed": self.seed,
                 "batch_size": self.batch_size, "drop_last": self.drop_last, "world_size": world,
-                "num_samples": self.num_samples}
+                "num_samples": self.num_samples, "pixels": PIXELS_VERSION}
 
     def load(self, state: dict[str, Any], world: int) -> int:
         """Take a state checked by `check`: the next `iter()` of its epoch starts at its step. Returns the epoch."""

@@ -288,6 +288,22 @@ def test_a_model_with_frozen_parameters_resumes(textures, tmp_path):
     assert read_summary(run_dir)["status"] == "completed", result.stderr[-2000:]
     assert read_summary(run_dir)["start_step"] == int(last.name.split("_")[1])
     assert "skipping checkpoint" not in result.stderr
+    assert "pixels version" not in result.stderr  # the same decoder wrote it
+
+
+def test_a_checkpoint_written_by_a_decoder_that_gave_other_pixels_resumes_with_a_warning(textures, tmp_path):
+    """Written before checkpoints recorded their pixels version (1: any DCT scale, where 2 keeps to the SIMD
+    ones): the run continues where it stood, and the log says its images are not bitwise the uninterrupted run's."""
+    run_dir = tmp_path / "run"
+    run_cli(*train_args(textures, run_dir, "--devices", "cpu:1", "--epochs", "1"))
+    last = sorted((run_dir / "checkpoints").glob("step_*"))[-1]
+    meta = json.loads((last / "meta.json").read_text())
+    assert meta.pop("pixels") == 2
+    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
+    (last / "meta.json").write_text(json.dumps(meta))
+    result = run_cli("train", "--resume", str(run_dir), "--epochs", "2", "--devices", "cpu:1", "--quiet")
+    assert read_summary(run_dir)["status"] == "completed"
+    assert f"{last}: saved by a stoker whose decoder gave other pixels (pixels version 1, now 2)" in result.stderr
 
 
 def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, tmp_path):

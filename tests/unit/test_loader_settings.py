@@ -181,3 +181,14 @@ def test_a_state_of_another_world_size_whose_offset_its_step_cannot_reach_is_ref
         loader.load_state_dict(state)
         assert len(loader) == step + -(-(120 - offset) // 8)
     loader.close()
+
+
+def test_a_state_saved_by_a_decoder_that_gave_other_pixels_is_taken_with_a_warning(textures, caplog):
+    """A state from before pixel versions were recorded (version 1: any DCT scale) resumes the same place; the log
+    says that its images are not bitwise the uninterrupted run's. Its own state says nothing."""
+    loader = stoker.Loader(textures[0], batch_size=8, device="cpu")
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    assert "pixels version" not in caplog.text
+    loader.load_state_dict({key: value for key, value in state.items() if key != "pixels"})
+    assert "pixels version 1, now 2" in caplog.text and "not bitwise" in caplog.text
