@@ -60,7 +60,7 @@ jpeg-headers:
 		echo "libjpeg-turbo's headers could not be installed: JPEGs will be decoded whole"
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check stoker tests
+	$(VENV)/bin/ruff check stoker tests tools
 	$(VENV)/bin/mypy
 
 install: $(VENV)/.installed

@@ -25,8 +25,8 @@ from stoker.common.config import (
 from stoker.common.devices import available_cores, oversubscription, resolve_devices, shares_one_batch
 from stoker.common.files import write_json
 from stoker.common.positions import Position
-from stoker.data.sources import Data, load_data
 from stoker.data.pixels import pixels_change
+from stoker.data.sources import Data, load_data
 from stoker.observe.metrics import MetricsLog
 from stoker.observe.summary import read_accounting
 from stoker.pipeline.driver import check_room
