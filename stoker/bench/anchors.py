@@ -103,19 +103,21 @@ def measure(folder: Path, scratch: Path, feeds: list[str], args: argparse.Namesp
     skipped = {feed: why for feed in feeds if (why := unavailable(feed))}
     running = [feed for feed in feeds if feed not in skipped]
     betons = {feed: scratch / f"{feed}.beton" for feed in running if feed.startswith("ffcv")}
+    images = _count(folder)
+    limit_s = RUN_TIMEOUT_S + WARMUP_S_PER_IMAGE * args.warmup_epochs * images
     for feed, beton in betons.items():
-        launch(folder, feed, args, beton, write=True)
+        launch(folder, feed, args, beton, limit_s, write=True)
     runs: dict[str, list[dict[str, float]]] = {feed: [] for feed in running}
     for repeat in range(args.repeats):
         shift = repeat % max(1, len(running))
         for feed in running[shift:] + running[:shift]:  # alternating: drift in the machine hits every feed alike
-            runs[feed].append(launch(folder, feed, args, betons.get(feed)))
+            runs[feed].append(launch(folder, feed, args, betons.get(feed), limit_s))
             print(f"{feed}: {runs[feed][-1]}", file=sys.stderr)
     medians = {feed: {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
                for feed, rows in runs.items()}
     return {"command": "stoker bench anchors " + " ".join(sys.argv[3:]), "cores": os.cpu_count(),
             "workers": args.workers, "batch_size": args.batch_size, "image_size": args.image_size,
-            "images": _count(folder), "images_per_run": args.images_per_run, "repeats": args.repeats,
+            "images": images, "images_per_run": args.images_per_run, "repeats": args.repeats,
             "warmup_epochs": args.warmup_epochs,
             "medians": medians, "runs": runs, "unavailable": skipped, "load_average_before": load_before,
             "load_average_after": os.getloadavg()}
@@ -127,9 +129,10 @@ def _count(folder: Path) -> int:
     return len(scan_image_folder(folder).paths)
 
 
-def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None, write: bool = False
-           ) -> dict[str, float]:
-    """One run of one feed in a fresh process: {img_s, cpu_ms_per_image}; with write, FFCV's .beton is written."""
+def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None, limit_s: float,
+           write: bool = False) -> dict[str, float]:
+    """One run of one feed in a fresh process, stopped after `limit_s`: {img_s, cpu_ms_per_image}; with write,
+    FFCV's .beton is written."""
     with tempfile.TemporaryDirectory(prefix="stoker-anchor-run-") as out:
         result = Path(out) / "result.json"
         command = [sys.executable, "-m", "stoker", "bench", "anchors", "--feed", feed, "--data", str(folder),
@@ -137,8 +140,7 @@ def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None
                    str(args.image_size), "--images-per-run", str(args.images_per_run), "--result", str(result),
                    "--warmup-epochs", str(args.warmup_epochs),
                    *(["--beton", str(beton)] if beton else []), *(["--images", "0"] if write else [])]
-        limit = RUN_TIMEOUT_S + WARMUP_S_PER_IMAGE * args.warmup_epochs * _count(folder)
-        completed = subprocess.run(command, timeout=limit, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        completed = subprocess.run(command, timeout=limit_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                    text=True)
         if completed.returncode != 0:
             raise RuntimeError(f"bench anchors: {feed} exited {completed.returncode}: {completed.stderr[-3000:]}")
