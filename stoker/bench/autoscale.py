@@ -25,7 +25,7 @@ from stoker.common.waiting import waiting
 from stoker.data.formats import builtin_data
 from stoker.observe.metrics import read_events
 
-WORKLOADS = ("a", "b", "c", "d", "e", "f", "g", "h", "s")
+WORKLOADS = ("a", "b", "c", "d", "e", "f", "g", "h", "s", "i")
 LATENCY_COUNTS = (4, 16)
 HELD_OUT_COUNTS = (1, 2, 4, 8, 16, 32)  # the best fixed count is taken over these
 SHORT_COUNTS = (1, 2, 3, 4)
@@ -43,7 +43,7 @@ class Workload:
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser = kinds.add_parser("autoscale", help="fixed producer counts against --producers auto, four workloads")
-    parser.add_argument("--workloads", default="a,b,c,d", help="which of a-h and s to run")
+    parser.add_argument("--workloads", default="a,b,c,d", help="which of a-h, s and i to run")
     parser.add_argument("--max-fixed", type=int, default=4, help="fixed M is swept from 1 to this")
     parser.add_argument("--counts", help="fixed counts to run instead, comma-separated (e: 4,16)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (median counts)")
@@ -92,6 +92,8 @@ def workloads(args: argparse.Namespace) -> dict[str, Workload]:
         # Short input-bound runs: a few seconds of training each on a quiet machine, so auto's start-up is much of it.
         "s": Workload("s", "short: 2 epochs of 2,000 500x375 JPEGs at 224 px, light CPU consumer", "photos-2000",
                       {**photos, "epochs": epochs(2)}, counts=SHORT_COUNTS),
+        "i": Workload("i", "short: 2 epochs of 2,000 ImageNet-like JPEGs at 224 px, light CPU consumer",
+                      "imagenet-like-2000", {**photos, "epochs": epochs(2)}, counts=SHORT_COUNTS),
     }
 
 
@@ -126,6 +128,8 @@ def _parse_counts(text: str) -> tuple[int, ...]:
 
 
 def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
+    from stoker.bench.photos import NAME as IMAGENET_LIKE
+    from stoker.bench.photos import make_imagenet_like
     from stoker.bench.pipeline import generate
 
     made = {}
@@ -139,6 +143,9 @@ def _make_data(root: Path, kinds: set[str], photos: int) -> dict[str, Path]:
         if kind in kinds:
             generate(root / kind, small=count, large=0)
             made[kind] = root / kind / "500x375"
+    if "imagenet-like-2000" in kinds:
+        made["imagenet-like-2000"] = root / IMAGENET_LIKE
+        make_imagenet_like(made["imagenet-like-2000"], 2000)
     if "textures" in kinds:
         builtin_data.generate(root / "textures", train_per_class=60, val_per_class=2)
         made["textures"] = root / "textures" / "train"
