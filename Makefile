@@ -34,12 +34,13 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 # one of the module's tests and whole files per worker left the last heavy file alone (parallel pass on one 2-core
 # machine: 744 s against 969 s with `load`). The tests that
 # read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both passes run; the worse status
-# counts (5, no test selected, is not a failure of the second).
+# counts (5, no test selected, is not a failure of the second). Each pass ends with its 15 slowest tests, so that
+# a log shows where the suite's time goes (it is to stay under 15 minutes on 2 cores).
 TEST_WORKERS ?= 3
 
 test: $(VENV)/.installed servers
-	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" tests; parallel=$$?; \
-	$(PY) -m pytest -q -m serial tests; serial=$$?; [ $$serial -eq 5 ] && serial=0; \
+	@$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations 15 -m "not serial" tests; parallel=$$?; \
+	$(PY) -m pytest -q --durations 15 -m serial tests; serial=$$?; [ $$serial -eq 5 ] && serial=0; \
 	exit $$(( parallel > serial ? parallel : serial ))
 
 # The remote-data tests read shards from a real nginx on loopback (Debian's nginx-light; moto's S3 server comes
