@@ -17,5 +17,5 @@ def pixels_change(recorded: Any) -> str | None:
     if before == PIXELS_VERSION:
         return None
     return (f"saved by a stoker whose decoder gave other pixels (pixels version {before!r}, now {PIXELS_VERSION}): "
-            "the resumed run trains the same samples in the same order with the same draws, on images that differ "
-            "from the uninterrupted run's by a few levels, so it is not bitwise that run")
+            "the resumed run trains the same samples in the same order with the same draws, but its JPEGs may decode "
+            "a few levels from the uninterrupted run's pixels, so it is not bitwise that run")
