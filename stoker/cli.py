@@ -140,7 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         zygote.main_is_stokers()
     args = build_parser().parse_args(argv)
     if args.command in ("bench", "pack", "eval", "predict"):
-        return args.run(args)
+        from stoker.run.lifecycle import sigterm_as_ctrl_c
+
+        try:
+            with sigterm_as_ctrl_c():
+                return int(args.run(args))
+        except KeyboardInterrupt as interrupt:  # what the command started is stopped by its own cleanup
+            print(f"stoker {args.command}: stopped by {interrupt.args[0] if interrupt.args else 'Ctrl-C'}",
+                  file=sys.stderr)
+            return 130
     if args.command == "report":
         return report_command(args)
     return train_command(args)

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+
+def completed_run(summary: dict[str, Any], what: str) -> dict[str, Any]:
+    """A run's summary where it completed. One stopped by Ctrl-C or SIGTERM (which reach the run's controller
+    first) stops the benchmark as they stop any command; a failed one stops it with its error."""
+    if summary["status"] == "interrupted":
+        raise KeyboardInterrupt(f"{what}: its run was interrupted")
+    if summary["status"] != "completed":
+        raise RuntimeError(f"{what}: its run ended {summary['status']}: {summary.get('error')}")
+    return summary
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stoker.bench import completed_run
 from stoker.common import faults
 from stoker.common.waiting import waiting
 from stoker.data.formats import builtin_data
@@ -171,10 +172,10 @@ def measure(workload: Workload, data: Path, scratch: Path, args: argparse.Namesp
         for repeat in range(args.repeats):  # interleaved: drift in the machine's speed hits every count alike
             for producers in configurations:
                 out = scratch / f"{producers}-{repeat}"
-                summary = stoker.train(data=data, val_fraction=0.05, devices="cpu:1", producers=producers, seed=0,
-                                       out=out, show_progress=False, report=False, **workload.settings)
-                if summary["status"] != "completed":
-                    raise RuntimeError(f"workload {workload.name}, producers={producers}: {summary.get('error')}")
+                summary = completed_run(
+                    stoker.train(data=data, val_fraction=0.05, devices="cpu:1", producers=producers, seed=0,
+                                 out=out, show_progress=False, report=False, **workload.settings),
+                    f"workload {workload.name}, producers={producers}")
                 rates[producers].append(steady_rate(out))
                 whole[producers].append(round(summary["throughput_samples_per_s"], 2))
                 verdicts[producers].append(summary["verdict"]["text"])

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from stoker.bench import completed_run
+
 PRETRAIN_CLASSES = 6  # of the built-in 10; the rest are the fine-tuning task
 FINETUNE_BATCH = 8  # a small set: several steps per epoch
 
@@ -96,9 +98,7 @@ def _train(**settings: Any) -> None:
     """One run; an interrupted or failed one stops the benchmark (Ctrl-C reaches the run's controller first)."""
     import stoker
 
-    summary = stoker.train(**settings)
-    if summary["status"] != "completed":
-        raise SystemExit(f"bench finetune: a run ended {summary['status']}: {summary.get('error', '')}")
+    completed_run(stoker.train(**settings), "bench finetune")
 
 
 def val_curve(run_dir: Path) -> list[float]:

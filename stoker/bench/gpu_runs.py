@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stoker.bench import completed_run
 from stoker.common.devices import available_cores
 
 WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
@@ -228,8 +229,7 @@ def time_stoker(folder: Path, model: str, args: argparse.Namespace) -> dict[str,
                                steps_ahead=steps_ahead(args),
                                precision=args.precision, channels_last=args.channels_last == "true",
                                out=Path(out) / "run", report=False, show_progress=False)
-        if summary["status"] != "completed":
-            raise RuntimeError(f"stoker train {summary['status']}: {summary.get('error')}")
+        completed_run(summary, "stoker train")
         figures = steady_figures(Path(out) / "run" / "metrics.jsonl", args.steps, max_skipped(args.workers))
     return {**figures, "producers_final": summary["producers_final"]}
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
+from stoker.bench import completed_run
 from stoker.bench.autoscale import steady_rate
 from stoker.bench.group import run_group
 from stoker.data.index import read_file
@@ -65,8 +66,7 @@ def run_training(args: argparse.Namespace) -> int:
                                            image_size=32, batch_size=args.batch_size, epochs=args.epochs, seed=0,
                                            average_in_backward=STOKER_RUNS[name], out=folder, show_progress=False,
                                            report=False)
-                    if summary["status"] != "completed":
-                        raise RuntimeError(f"{name}: {summary.get('error')}")
+                    completed_run(summary, name)
                     runs[name].append(steady_rate(folder))
                     averaging[name].append(statistics.mean(summary["averaging_fraction"]))
                     if name == "stoker":

@@ -56,6 +56,22 @@ def _on_startup_signal(signum: int, _frame: Any) -> None:
     raise StartupInterrupted("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
 
 
+@contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Around a one-shot command (bench, pack, eval, predict): a scheduler's SIGTERM stops it as Ctrl-C does, through
+    its own cleanup (a pack's hidden folder removed, a benchmark's runs stopped), where it killed the command at
+    once and left them."""
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sigterm_as_interrupt(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+
+
 class ReportInterrupted(BaseException):
     """A signal while the report is drawn. A BaseException, as KeyboardInterrupt is: it is not the report's
     failure, and drawing code that catches `Exception` must let it through."""

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from stoker.data.formats.shards import load_shards
 from tests.conftest import HELPERS, run_cli
 
@@ -68,12 +70,18 @@ def test_a_pack_killed_midway_leaves_no_set_and_no_worker(textures, tmp_path):
     assert len(load_shards(sorted(str(p) for p in out.glob("*.tar")), cache=tmp_path / "cache")) == 120
 
 
-def test_ctrl_c_during_a_pack_says_interrupted_and_writes_nothing(textures, tmp_path):
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm-to-the-job", "sigterm-to-pack"])
+def test_ctrl_c_or_sigterm_during_a_pack_says_interrupted_and_writes_nothing(textures, tmp_path, stop):
+    """Ctrl-C reaches the terminal's whole foreground group; a scheduler's SIGTERM every process of the job (Slurm),
+    or `kill` the command alone. Before, SIGTERM killed pack at once and left its hidden folder."""
     train, _ = textures
     out = tmp_path / "shards"
     pack = start_pack(train, out)
     wait_for_a_shard(out)
-    os.killpg(pack.pid, signal.SIGINT)  # Ctrl-C reaches the whole foreground group
+    if stop == "sigterm-to-pack":
+        os.kill(pack.pid, signal.SIGTERM)
+    else:
+        os.killpg(pack.pid, signal.SIGINT if stop == "ctrl-c" else signal.SIGTERM)
     _, stderr = pack.communicate(timeout=30)
     assert pack.returncode == 130, stderr
     assert "pack interrupted" in stderr and "Traceback" not in stderr, stderr

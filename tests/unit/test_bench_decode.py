@@ -40,3 +40,34 @@ def test_the_command_times_the_raw_pixel_pack_beside_the_jpeg_ones_with_their_sh
     # 64x43 pixels: 8 KiB raw, between the small JPEGs and the original 640x427 photographs
     assert all(row["read_ms_per_image"] > 0 for row in rows.values())
     assert shards["--max-side 64"] < shards["--max-side 64 --raw-max-side 64"] < shards["original"]
+
+
+def test_sigterm_stops_a_benchmark_as_ctrl_c_does_and_its_scratch_folder_goes(tmp_path):
+    """A scheduler's SIGTERM: before, it killed the command at once and left its packed sets in the temp folder."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    for index in range(4):
+        folder = tmp_path / "photos" / f"class{index % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{index}.jpg").write_bytes(photograph_jpeg(index % 2, False))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    environment = {**os.environ, "TMPDIR": str(scratch)}
+    bench = subprocess.Popen([sys.executable, "-m", "stoker", "bench", "decode", "--data", str(tmp_path / "photos"),
+                              "--max-side", "64", "--passes", "100000", "--image-size", "32"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=environment)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(scratch.glob("stoker-bench-decode-*/*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(scratch.glob("stoker-bench-decode-*/*")), "the benchmark never made its scratch folder"
+        bench.send_signal(signal.SIGTERM)
+        _, stderr = bench.communicate(timeout=30)
+    finally:
+        bench.kill()
+    assert bench.returncode == 130, stderr
+    assert "stoker bench: stopped by SIGTERM" in stderr and "Traceback" not in stderr, stderr
+    assert list(scratch.iterdir()) == []

@@ -164,11 +164,11 @@ def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, a
             bad.extend(write_shard(target, shard, shrink))
             advance()
         return bad
-    # Ctrl-C blocked while the workers start: one that came before a worker's initializer ran would print that
-    # worker's traceback. It waits, and is taken as soon as every worker holds it ignored.
+    # Ctrl-C and SIGTERM blocked while the workers start: one that came before a worker's initializer ran would
+    # print that worker's traceback. It waits, and is taken as soon as every worker holds it ignored.
     pool = ProcessPoolExecutor(workers, mp_context=CONTEXT, initializer=_worker_start)
     try:
-        with signals_blocked_for_children({signal.SIGINT}):
+        with signals_blocked_for_children(set(WORKER_IGNORES)):
             # submits every shard, which starts every worker
             results = pool.map(write_shard, targets, plan, itertools.repeat(shrink))
         for found in results:
@@ -179,20 +179,27 @@ def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, a
     return bad
 
 
+# A scheduler's SIGTERM reaches every process of the job, as Ctrl-C the terminal's group: the pack stops as one.
+WORKER_IGNORES = (signal.SIGINT, signal.SIGTERM)
+
+
 def _worker_start() -> None:
-    """Workers die with the parent (a killed pack leaves no orphans) and leave Ctrl-C to it (no traceback each)."""
+    """Workers die with the parent (a killed pack leaves no orphans) and leave Ctrl-C and SIGTERM to it (no
+    traceback each, and no worker lost before the parent stops the pack)."""
     exit_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the parent while it started us
+    for ignored in WORKER_IGNORES:
+        signal.signal(ignored, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(WORKER_IGNORES))  # blocked by the parent while it started us
 
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Done: the workers exit. Interrupted: they are killed, not left to write the shard each holds."""
+    """Done: the workers exit. Interrupted: they are killed (SIGKILL: they ignore SIGTERM), not left to write the
+    shard each holds."""
     processes = list(getattr(pool, "_processes", {}).values())  # the executor has no public way to stop them
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
-            process.terminate()
+            process.kill()
     for process in processes:
         process.join(timeout=10)
 
