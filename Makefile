@@ -35,7 +35,7 @@ demo: $(VENV)/.installed  # a run folder holds one run: each demo starts afresh
 # machine: 744 s against 969 s with `load`). The tests that
 # read the whole machine (/dev/shm, /tmp: marked `serial`) run alone after them. Both passes run; the worse status
 # counts (5, no test selected, is not a failure of the second). Each pass ends with its 15 slowest tests, so that
-# a log shows where the suite's time goes (it is to stay under 15 minutes on 2 cores).
+# a log shows where the suite's time goes.
 TEST_WORKERS ?= 3
 
 test: $(VENV)/.installed servers

@@ -140,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         zygote.main_is_stokers()
     args = build_parser().parse_args(argv)
     if args.command in ("bench", "pack", "eval", "predict"):
-        from stoker.run.lifecycle import sigterm_as_ctrl_c
+        from stoker.run.lifecycle import startup_signals
 
         try:
-            with sigterm_as_ctrl_c():
+            with startup_signals():
                 return int(args.run(args))
         except KeyboardInterrupt as interrupt:  # what the command started is stopped by its own cleanup
-            print(f"stoker {args.command}: stopped by {interrupt.args[0] if interrupt.args else 'Ctrl-C'}",
+            print(f"stoker {args.command}: stopped by {getattr(interrupt, 'signal_name', 'Ctrl-C')}",
                   file=sys.stderr)
             return 130
     if args.command == "report":

@@ -23,13 +23,13 @@ import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from stoker.bench import run_child
 from stoker.bench.loader import tree_cpu_s
 
 FEEDS = ("stoker", "dataloader_pillow", "dataloader_stoker", "dali", "ffcv", "ffcv_raw50")
@@ -140,8 +140,7 @@ def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None
                    str(args.image_size), "--images-per-run", str(args.images_per_run), "--result", str(result),
                    "--warmup-epochs", str(args.warmup_epochs),
                    *(["--beton", str(beton)] if beton else []), *(["--images", "0"] if write else [])]
-        completed = subprocess.run(command, timeout=limit_s, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True)
+        completed = run_child(command, timeout_s=limit_s)
         if completed.returncode != 0:
             raise RuntimeError(f"bench anchors: {feed} exited {completed.returncode}: {completed.stderr[-3000:]}")
         return json.loads(result.read_text()) if not write else {}

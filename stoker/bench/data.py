@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.bench import stop_child
 from stoker.common.procs import descendants
 from stoker.data.index import load_image_folder
 
@@ -138,12 +138,7 @@ def first_step(root: Path, scratch: Path, args: argparse.Namespace, fresh_cache:
         elapsed = _wait_first_step(run_dir / "metrics.jsonl", process, started)
         memory = _family_memory(process.pid)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_child(process)
     producers = [m for title, m in memory if title.startswith("stoker producer")]
     controller = next(m for title, m in memory if title.startswith("stoker controller"))
     return {"first_step_s": round(elapsed, 2), "controller_rss_mb": controller["Rss"],

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stoker.bench import stop_child
 from stoker.common.procs import descendants
 
 POLL_S = 0.01
@@ -135,12 +136,16 @@ def train(args: argparse.Namespace, run_dir: Path, on_failure: str, fault: dict[
         env.pop("STOKER_FAULT", None)
     lines: list[tuple[float, dict[str, Any]]] = []
     with subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
-        while True:
-            finished = process.poll() is not None
-            lines += watch.read()
-            if finished:
-                break
-            time.sleep(POLL_S)
+        try:
+            while True:
+                finished = process.poll() is not None
+                lines += watch.read()
+                if finished:
+                    break
+                time.sleep(POLL_S)
+        except BaseException:  # interrupted: the run stops too, before its scratch folder goes
+            stop_child(process)
+            raise
         stderr = process.stderr.read().decode(errors="replace") if process.stderr else ""
     if process.returncode not in (0, 1) or not lines:
         raise RuntimeError(f"{' '.join(command)} ended with {process.returncode}:\n{stderr[-2000:]}")

@@ -24,6 +24,10 @@ def run_group(worker: Callable[..., Any], world: int, args: tuple, timeout_s: fl
         process.start()
     try:
         outcome = results.get(timeout=timeout_s)
+    except BaseException:  # interrupted or timed out: no member's result is waited for
+        for process in processes:
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(timeout=30)

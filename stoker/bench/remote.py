@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import servers
+from stoker.bench import run_child, servers
 from stoker.common import faults
 from stoker.data.formats import builtin_data
 
@@ -149,8 +149,7 @@ def _train(root: Path, data: str, env: dict[str, str], epochs: int, name: str) -
 
 
 def _stoker(*args: str, env: dict[str, str] | None = None) -> None:
-    result = subprocess.run([sys.executable, "-m", "stoker", *args], capture_output=True, text=True,
-                            env={**os.environ, **(env or {})})
+    result = run_child([sys.executable, "-m", "stoker", *args], env={**os.environ, **(env or {})})
     if result.returncode != 0:
         raise RuntimeError(f"stoker {' '.join(args)} exited {result.returncode}:\n{result.stderr[-3000:]}")
 

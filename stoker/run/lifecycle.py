@@ -8,6 +8,9 @@ A run goes through three phases, and a signal means something different in each:
   and the cleanup would be lost; a signal here kills every child at once, and shutdown goes on.
 - reporting (training is over and saved): a signal skips the report and nothing else; the run stays "completed".
 
+Before a run starts, and around the one-shot commands (bench, pack, eval, predict), SIGTERM is Ctrl-C
+(`startup_signals`): the command's own cleanup runs, where SIGTERM's default killed it and left what it made.
+
 Children never see these signals (`procs.start` blocks them before the fork): a SIGTERM to the whole process group,
 as Slurm, docker stop and systemd send it, or a Ctrl-C during a child's start-up, reaches the controller alone.
 """
@@ -43,8 +46,10 @@ class StartupInterrupted(KeyboardInterrupt):
 
 @contextmanager
 def startup_signals() -> Iterator[None]:
-    """Around what comes before the run (settings, indexing the data, checks): SIGTERM ends it as Ctrl-C does,
-    with a message, instead of killing the command silently (exit 143)."""
+    """Around what comes before the run (settings, indexing the data, checks), and around a one-shot command
+    (bench, pack, eval, predict): SIGTERM ends it as Ctrl-C does, through its own cleanup (a pack's hidden folder, a
+    benchmark's scratch folder), with a message, instead of killing the command silently (exit 143) and leaving
+    them."""
     previous = _install(_on_startup_signal)
     try:
         yield
@@ -54,22 +59,6 @@ def startup_signals() -> Iterator[None]:
 
 def _on_startup_signal(signum: int, _frame: Any) -> None:
     raise StartupInterrupted("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name)
-
-
-@contextmanager
-def sigterm_as_ctrl_c() -> Iterator[None]:
-    """Around a one-shot command (bench, pack, eval, predict): a scheduler's SIGTERM stops it as Ctrl-C does, through
-    its own cleanup (a pack's hidden folder removed, a benchmark's runs stopped), where it killed the command at
-    once and left them."""
-    previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _sigterm_as_interrupt(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 class ReportInterrupted(BaseException):

@@ -75,3 +75,16 @@ def test_a_recomputed_checksum_over_a_position_of_another_step_is_refused(two_ch
         folder, _ = checkpoint.newest_valid(two_checkpoints)
     assert folder.name == "step_00000008"
     assert "'position' says step 23, the folder's name 16" in caplog.text
+
+
+@pytest.mark.parametrize("pixels", ["2", True, 0, 2.0])
+def test_a_pixels_version_that_is_not_a_positive_integer_is_refused(two_checkpoints, caplog, pixels):
+    path = meta_path(two_checkpoints, 16)
+    meta = json.loads(path.read_text())
+    meta["pixels"] = pixels
+    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
+    path.write_text(json.dumps(meta))
+    with caplog.at_level(logging.WARNING):
+        folder, _ = checkpoint.newest_valid(two_checkpoints)
+    assert folder.name == "step_00000008"
+    assert "'pixels' (the decoder's pixels version) is not a positive integer" in caplog.text

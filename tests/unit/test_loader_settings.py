@@ -192,3 +192,7 @@ def test_a_state_saved_by_a_decoder_that_gave_other_pixels_is_taken_with_a_warni
     assert "pixels version" not in caplog.text
     loader.load_state_dict({key: value for key, value in state.items() if key != "pixels"})
     assert "pixels version 1, now 2" in caplog.text and "not bitwise" in caplog.text
+    for pixels in ("2", True, 0):
+        with pytest.raises(ValueError, match=r"^load_state_dict: the state.s pixels is .*; expected a positive"):
+            loader.load_state_dict({**state, "pixels": pixels})
+    loader.close()

@@ -77,3 +77,23 @@ def test_a_raw_max_side_that_is_no_number_is_refused_naming_the_flag(textures, t
         main(["pack", str(textures[0]), str(tmp_path / "out"), "--raw-max-side", "64px"])
     assert stopped.value.code == 2 and not (tmp_path / "out").exists()
     assert "argument --raw-max-side: invalid int value: '64px'" in capsys.readouterr().err
+
+
+def test_a_pack_interrupted_while_packing_val_says_its_training_set_is_in_place(textures, tmp_path, monkeypatch):
+    """Ctrl-C or SIGTERM once the training set is in place: the message said 'nothing was written' over a whole
+    training set, which the next pack then refused to overwrite."""
+    from stoker.data.formats import pack
+    from stoker.data.formats.shards import PACK_INDEX_FILE
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pack, "_pack_validation", interrupted)
+    train, val = textures
+    out = tmp_path / "shards"
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = main(["pack", str(train), str(out), "--val", str(val), "--workers", "1"])
+    assert code == 130
+    assert f"pack interrupted; {out} holds the whole training set, without the validation set" in said.getvalue()
+    assert (out / PACK_INDEX_FILE).is_file() and not (out / "val").exists()

@@ -85,12 +85,13 @@ class Shrink:
 
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
          classes: tuple[str, ...] | None = None, shrink: Shrink | None = None,
-         undecodable: list[tuple[str, str]] | None = None) -> list[Path]:
+         undecodable: list[tuple[str, str]] | None = None, placed: list[Path] | None = None) -> list[Path]:
     """Write the shards and classes.json; returns the shards' paths in order. Raises ValueError, before anything
     is written, for an OUT_DIR that holds files (unless `overwrite`). `classes`: label by these (a validation set
     takes the training set's), else by the folder's own class folders. `shrink`: store large images smaller; the
     shards are cut by the files' own sizes all the same (the same members in the same shards). `undecodable`
-    gets (file, reason) of each file packed that cannot be decoded (each is logged)."""
+    gets (file, reason) of each file packed that cannot be decoded (each is logged); `placed` gets `out` once the
+    pack is in place there, which a Ctrl-C or SIGTERM cannot split from the move itself."""
     _check_out_folder(out, overwrite)
     listing = list_image_folder(source, classes)
     log_refused(tuple(listing.skipped))
@@ -112,7 +113,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: 
             undecodable.extend(bad)
         (partial / CLASSES_FILE).write_text(json.dumps(list(listing.classes)) + "\n")
         write_pack_index(partial, targets)
-        _move_into_place(partial, out)
+        _move_into_place(partial, out, [] if placed is None else placed)
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone already when the pack completed
     return [out / target.name for target in targets]
@@ -127,11 +128,12 @@ def _check_out_folder(out: Path, overwrite: bool) -> None:
 
 
 def _remove_dead_partials(out: Path) -> None:
-    """What a killed pack into `out` left: its hidden folder, named with the dead pack's pid."""
-    for partial in out.parent.glob(f".{out.name}.partial-*"):
-        pid = partial.name.rsplit("-", 1)[-1]
+    """What a killed pack into `out` left: its hidden folder, and the old pack an --overwrite was removing, each
+    named with the dead pack's pid."""
+    for hidden in [*out.parent.glob(f".{out.name}.partial-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        pid = hidden.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(partial, ignore_errors=True)
+            shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -144,15 +146,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _move_into_place(partial: Path, out: Path) -> None:
-    """`partial` becomes `out` in one rename; an old `out` (empty, or replaced by --overwrite) goes first."""
-    if out.is_dir():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
+def _move_into_place(partial: Path, out: Path, placed: list[Path]) -> None:
+    """`partial` becomes `out` in one rename, and `out` is added to `placed`; an old `out` (empty, or replaced by
+    --overwrite) goes first. Ctrl-C and SIGTERM wait across the renames: between them `out` would be gone, its old
+    pack hidden, and the new one removed by the interrupted pack's cleanup."""
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(WORKER_IGNORES))
+    try:
+        if out.is_dir():
+            os.rename(out, old)
         os.rename(partial, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, out)
+        placed.append(out)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    shutil.rmtree(old, ignore_errors=True)  # interrupted: the next pack into `out` removes the rest
 
 
 def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance,
@@ -302,6 +309,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def pack_command(args: argparse.Namespace) -> int:
     args.undecodable = []  # every pack() of the command adds its files that cannot be decoded
+    args.placed = []  # and each folder it put in place
     try:
         if not args.source.is_dir():
             raise ValueError(f"{args.source}: not a folder (expected an ImageFolder root)")
@@ -314,17 +322,13 @@ def pack_command(args: argparse.Namespace) -> int:
         else:
             where = str(args.out)
             shards = pack(args.source, args.out, shard_size, args.workers, args.overwrite, shrink=args.shrink,
-                          undecodable=args.undecodable)
+                          undecodable=args.undecodable, placed=args.placed)
             val_shards = _pack_validation(args, shard_size)
     except ValueError as error:
         print(f"stoker: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        if is_remote(args.out):  # objects appear one by one: what was uploaded stays, index.json (uploaded last) not
-            print(f"stoker: pack interrupted; the objects uploaded so far stay under {args.out}, without its "
-                  f"{PACK_INDEX_FILE}: pack again with --overwrite", file=sys.stderr)
-        else:
-            print(f"stoker: pack interrupted; nothing was written to {args.out}", file=sys.stderr)
+        print(f"stoker: pack interrupted; {_what_was_written(args)}", file=sys.stderr)
         return 130
     _print_use(where, shards, val_shards, len(args.undecodable))
     return 0
@@ -390,7 +394,20 @@ def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:
         return []
     classes = tuple(json.loads((args.out / CLASSES_FILE).read_text()))
     return pack(args.val, args.out / VAL_FOLDER, shard_size, args.workers, args.overwrite, classes,
-                undecodable=args.undecodable)
+                undecodable=args.undecodable, placed=args.placed)
+
+
+def _what_was_written(args: argparse.Namespace) -> str:
+    """What an interrupted pack leaves at OUT_DIR, and what to do about it."""
+    if is_remote(args.out):  # objects appear one by one: what was uploaded stays, index.json (uploaded last) not
+        return (f"the objects uploaded so far stay under {args.out}, without its {PACK_INDEX_FILE}: pack again with "
+                "--overwrite")
+    if not args.placed:
+        return f"nothing was written to {args.out}"
+    if args.val is not None and len(args.placed) == 1:
+        return (f"{args.out} holds the whole training set, without the validation set {args.out / VAL_FOLDER}: pack "
+                "again with --overwrite for both")
+    return f"{args.out} was complete before it stopped"
 
 
 def shard_pattern(folder: Path, shards: list[Path]) -> Path:
