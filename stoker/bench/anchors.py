@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import run_child
 from stoker.bench.loader import tree_cpu_s
+from stoker.bench.runs import run_child
 
 FEEDS = ("stoker", "dataloader_pillow", "dataloader_stoker", "dali", "ffcv", "ffcv_raw50")
 NEEDS = {"dali": "nvidia.dali", "ffcv": "ffcv", "ffcv_raw50": "ffcv"}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import completed_run
+from stoker.bench.runs import completed_run
 from stoker.common import faults
 from stoker.common.waiting import waiting
 from stoker.data.formats import builtin_data

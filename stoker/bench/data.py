@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench import stop_child
+from stoker.bench.runs import stop_child
 from stoker.common.procs import descendants
 from stoker.data.index import load_image_folder
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import stop_child
+from stoker.bench.runs import stop_child
 from stoker.common.procs import descendants
 
 POLL_S = 0.01

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import completed_run
+from stoker.bench.runs import completed_run
 
 PRETRAIN_CLASSES = 6  # of the built-in 10; the rest are the fine-tuning task
 FINETUNE_BATCH = 8  # a small set: several steps per epoch

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stoker.bench import completed_run
+from stoker.bench.runs import completed_run
 from stoker.common.devices import available_cores
 
 WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these

@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from stoker.bench import run_child, servers
+from stoker.bench import servers
+from stoker.bench.runs import run_child
 from stoker.common import faults
 from stoker.data.formats import builtin_data
 

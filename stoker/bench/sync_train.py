@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from PIL import Image
 
-from stoker.bench import completed_run
 from stoker.bench.autoscale import steady_rate
 from stoker.bench.group import run_group
+from stoker.bench.runs import completed_run
 from stoker.data.index import read_file
 from stoker.data.pixels.imaging import load_into
 

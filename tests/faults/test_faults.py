@@ -21,6 +21,7 @@ from tests.conftest import (
     assert_same_weights,
     read_summary,
     run_cli,
+    stoker_processes,
     wait_for_no_trace,
 )
 
@@ -311,8 +312,9 @@ def test_shared_memory_too_small_is_a_clear_error_before_any_process(textures, t
                                     "--slots-per-consumer", "64"), check=False)
     assert result.returncode == 2
     assert "MiB of shared memory" in result.stderr and "--shm-size" in result.stderr
-    # Waited for, not read at once: a segment whose creator is gone counts whoever made it, and another worker's
-    # test that SIGKILLs its controller leaves one for the moment its run takes to remove it.
+    assert not stoker_processes()  # this worker's, read at once: none was started
+    # Segments waited for: one whose creator is gone counts whoever made it, and another worker's test that SIGKILLs
+    # its controller leaves one for the moment its run takes to remove it.
     assert wait_for_no_trace() == ([], [])
 
 

@@ -18,7 +18,8 @@ def test_a_ctrl_c_test_passes_in_a_suite_started_as_a_background_job():
     """`trap "" INT` is what bash does for `&` in a script; the Ctrl-C test of `stoker pack` (the quickest one)
     then runs in a pytest of its own, as `make test` would run it there."""
     command = (f'trap "" INT; exec {sys.executable} -m pytest -q -p no:cacheprovider '
-               "tests/integration/test_pack.py -k test_ctrl_c_during_a_pack_says_interrupted_and_writes_nothing")
+               "'tests/integration/test_pack.py::test_ctrl_c_or_sigterm_during_a_pack_says_interrupted_and_writes_nothing"
+               "[ctrl-c]'")
     result = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=150,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]

@@ -97,3 +97,33 @@ def test_the_classes_a_model_knows_reach_the_terminal_escaped(tmp_path):
     message = str(refused.value)
     assert "'zebra' are not classes of the model (it knows cat, \\x1b[2Jdog)" in message
     assert "\x1b" not in message
+
+
+@pytest.mark.parametrize("command", ["eval", "predict"])
+def test_sigterm_stops_eval_and_predict_as_ctrl_c_does(tmp_path, monkeypatch, command):
+    """A scheduler's SIGTERM while the images are read (each read slowed to 2 s: 6 images take far longer than the
+    signal): one line and exit 130, the producers stopped (the autouse check), where SIGTERM killed the command."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from stoker.common import faults
+
+    monkeypatch.chdir(tmp_path)  # the planted module is found in the working directory, as the command finds it
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    model_file = _crafted_model_file(tmp_path)
+    where = ["--data", "val"] if command == "eval" else ["val"]
+    environment = {**os.environ, faults.READ_LATENCY_ENV: "2000"}
+    started = subprocess.Popen([sys.executable, "-m", "stoker", command, str(model_file), *where, "--devices", "cpu",
+                                "--batch-size", "2", "--producers", "1", "--model", "planted:small_cnn"],
+                               cwd=tmp_path, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        time.sleep(4.0)
+        started.send_signal(signal.SIGTERM)
+        _, stderr = started.communicate(timeout=60)
+    finally:
+        started.kill()
+    assert started.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "stoker: interrupted" and "Traceback" not in stderr, stderr
