@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         zygote.main_is_stokers()
     args = build_parser().parse_args(argv)
     if args.command in ("bench", "pack", "eval", "predict"):
+        from stoker.bench.runs import RunFailed
         from stoker.run.lifecycle import startup_signals
 
         try:
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"stoker {args.command}: stopped by {getattr(interrupt, 'signal_name', 'Ctrl-C')}",
                   file=sys.stderr)
             return 130
+        except RunFailed as failed:  # a benchmark's training run: its error is in one line, not a traceback
+            print(f"stoker {args.command}: {failed}", file=sys.stderr)
+            return 1
     if args.command == "report":
         return report_command(args)
     return train_command(args)

@@ -109,8 +109,15 @@ def _run_or_error(kind: str, folder: Path, model: str, args: argparse.Namespace)
 
 def _in_own_process(kind: str, folder: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=context)
+    try:
         return pool.submit(run_one, kind, folder, model, vars(args)).result()
+    except BaseException:  # interrupted: the run's process never saw the signal, and shutdown would wait for it
+        for process in list(getattr(pool, "_processes", {}).values()):  # no public way to reach them
+            process.terminate()  # its stoker.train stops at the prepared steps, as on SIGTERM
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def blocked_threshold_s(step_s: float) -> float:

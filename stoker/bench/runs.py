@@ -15,14 +15,30 @@ class RunInterrupted(KeyboardInterrupt):
     signal_name = "the signal that stopped its run"
 
 
-def stop_child(process: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """Stop a stoker command the benchmark started as SIGTERM stops it, through its own cleanup (SIGINT may be
-    ignored: a background job's children inherit that); killed where it has not ended after `grace_s`."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+class RunFailed(RuntimeError):
+    """A run the benchmark started ended failed; the command says so in one line (exit 1)."""
+
+
+# A child's way out, within a scheduler's grace (Slurm's KillWait and Kubernetes' are 30 s, docker stop's 10 s): a
+# moment to end on the signal that reached its whole group, SIGTERM (a stoker train: the prepared steps and a
+# checkpoint), SIGTERM again (stop now), then SIGKILL.
+STOP_STEPS = ((2.0, signal.SIGTERM), (5.0, signal.SIGTERM), (8.0, signal.SIGKILL))
+
+
+def stop_child(process: subprocess.Popen) -> None:
+    """Stop a stoker command the benchmark started through its own cleanup (SIGTERM: SIGINT may be ignored, as a
+    background job's children inherit it), killed where it has not ended by STOP_STEPS' last; killed at once if
+    this process is told to stop meanwhile."""
+    try:
+        for wait_s, then in STOP_STEPS:
+            try:
+                process.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                process.send_signal(then)
+        process.wait()
+    finally:
+        if process.poll() is None:
             process.kill()
             process.wait()
 
@@ -43,9 +59,9 @@ def run_child(command: Sequence[str], timeout_s: float | None = None,
 
 def completed_run(summary: dict[str, Any], what: str) -> dict[str, Any]:
     """A run's summary where it completed. An interrupted one stops the benchmark as the signal stops any command;
-    a failed one stops it with its error in one line (exit 1)."""
+    a failed one raises RunFailed (a benchmark that measures the other runs catches it)."""
     if summary["status"] == "interrupted":
         raise RunInterrupted()
     if summary["status"] != "completed":
-        raise SystemExit(f"stoker bench: {what}: its run ended {summary['status']}: {summary.get('error')}")
+        raise RunFailed(f"{what}: its run ended {summary['status']}: {summary.get('error')}")
     return summary

@@ -223,7 +223,8 @@ def _shape_problem(meta: dict[str, Any], folder_step: int) -> str | None:
         return "'reference_consumers' is not an integer from 1 to 2^20"
     if type(meta.get("replicas_agree", True)) is not bool:
         return "'replicas_agree' is not true or false"
-    if type(meta.get("pixels", 1)) is not int or meta.get("pixels", 1) < 1:
+    pixels = meta.get("pixels")
+    if pixels is not None and (type(pixels) is not int or pixels < 1):
         return "'pixels' (the decoder's pixels version) is not a positive integer"
     return None
 

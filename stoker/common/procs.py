@@ -251,12 +251,13 @@ def main_script_hidden_when_unreadable() -> Iterator[None]:
 
 @contextlib.contextmanager
 def signals_blocked_for_children(signals: set[signal.Signals]) -> Iterator[None]:
-    """Children started inside are born with `signals` blocked, from before the fork, so even one still importing
-    torch is safe; the mask survives exec and the child keeps it. This process's own signals wait, not lost, until
-    the block ends. multiprocessing starts its resource tracker at the first child's start and then unblocks SIGINT
-    and SIGTERM in this thread whatever the mask was (resource_tracker.ensure_running): it runs first here, or that
-    first child and every later one of the block were born with nothing blocked (a pack's Ctrl-C printed a
-    worker's traceback)."""
+    """Children started inside are born with `signals` blocked, from before the fork, so even one still
+    importing torch is safe; the mask survives exec and the child keeps it. Only this thread's mask changes: a
+    signal to this process may still reach another thread, whose Python handler then runs in the main thread.
+    multiprocessing starts its resource tracker at the first child's start and then unblocks SIGINT and SIGTERM
+    in this thread whatever the mask was (resource_tracker.ensure_running): it runs first here, or that first
+    child and every later one of the block were born with nothing blocked (a pack's Ctrl-C printed a worker's
+    traceback)."""
     start_resource_tracker()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:

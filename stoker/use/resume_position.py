@@ -76,8 +76,9 @@ class ResumePosition:
             if key not in state:
                 raise ValueError(f"load_state_dict: the state has no {key!r} (expected a Loader.state_dict())")
         self._check_same_batches(state)
-        pixels = state.get("pixels", 1)
-        if isinstance(pixels, bool) or not isinstance(pixels, (int, np.integer)) or pixels < 1:
+        pixels = state.get("pixels")  # None: saved before versions were recorded
+        if pixels is not None and (isinstance(pixels, bool) or not isinstance(pixels, (int, np.integer))
+                                   or pixels < 1):
             raise ValueError(f"load_state_dict: the state's pixels is {pixels!r}; expected a positive integer (the "
                              "decoder's pixels version a Loader.state_dict() records)")
         saved_world = state.get("world_size", world)

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from stoker.cli import main
-from tests.conftest import HELPERS
+from tests.conftest import HELPERS, stoker_processes
 
 
 def _error_of(capsys, *argv: str) -> str:
@@ -101,8 +101,9 @@ def test_the_classes_a_model_knows_reach_the_terminal_escaped(tmp_path):
 
 @pytest.mark.parametrize("command", ["eval", "predict"])
 def test_sigterm_stops_eval_and_predict_as_ctrl_c_does(tmp_path, monkeypatch, command):
-    """A scheduler's SIGTERM while the images are read (each read slowed to 2 s: 6 images take far longer than the
-    signal): one line and exit 130, the producers stopped (the autouse check), where SIGTERM killed the command."""
+    """A scheduler's SIGTERM once a producer reads the images (each read slowed to 2 s: 6 images take far longer
+    than the signal): one line and exit 130, the producers stopped (the autouse check), where SIGTERM killed the
+    command."""
     import os
     import signal
     import subprocess
@@ -120,7 +121,11 @@ def test_sigterm_stops_eval_and_predict_as_ctrl_c_does(tmp_path, monkeypatch, co
                                cwd=tmp_path, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True)
     try:
-        time.sleep(4.0)
+        deadline = time.monotonic() + 60
+        while not any("producer" in title for _, title in stoker_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert any("producer" in title for _, title in stoker_processes()), "no producer started"
+        time.sleep(0.5)  # its first read under way
         started.send_signal(signal.SIGTERM)
         _, stderr = started.communicate(timeout=60)
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,36 @@ def test_a_pack_interrupted_while_packing_val_says_its_training_set_is_in_place(
     assert code == 130
     assert f"pack interrupted; {out} holds the whole training set, without the validation set" in said.getvalue()
     assert (out / PACK_INDEX_FILE).is_file() and not (out / "val").exists()
+
+
+def test_sigterm_between_the_renames_of_an_overwrite_waits_until_the_new_pack_is_in_place(textures, tmp_path,
+                                                                                         monkeypatch):
+    """SIGTERM as --overwrite moves the old pack aside: before, it acted between the two renames, OUT was gone and
+    the new pack removed, and the message said nothing was written."""
+    import os
+    import signal
+
+    from stoker.data.formats import pack
+    from stoker.data.formats.shards import PACK_INDEX_FILE
+
+    train, _ = textures
+    out = tmp_path / "shards"
+    assert main(["pack", str(train), str(out), "--workers", "1"]) == 0
+    renamed = []
+    rename = os.rename
+
+    def rename_with_a_signal(source, target):
+        if Path(source) == out or renamed:  # the old pack's move aside (the signal comes as it is done), and after
+            if not renamed:
+                os.kill(os.getpid(), signal.SIGTERM)
+            renamed.append(Path(target).name)
+        rename(source, target)
+
+    monkeypatch.setattr(pack.os, "rename", rename_with_a_signal)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        code = main(["pack", str(train), str(out), "--workers", "1", "--overwrite"])
+    assert code == 130 and renamed == [f".shards.old-{os.getpid()}", "shards"]
+    assert f"pack interrupted; {out} was complete before it stopped" in said.getvalue()
+    assert (out / PACK_INDEX_FILE).is_file() and sorted(p.name for p in tmp_path.iterdir() if p.name != "data") == [
+        "shards"]

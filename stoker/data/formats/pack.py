@@ -11,6 +11,8 @@ in what pack prints. Keys, `index.json` and the upload order: docs/contracts.md,
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import io
 import itertools
 import json
@@ -22,6 +24,8 @@ import signal
 import sys
 import tarfile
 import tempfile
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,7 +134,8 @@ def _check_out_folder(out: Path, overwrite: bool) -> None:
 def _remove_dead_partials(out: Path) -> None:
     """What a killed pack into `out` left: its hidden folder, and the old pack an --overwrite was removing, each
     named with the dead pack's pid."""
-    for hidden in [*out.parent.glob(f".{out.name}.partial-*"), *out.parent.glob(f".{out.name}.old-*")]:
+    name = glob.escape(out.name)
+    for hidden in [*out.parent.glob(f".{name}.partial-*"), *out.parent.glob(f".{name}.old-*")]:
         pid = hidden.name.rsplit("-", 1)[-1]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(hidden, ignore_errors=True)
@@ -148,18 +153,45 @@ def _alive(pid: int) -> bool:
 
 def _move_into_place(partial: Path, out: Path, placed: list[Path]) -> None:
     """`partial` becomes `out` in one rename, and `out` is added to `placed`; an old `out` (empty, or replaced by
-    --overwrite) goes first. Ctrl-C and SIGTERM wait across the renames: between them `out` would be gone, its old
-    pack hidden, and the new one removed by the interrupted pack's cleanup."""
+    --overwrite) goes first, and comes back if the second rename fails. Ctrl-C and SIGTERM wait across the renames
+    (between them `out` would be gone, its old pack hidden, and the new one removed by the interrupted pack's
+    cleanup), then act."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(WORKER_IGNORES))
     try:
-        if out.is_dir():
-            os.rename(out, old)
-        os.rename(partial, out)
-        placed.append(out)
+        with _signals_deferred():
+            moved_old = out.is_dir()
+            if moved_old:
+                os.rename(out, old)
+            try:
+                os.rename(partial, out)
+            except BaseException:
+                if moved_old:
+                    os.rename(old, out)
+                raise
+            placed.append(out)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-    shutil.rmtree(old, ignore_errors=True)  # interrupted: the next pack into `out` removes the rest
+        if placed and placed[-1] == out:  # also when a signal waited: the old pack was replaced
+            shutil.rmtree(old, ignore_errors=True)  # interrupted here: the next pack into `out` removes the rest
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Ctrl-C and SIGTERM recorded meanwhile and delivered again at the end. Python runs signal handlers in the main
+    thread whichever thread the kernel picks, so the handlers are swapped, not the thread's mask; off the main
+    thread the caller owns the signals and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {signum: signal.signal(signum, lambda number, _frame: arrived.append(number))
+                for signum in WORKER_IGNORES}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for number in dict.fromkeys(arrived):
+            signal.raise_signal(number)
 
 
 def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance,
