@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         from stoker.run.lifecycle import startup_signals
 
         try:
-            with startup_signals():
+            with startup_signals(keep_ignored=True):
                 return int(args.run(args))
         except KeyboardInterrupt as interrupt:  # what the command started is stopped by its own cleanup
             print(f"stoker {args.command}: stopped by {getattr(interrupt, 'signal_name', 'Ctrl-C')}",

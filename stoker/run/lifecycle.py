@@ -45,12 +45,13 @@ class StartupInterrupted(KeyboardInterrupt):
 
 
 @contextmanager
-def startup_signals() -> Iterator[None]:
+def startup_signals(keep_ignored: bool = False) -> Iterator[None]:
     """Around what comes before the run (settings, indexing the data, checks), and around a one-shot command
     (bench, pack, eval, predict): SIGTERM ends it as Ctrl-C does, through its own cleanup (a pack's hidden folder, a
     benchmark's scratch folder), with a message, instead of killing the command silently (exit 143) and leaving
-    them."""
-    previous = _install(_on_startup_signal)
+    them. `keep_ignored`: a signal the process was started ignoring stays ignored, as Python leaves it (a script's
+    background job ignores Ctrl-C: the one-shot commands did before SIGTERM was handled, and do)."""
+    previous = _install(_on_startup_signal, keep_ignored)
     try:
         yield
     finally:
@@ -119,9 +120,11 @@ class Lifecycle:
         self.interrupted = True
 
 
-def _install(handler: Callable[[int, Any], None]) -> dict[int, Any]:
+def _install(handler: Callable[[int, Any], None], keep_ignored: bool = False) -> dict[int, Any]:
     previous: dict[int, Any] = {}
     for signum in SIGNALS:
+        if keep_ignored and signal.getsignal(signum) is signal.SIG_IGN:
+            continue
         try:
             previous[signum] = signal.signal(signum, handler)
         except ValueError:  # not the main thread: the caller handles signals

@@ -18,12 +18,15 @@ from tests.conftest import HELPERS, run_cli
 SLOW_READS = {"STOKER_READ_LATENCY_MS": "40"}  # 120 files, 2 workers: a pack of about 2.5 s
 
 
-def start_pack(source: Path, out: Path) -> subprocess.Popen:
+def start_pack(source: Path, out: Path, ignoring_ctrl_c: bool = False) -> subprocess.Popen:
+    """`ignoring_ctrl_c`: started as a script's background job is, with SIGINT ignored."""
     environment = {**os.environ, **SLOW_READS,
                    "PYTHONPATH": f"{HELPERS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.Popen([sys.executable, "-m", "stoker", "pack", str(source), str(out), "--shard-size", "8KB",
                              "--workers", "2"], env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignoring_ctrl_c
+                            else None)
 
 
 def wait_for_a_shard(out: Path, timeout_s: float = 60) -> None:
@@ -87,6 +90,22 @@ def test_ctrl_c_or_sigterm_during_a_pack_says_interrupted_and_writes_nothing(tex
     assert "pack interrupted" in stderr and "Traceback" not in stderr, stderr
     assert wait_until_gone(pack.pid) == []
     assert not out.exists() and list(tmp_path.glob(".shards.partial-*")) == []
+
+
+def test_a_pack_started_ignoring_ctrl_c_keeps_ignoring_it_and_stops_on_sigterm(textures, tmp_path):
+    """A script's background job (`stoker pack ... &`) starts with SIGINT ignored, and the pack kept ignoring the
+    Ctrl-C meant for the script's foreground before SIGTERM was handled: it still does."""
+    train, _ = textures
+    out = tmp_path / "shards"
+    pack = start_pack(train, out, ignoring_ctrl_c=True)
+    wait_for_a_shard(out)
+    os.killpg(pack.pid, signal.SIGINT)
+    time.sleep(0.5)  # Ctrl-C would have stopped it by now (the pack takes about 2.5 s)
+    assert pack.poll() is None, pack.communicate()[1]
+    os.killpg(pack.pid, signal.SIGTERM)
+    _, stderr = pack.communicate(timeout=30)
+    assert pack.returncode == 130 and "pack interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert wait_until_gone(pack.pid) == []
 
 
 def test_a_used_folder_is_refused_unless_overwrite_and_then_holds_only_the_new_pack(textures, tmp_path):
