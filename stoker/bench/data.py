@@ -137,8 +137,10 @@ def first_step(root: Path, scratch: Path, args: argparse.Namespace, fresh_cache:
     try:
         elapsed = _wait_first_step(run_dir / "metrics.jsonl", process, started)
         memory = _family_memory(process.pid)
-    finally:
+    except BaseException:
         stop_child(process)
+        raise
+    stop_child(process, group_signalled=False)  # measured: the run is stopped at once
     producers = [m for title, m in memory if title.startswith("stoker producer")]
     controller = next(m for title, m in memory if title.startswith("stoker controller"))
     return {"first_step_s": round(elapsed, 2), "controller_rss_mb": controller["Rss"],

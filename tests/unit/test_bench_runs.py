@@ -28,6 +28,15 @@ def test_a_child_that_ends_on_sigterm_is_not_killed(monkeypatch):
     assert child.returncode == -signal.SIGTERM
 
 
+def test_a_child_the_benchmark_stops_itself_gets_sigterm_at_once(monkeypatch):
+    """Not stopped by a signal to the group (the benchmark is done with it): no moment waited first, and no step
+    here sends SIGTERM, so only the first signal can end it so."""
+    monkeypatch.setattr(runs, "STOP_STEPS", ((30.0, signal.SIGKILL), (5.0, signal.SIGKILL), (5.0, signal.SIGKILL)))
+    child = _started(ENDS_ON_SIGTERM)
+    runs.stop_child(child, group_signalled=False)
+    assert child.returncode == -signal.SIGTERM
+
+
 def test_a_child_that_ignores_sigterm_is_killed_at_the_last_step(monkeypatch):
     monkeypatch.setattr(runs, "STOP_STEPS", ((0.2, signal.SIGTERM), (0.2, signal.SIGTERM), (0.2, signal.SIGKILL)))
     child = _started(IGNORES_SIGTERM)

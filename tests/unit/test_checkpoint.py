@@ -64,27 +64,28 @@ def test_an_unreadable_meta_json_falls_back_to_the_previous_checkpoint(two_check
     assert "skipping checkpoint" in caplog.text and reason in caplog.text
 
 
-def test_a_recomputed_checksum_over_a_position_of_another_step_is_refused(two_checkpoints, caplog):
-    """A forger (or a bug) that also recomputes the checksum still cannot move a checkpoint to another step."""
-    path = meta_path(two_checkpoints, 16)
+def _newest_valid_after_forging(run_dir, caplog, key: str, value) -> str:
+    """Step 16's meta.json with `key` set to `value` under a checksum the forger recomputed: the newest valid
+    checkpoint must then be step 8. Returns what was logged."""
+    path = meta_path(run_dir, 16)
     meta = json.loads(path.read_text())
-    meta["position"] = {"epoch": 2, "step": 7, "global_step": 23}
+    meta[key] = value
     meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
     path.write_text(json.dumps(meta))
     with caplog.at_level(logging.WARNING):
-        folder, _ = checkpoint.newest_valid(two_checkpoints)
+        folder, _ = checkpoint.newest_valid(run_dir)
     assert folder.name == "step_00000008"
-    assert "'position' says step 23, the folder's name 16" in caplog.text
+    return caplog.text
+
+
+def test_a_recomputed_checksum_over_a_position_of_another_step_is_refused(two_checkpoints, caplog):
+    """A forger (or a bug) that also recomputes the checksum still cannot move a checkpoint to another step."""
+    logged = _newest_valid_after_forging(two_checkpoints, caplog, "position",
+                                         {"epoch": 2, "step": 7, "global_step": 23})
+    assert "'position' says step 23, the folder's name 16" in logged
 
 
 @pytest.mark.parametrize("pixels", ["2", True, 0, 2.0])
 def test_a_pixels_version_that_is_not_a_positive_integer_is_refused(two_checkpoints, caplog, pixels):
-    path = meta_path(two_checkpoints, 16)
-    meta = json.loads(path.read_text())
-    meta["pixels"] = pixels
-    meta[checkpoint.META_CHECKSUM] = checkpoint.meta_checksum(meta)
-    path.write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING):
-        folder, _ = checkpoint.newest_valid(two_checkpoints)
-    assert folder.name == "step_00000008"
-    assert "'pixels' (the decoder's pixels version) is not a positive integer" in caplog.text
+    logged = _newest_valid_after_forging(two_checkpoints, caplog, "pixels", pixels)
+    assert "'pixels' (the decoder's pixels version) is not a positive integer" in logged
