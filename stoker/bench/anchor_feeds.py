@@ -18,17 +18,25 @@ from stoker.data.formats.folders import scan_image_folder
 
 def make(args: argparse.Namespace) -> Iterator[int]:
     """The feed args.feed names over args.data (or args.beton for FFCV)."""
-    return {"stoker": _stoker, "dataloader_pillow": _dataloader, "dataloader_stoker": _dataloader, "dali": _dali,
-            "ffcv": _ffcv, "ffcv_raw50": _ffcv}[args.feed](args)
+    return {"stoker": _stoker, "stoker_packed": _stoker, "dataloader_pillow": _dataloader,
+            "dataloader_stoker": _dataloader, "dali": _dali, "ffcv": _ffcv, "ffcv_raw50": _ffcv}[args.feed](args)
 
 
 def _stoker(args: argparse.Namespace) -> Iterator[int]:
+    """stoker's producers over the folder's files, or (stoker_packed) over the pack `stoker pack` made of them."""
     from stoker.bench.pipeline import _StokerFeed
-    from stoker.pipeline.producer import Source
+    from stoker.data.sources import load_source
 
-    index = scan_image_folder(args.data)
-    with _StokerFeed(Source(tuple(index.paths), np.asarray(index.labels)), args, transport_only=False) as feed:
+    source = load_source(args.pack if args.feed == "stoker_packed" else args.data)
+    with _StokerFeed(source, args, transport_only=False) as feed:
         yield from feed.batches()
+
+
+def write_pack(folder: Path, out: Path) -> None:
+    """`stoker pack FOLDER OUT` as its defaults make it: every JPEG kept, with a restart marker after each MCU."""
+    from stoker.data.formats.pack import pack
+
+    pack(folder, out, 1 << 30)
 
 
 def _dataloader(args: argparse.Namespace) -> Iterator[int]:

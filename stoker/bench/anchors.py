@@ -4,6 +4,8 @@ Every feed makes uint8 batches of RandomResizedCrop(224, scale 0.08-1, ratio 3/4
 the same JPEGs, with 2 workers, and this benchmark's consumer only takes the batches (no model: the input is the
 limit). Feeds, each in its own process started afresh for every run:
   stoker             stoker's producers into its shared-memory ring, the batch copied out as a GPU consumer does
+  stoker_packed      the same over the folder packed by `stoker pack` (its defaults: the same pixels, each JPEG
+                     with a restart marker after every MCU, so that a crop entropy-decodes only its own MCUs)
   dataloader_pillow  DataLoader, torchvision's recipe written with Pillow (bench pipeline's TorchvisionStyleDataset)
   dataloader_stoker  DataLoader whose workers decode with stoker's own `load_into` (bench loader's dataset)
   dali               NVIDIA DALI's CPU pipeline (device_id=None): readers.file, decoders.image_random_crop (decodes
@@ -32,7 +34,7 @@ from typing import Any
 from stoker.bench.loader import tree_cpu_s
 from stoker.bench.runs import run_child
 
-FEEDS = ("stoker", "dataloader_pillow", "dataloader_stoker", "dali", "ffcv", "ffcv_raw50")
+FEEDS = ("stoker", "stoker_packed", "dataloader_pillow", "dataloader_stoker", "dali", "ffcv", "ffcv_raw50")
 NEEDS = {"dali": "nvidia.dali", "ffcv": "ffcv", "ffcv_raw50": "ffcv"}
 INSTALL = {"dali": "pip install nvidia-dali-cuda120",
            "ffcv": "pip install ffcv==1.0.2 (builds with Debian's pkg-config libopencv-dev libturbojpeg0-dev)"}
@@ -57,6 +59,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", type=Path, metavar="FILE")
     parser.add_argument("--feed", help=argparse.SUPPRESS)  # internal: one run of one feed
     parser.add_argument("--beton", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--pack", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     parser.set_defaults(run=run)
 
@@ -103,6 +106,7 @@ def measure(folder: Path, scratch: Path, feeds: list[str], args: argparse.Namesp
     skipped = {feed: why for feed in feeds if (why := unavailable(feed))}
     running = [feed for feed in feeds if feed not in skipped]
     betons = {feed: scratch / f"{feed}.beton" for feed in running if feed.startswith("ffcv")}
+    betons.update({feed: scratch / "stoker-pack" for feed in running if feed == "stoker_packed"})
     images = _count(folder)
     limit_s = RUN_TIMEOUT_S + WARMUP_S_PER_IMAGE * args.warmup_epochs * images
     for feed, beton in betons.items():
@@ -132,26 +136,33 @@ def _count(folder: Path) -> int:
 def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None, limit_s: float,
            write: bool = False) -> dict[str, float]:
     """One run of one feed in a fresh process, stopped after `limit_s`: {img_s, cpu_ms_per_image}; with write,
-    FFCV's .beton is written."""
+    the feed's own copy of the folder is written at `beton`: FFCV's .beton, or stoker's pack."""
     with tempfile.TemporaryDirectory(prefix="stoker-anchor-run-") as out:
         result = Path(out) / "result.json"
         command = [sys.executable, "-m", "stoker", "bench", "anchors", "--feed", feed, "--data", str(folder),
                    "--workers", str(args.workers), "--batch-size", str(args.batch_size), "--image-size",
                    str(args.image_size), "--images-per-run", str(args.images_per_run), "--result", str(result),
                    "--warmup-epochs", str(args.warmup_epochs),
-                   *(["--beton", str(beton)] if beton else []), *(["--images", "0"] if write else [])]
+                   *([_copy_flag(feed), str(beton)] if beton else []), *(["--images", "0"] if write else [])]
         completed = run_child(command, timeout_s=limit_s)
         if completed.returncode != 0:
             raise RuntimeError(f"bench anchors: {feed} exited {completed.returncode}: {completed.stderr[-3000:]}")
         return json.loads(result.read_text()) if not write else {}
 
 
+def _copy_flag(feed: str) -> str:
+    return "--pack" if feed == "stoker_packed" else "--beton"
+
+
 def run_feed(args: argparse.Namespace) -> int:
     """In the feed's own process: warm up, then time --images-per-run images and this process tree's CPU."""
     from stoker.bench import anchor_feeds
 
-    if args.images == 0:  # internal: write the .beton only
-        anchor_feeds.write_beton(args.data, args.beton, raw_half=args.feed == "ffcv_raw50")
+    if args.images == 0:  # internal: write the feed's own copy only
+        if args.feed == "stoker_packed":
+            anchor_feeds.write_pack(args.data, args.pack)
+        else:
+            anchor_feeds.write_beton(args.data, args.beton, raw_half=args.feed == "ffcv_raw50")
         return 0
     batches = anchor_feeds.make(args)
     try:
@@ -170,6 +181,12 @@ def run_feed(args: argparse.Namespace) -> int:
     return 0
 
 
+def best_stoker(medians: dict[str, dict[str, float]]) -> dict[str, float] | None:
+    """The row of stoker's faster configuration (the folder's files, or its pack), which the others are set against."""
+    rows = [medians[feed] for feed in ("stoker", "stoker_packed") if feed in medians]
+    return max(rows, key=lambda row: row["img_s"]) if rows else None
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(f"{result['images']} JPEGs, RandomResizedCrop {result['image_size']} + flip, {result['workers']} workers, "
           f"batch {result['batch_size']}, {result['images_per_run']} images per run after "
@@ -177,7 +194,7 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['cores']} cores; load average {result['load_average_before'][0]:.2f} before, "
           f"{result['load_average_after'][0]:.2f} after")
     medians = result["medians"]
-    own = medians.get("stoker")
+    own = best_stoker(medians)
     print(f"  {'feed':18s} {'img/s':>8s} {'CPU ms/img':>11s} {'stoker / this, img/s':>21s} {'this / stoker, CPU':>19s}")
     for feed, row in medians.items():
         rate = f"{own['img_s'] / row['img_s']:.2f}" if own else "-"

@@ -1,6 +1,7 @@
 """`stoker bench decode`: CPU milliseconds per image of decode + RandomResizedCrop + flip into a preallocated slot,
-the producer's own work, crop-aware against whole-image decoding, on a folder's JPEGs as they are and packed with
-`stoker pack --max-side` (and `--raw-max-side`: small images as raw pixels), beside the bytes each set's shards
+the producer's own work, crop-aware against whole-image decoding, on a folder's JPEGs as they are, packed by
+`stoker pack` (each JPEG with a restart marker after every MCU: a load after the first decodes only the box's MCUs)
+and packed with `--max-side` (and `--raw-max-side`: small images as raw pixels), beside the bytes each set's shards
 take, at one or several training sides (`--image-size 160 192 224`: what a lower side, or `--image-size-ramp`, saves
 the feed). "crop-aware, loaded before" is a file's load from its second on (the ring's `loaded_of` mark: the scan
 below the box unread). One process, one thread, the passes of every variant interleaved; each figure is the median
@@ -19,7 +20,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stoker.data.formats.pack import Shrink
 
 EXTENSIONS = (".jpg", ".jpeg")
 PACKED = (*EXTENSIONS, ".npy")  # the image members of a pack: JPEGs, and raw pixels
@@ -42,13 +46,17 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stoker.data.formats.pack import Shrink
+
     with tempfile.TemporaryDirectory(prefix="stoker-bench-decode-") as scratch:
-        sets = {"original": _packed(args.data, Path(scratch) / "original", None, None, _folder_jpegs(args.data))}
+        sets = {"original": _packed(args.data, Path(scratch) / "original", Shrink(keep_bytes=True),
+                                    _folder_jpegs(args.data)),
+                "packed": _packed(args.data, Path(scratch) / "packed", Shrink())}
         for side in args.max_side:
-            sets[f"--max-side {side}"] = _packed(args.data, Path(scratch) / str(side), side, None)
+            sets[f"--max-side {side}"] = _packed(args.data, Path(scratch) / str(side), Shrink(side))
             for raw in args.raw_max_side:
                 sets[f"--max-side {side} --raw-max-side {raw}"] = _packed(args.data, Path(scratch) / f"{side}-{raw}",
-                                                                            side, raw)
+                                                                            Shrink(side, raw_max_side=raw))
         reads = {name: read_ms_per_image(packed.places, args.passes) for name, packed in sets.items()}
     rows = measure({name: packed.images for name, packed in sets.items()}, args.image_size, args.passes)
     for row in rows:
@@ -77,13 +85,13 @@ class Packed:
     places: list[tuple[Path, int, int]]  # (shard, offset, size) of each image member
 
 
-def _packed(folder: Path, out: Path, side: int | None, raw: int | None, images: list[bytes] | None = None) -> Packed:
-    """The image members of `folder` packed with these --max-side and --raw-max-side (`images`, where given, are
-    timed instead: the folder's own files), the bytes its shards take and where each member lies."""
-    from stoker.data.formats.pack import Shrink, pack
+def _packed(folder: Path, out: Path, shrink: Shrink, images: list[bytes] | None = None) -> Packed:
+    """The image members of `folder` packed as `shrink` says (`images`, where given, are timed instead: the folder's
+    own files), the bytes its shards take and where each member lies."""
+    from stoker.data.formats.pack import pack
 
     found, places = [], []
-    shards = pack(folder, out, 1 << 40, shrink=Shrink(side, raw_max_side=raw) if side or raw else None)
+    shards = pack(folder, out, 1 << 40, shrink=shrink)
     for shard in shards:
         with tarfile.open(shard) as archive:
             for member in archive.getmembers():

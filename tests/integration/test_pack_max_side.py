@@ -1,5 +1,6 @@
 """`stoker pack --max-side`: large training images are stored smaller (never upscaled; small files and --val kept
-byte for byte), the same bytes whatever the workers, and the shards train with every sample once, the same weights
+at their pixels, a JPEG rewritten losslessly with a restart marker after every MCU, byte for byte with
+--keep-bytes), the same bytes whatever the workers, and the shards train with every sample once, the same weights
 whatever the producers."""
 
 from __future__ import annotations
@@ -44,7 +45,16 @@ def packed(photos, tmp_path_factory) -> Path:
     return out
 
 
-def test_large_images_fit_small_ones_and_val_are_kept_byte_for_byte(photos, packed):
+def _same_image(stored: bytes, original: bytes) -> bool:
+    """The same pixels (Pillow's decode, not stoker's), and for a JPEG a restart marker after every MCU (a DRI
+    segment of 1); a PNG is kept byte for byte."""
+    if original[:2] != b"\xff\xd8":
+        return stored == original
+    pixels = [np.asarray(Image.open(io.BytesIO(data))) for data in (stored, original)]
+    return np.array_equal(*pixels) and b"\xff\xdd\x00\x04\x00\x01" in stored[:stored.index(b"\xff\xda")]
+
+
+def test_large_images_fit_small_ones_and_val_keep_their_pixels(photos, packed):
     stored = shard_members(packed / "one")
     images = {name: data for name, data in stored.items() if not name.endswith(".cls")}
     assert len(images) == 24
@@ -53,12 +63,28 @@ def test_large_images_fit_small_ones_and_val_are_kept_byte_for_byte(photos, pack
         with Image.open(io.BytesIO(original)) as image:
             side = max(image.size)
         if side <= MAX_SIDE:
-            assert data == original  # never upscaled, never re-encoded
+            assert _same_image(data, original)  # never upscaled, never re-encoded
         else:
             assert name.endswith(".jpg") and max(simplejpeg.decode_jpeg_header(data)[:2]) == MAX_SIDE
-            assert data == shrink(original, MAX_SIDE, 90)
+            assert _same_image(data, shrink(original, MAX_SIDE, 90))
     val = {n: d for n, d in shard_members(packed / "one" / "val").items() if not n.endswith(".cls")}
-    assert all(data == next((photos / "val").glob(n.rsplit(".", 1)[0] + ".*")).read_bytes() for n, data in val.items())
+    assert len(val) == 24
+    assert all(_same_image(data, next((photos / "val").glob(n.rsplit(".", 1)[0] + ".*")).read_bytes())
+               for n, data in val.items())
+
+
+def test_keep_bytes_stores_each_kept_file_as_it_is(photos, tmp_path):
+    run_cli("pack", str(photos / "train"), str(tmp_path / "kept"), "--val", str(photos / "val"), "--max-side",
+            str(MAX_SIDE), "--keep-bytes", "--workers", "1")
+    for split, folder in (("train", tmp_path / "kept"), ("val", tmp_path / "kept" / "val")):
+        kept = {name: data for name, data in shard_members(folder).items() if not name.endswith(".cls")}
+        assert len(kept) == 24
+        for name, data in kept.items():
+            original = next((photos / split).glob(name.rsplit(".", 1)[0] + ".*")).read_bytes()
+            if split == "val" or max(Image.open(io.BytesIO(original)).size) <= MAX_SIDE:
+                assert data == original
+            else:
+                assert data == shrink(original, MAX_SIDE, 90)
 
 
 def test_the_same_pack_whatever_the_workers(packed):

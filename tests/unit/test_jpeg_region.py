@@ -4,6 +4,7 @@ augmentation gives the same bytes as decoding the image whole; damage anywhere i
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 import pytest
@@ -23,6 +24,8 @@ imaging.make_decode_warnings_errors()
 ENCODINGS = {  # Pillow's options: each chroma layout libjpeg upsamples differently, progressive, restart markers
     "444": {"subsampling": 0}, "422": {"subsampling": 1}, "420": {"subsampling": 2},
     "progressive": {"progressive": True}, "restarts": {"restart_marker_rows": 1}, "grey": {},
+    # a restart marker after every MCU, as Pillow writes it: a crop-aware decode cuts these down to the box
+    "mcu-restarts": {"restart_marker_blocks": 1}, "mcu-restarts-422": {"restart_marker_blocks": 1, "subsampling": 1},
 }
 
 
@@ -34,8 +37,14 @@ def jpeg(size: tuple[int, int], encoding: str, seed: int = 0) -> bytes:
     if encoding == "grey":
         image = image.convert("L")
     buffer = io.BytesIO()
-    image.save(buffer, "JPEG", quality=90, **ENCODINGS[encoding])
+    image.save(buffer, "JPEG", quality=90, **ENCODINGS[encoding.removeprefix("rewritten-")])
+    if encoding.startswith("rewritten-"):  # as `stoker pack` stores it
+        return imaging.with_restart_markers(buffer.getvalue())
     return buffer.getvalue()
+
+
+CUTTABLE = ["mcu-restarts", "mcu-restarts-422", "rewritten-420", "rewritten-444", "rewritten-progressive",
+            "rewritten-grey"]
 
 
 SIZES = [(500, 375), (375, 500), (333, 257), (17, 9), (1, 40), (40, 1), (640, 40)]
@@ -138,7 +147,7 @@ def test_a_decoder_that_gives_other_pixels_is_found_at_import(monkeypatch):
 
 
 @pytest.mark.parametrize("augment", ["standard", "none", "trivial"])
-@pytest.mark.parametrize("encoding", ["420", "progressive", "restarts"])
+@pytest.mark.parametrize("encoding", ["420", "progressive", "restarts", *CUTTABLE])
 def test_a_file_checked_before_gives_the_same_bytes_stopping_at_the_box(augment, encoding):
     """Once a file has loaded whole, its later loads may stop decoding at the box's last row: the same bytes."""
     files = [jpeg(size, encoding, seed) for seed, size in enumerate(SIZES)]
@@ -164,3 +173,98 @@ def test_stopping_at_the_box_does_not_read_the_scan_below_it():
     with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
         _jpegcrop.decode(damaged, *box)
     assert _jpegcrop.decode(damaged, *box, False) == _jpegcrop.decode(data, *box, False) == _jpegcrop.decode(data, *box)
+
+
+@pytest.mark.parametrize("encoding", CUTTABLE)
+def test_a_cut_to_the_mcus_around_the_box_holds_the_whole_decodes_pixels_at_every_scale(encoding):
+    """A file with a restart marker after every MCU, once loaded before, is cut down to the MCUs around the box
+    (with the margin imaging asks): the box's pixels are still those of simplejpeg's whole decode."""
+    rng, margin = np.random.default_rng(1), imaging.REGION_MARGIN
+    for seed, size in enumerate(SIZES):
+        data = jpeg(size, encoding, seed)
+        for eighths in (1, 2, 4, 8):
+            height, width = -(-size[1] * eighths // 8), -(-size[0] * eighths // 8)
+            whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=height, min_width=width)
+            for _ in range(12):
+                rows = int(rng.integers(1, min(height, 3 if rng.random() < 0.3 else height) + 1))
+                columns = int(rng.integers(1, min(width, 3 if rng.random() < 0.3 else width) + 1))
+                top, left = int(rng.integers(0, height - rows + 1)), int(rng.integers(0, width - columns + 1))
+                first_row, end_row = max(0, top - margin), min(height, top + rows + margin)
+                first_column, end_column = max(0, left - margin), min(width, left + columns + margin)
+                pixels, decoded_left, decoded_width = _jpegcrop.decode(
+                    data, eighths, first_row, first_column, end_row - first_row, end_column - first_column, False)
+                region = np.frombuffer(pixels, np.uint8).reshape(end_row - first_row, decoded_width, 3)
+                got = region[top - first_row:top - first_row + rows, left - decoded_left:left - decoded_left + columns]
+                np.testing.assert_array_equal(got, whole[top:top + rows, left:left + columns])
+
+
+def _mcu_segments(data: bytes) -> list[tuple[int, int]]:
+    """Where each MCU's entropy-coded bytes lie in a file with a restart marker after every MCU: between markers."""
+    start, found = scan_data_start(data), []
+    for marker in re.finditer(rb"\xff[\xd0-\xd7\xd9]", data[start:]):
+        found.append((start, scan_data_start(data) + marker.start()))
+        start = scan_data_start(data) + marker.end()
+    return found
+
+
+def test_a_cut_entropy_decodes_only_the_mcus_around_the_box():
+    """Every MCU of the top half zeroed: the bottom quarter's box, loaded before, decodes to the same pixels (no
+    byte of the damage is read), while a decode of the scan to its end refuses the file; a file without a marker
+    after every MCU is read from the top as before and refused too."""
+    for encoding in ("rewritten-420", "mcu-restarts"):
+        data = jpeg((500, 375), encoding)
+        segments = _mcu_segments(data)
+        assert len(segments) == 32 * 24  # 500x375 in 16x16 MCUs
+        damaged = bytearray(data)
+        for begin, end in segments[:len(segments) // 2]:
+            damaged[begin:end] = bytes(end - begin)
+        box = (8, 375 * 3 // 4, 100, 375 // 4, 200)
+        assert _jpegcrop.decode(bytes(damaged), *box, False) == _jpegcrop.decode(data, *box)
+        with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
+            _jpegcrop.decode(bytes(damaged), *box)
+    rows = jpeg((500, 375), "restarts")
+    start, third = scan_data_start(rows), len(rows) // 3
+    with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
+        _jpegcrop.decode(rows[:start] + bytes(third) + rows[start + third:], 8, 300, 0, 50, 500, False)
+
+
+@pytest.mark.parametrize("encoding", ["420", "422", "444", "progressive", "restarts", "grey"])
+def test_rewriting_with_restart_markers_keeps_every_pixel(encoding):
+    """The same coefficients, so simplejpeg (its own libjpeg-turbo) decodes the same pixels, whole and at a scale;
+    written baseline with a restart interval of one MCU and no APPn marker but JFIF's."""
+    for seed, size in enumerate(SIZES):
+        data = jpeg(size, encoding, seed)
+        rewritten = _jpegcrop.restart_every_mcu(data)
+        assert rewritten is not None
+        for scale in (1, 4):
+            shape = (-(-size[1] * scale // 8), -(-size[0] * scale // 8))
+            np.testing.assert_array_equal(
+                simplejpeg.decode_jpeg(rewritten, min_height=shape[0], min_width=shape[1]),
+                simplejpeg.decode_jpeg(data, min_height=shape[0], min_width=shape[1]))
+        markers = _header_markers(rewritten)
+        assert markers[b"\xff\xdd"] == [b"\x00\x01"]  # DRI: one MCU
+        assert set(markers) & {b"\xff\xc0", b"\xff\xc1"} and not set(markers) & {b"\xff\xc2", b"\xff\xc9"}
+        assert {m for m in markers if 0xE0 <= m[1] <= 0xEF} <= {b"\xff\xe0"}
+
+
+def _header_markers(data: bytes) -> dict[bytes, list[bytes]]:
+    """The marker segments before the scan: marker -> the payloads, read by their lengths."""
+    found: dict[bytes, list[bytes]] = {}
+    at = 2
+    while data[at:at + 2] != b"\xff\xda":
+        length = int.from_bytes(data[at + 2:at + 4], "big")
+        found.setdefault(data[at:at + 2], []).append(data[at + 4:at + 2 + length])
+        at += 2 + length
+    return found
+
+
+def test_rewriting_passes_over_other_colour_spaces_and_refuses_damage():
+    buffer = io.BytesIO()
+    Image.open(io.BytesIO(jpeg((64, 48), "420"))).convert("CMYK").save(buffer, "JPEG")
+    assert _jpegcrop.restart_every_mcu(buffer.getvalue()) is None
+    assert imaging.with_restart_markers(buffer.getvalue()) == buffer.getvalue()
+    data = jpeg((500, 375), "420")
+    for damaged in (data[:len(data) // 2], data[:len(data) // 2] + bytes(len(data) // 4) + data[-len(data) // 4:]):
+        with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
+            _jpegcrop.restart_every_mcu(damaged)
+        assert imaging.with_restart_markers(damaged) == damaged

@@ -69,7 +69,8 @@ def test_a_pack_that_shrinks_an_image_decodes_it_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(imaging.simplejpeg, "decode_jpeg", counted(imaging.simplejpeg.decode_jpeg))
     if imaging._jpegcrop is not None:
-        monkeypatch.setattr(imaging, "_jpegcrop", SimpleNamespace(decode=counted(imaging._jpegcrop.decode)))
+        monkeypatch.setattr(imaging, "_jpegcrop", SimpleNamespace(  # the lossless rewrite decodes no pixels
+            decode=counted(imaging._jpegcrop.decode), restart_every_mcu=imaging._jpegcrop.restart_every_mcu))
     files = []
     for index in range(2):
         files.append(tmp_path / f"{index}.jpg")

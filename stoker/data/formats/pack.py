@@ -62,11 +62,14 @@ class Shrink:
     """How training images are stored. `--max-side`, `--quality`: those whose longer side exceeds `max_side` as
     JPEGs at `quality` with that longer side (what ImageNet trainers do once: a copy at 256-500 px).
     `--raw-max-side`: those whose longer side, after `max_side`, is `raw_max_side` or less as their RGB pixels
-    (a .npy member: no decode in training, FFCV's trick, for 3 bytes a pixel). The others are kept as they are."""
+    (a .npy member: no decode in training, FFCV's trick, for 3 bytes a pixel). The others are kept as they are,
+    a JPEG rewritten losslessly with a restart marker after every MCU (the same pixels; a crop then entropy-decodes
+    only its own MCUs) unless `keep_bytes` (`--keep-bytes`)."""
 
-    max_side: int | None
+    max_side: int | None = None
     quality: int = DEFAULT_QUALITY
     raw_max_side: int | None = None
+    keep_bytes: bool = False
 
     def __post_init__(self) -> None:
         if self.max_side is not None and self.max_side < 1:
@@ -300,13 +303,17 @@ def _stored_form(data: bytes, shrink: Shrink | None, probe: np.ndarray) -> tuple
     try:
         if shrink is None or size is None or not shrink.rewrites(size):
             imaging.load_into(data, probe, "none", None)
-            return data, None, None
+            return _with_restarts(data, shrink), None, None
         pixels = imaging.shrunk_pixels(data, size, shrink.max_side)
     except imaging.UnusableImage as error:
         return data, None, str(error)
     if shrink.stores_raw(size):
         return imaging.encode_raw(pixels), imaging.RAW_EXTENSION, None
-    return imaging.encode_jpeg(pixels, shrink.quality), ".jpg", None
+    return _with_restarts(imaging.encode_jpeg(pixels, shrink.quality), shrink), ".jpg", None
+
+
+def _with_restarts(data: bytes, shrink: Shrink | None) -> bytes:
+    return data if shrink is not None and shrink.keep_bytes else imaging.with_restart_markers(data)
 
 
 def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -336,6 +343,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--raw-max-side", type=int, metavar="PX", help="store training images whose longer side "
                         "(after --max-side) is PX or less as raw RGB pixels (.npy members: no decode each epoch, for "
                         "3 bytes a pixel; --val kept as it is)")
+    parser.add_argument("--keep-bytes", action="store_true", help="store each kept file's bytes as they are (by "
+                        "default a JPEG is rewritten losslessly, the same pixels, with a restart marker after every "
+                        "MCU, so that a crop decodes only the part of the file it covers: less CPU per image)")
     parser.set_defaults(run=pack_command)
 
 
@@ -366,12 +376,11 @@ def pack_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shrink(args: argparse.Namespace) -> Shrink | None:
+def _shrink(args: argparse.Namespace) -> Shrink:
     if args.max_side is None and args.quality is not None:
         raise ValueError("--quality is the quality of the images --max-side shrinks: give --max-side too")
-    if args.max_side is None and args.raw_max_side is None:
-        return None
-    return Shrink(args.max_side, DEFAULT_QUALITY if args.quality is None else args.quality, args.raw_max_side)
+    return Shrink(args.max_side, DEFAULT_QUALITY if args.quality is None else args.quality, args.raw_max_side,
+                  args.keep_bytes)
 
 
 def _print_use(where: str, shards: list[Path], val_shards: list[Path], undecodable: int) -> None:
@@ -426,7 +435,7 @@ def _pack_validation(args: argparse.Namespace, shard_size: int) -> list[Path]:
         return []
     classes = tuple(json.loads((args.out / CLASSES_FILE).read_text()))
     return pack(args.val, args.out / VAL_FOLDER, shard_size, args.workers, args.overwrite, classes,
-                undecodable=args.undecodable, placed=args.placed)
+                shrink=Shrink(keep_bytes=args.keep_bytes), undecodable=args.undecodable, placed=args.placed)
 
 
 def _what_was_written(args: argparse.Namespace) -> str:

@@ -1,4 +1,5 @@
-/* Decode one rectangle of a JPEG at a reduced DCT scale, through libjpeg-turbo's partial decoding.
+/* Decode one rectangle of a JPEG at a reduced DCT scale, through libjpeg-turbo's partial decoding; and rewrite a
+ * JPEG losslessly with a restart marker after every MCU, so that a rectangle's decode reads only its own MCUs.
  *
  * decode(data, scale_num, top, left, height, width, to_end=1) -> (pixels, left_decoded, width_decoded)
  *
@@ -7,9 +8,17 @@
  * conversion); columns are narrowed with jpeg_crop_scanline, which widens them to the scaled iMCU grid:
  * `pixels` holds height rows of width_decoded RGB pixels starting at column left_decoded. Every warning is an error
  * (a ValueError with libjpeg's message), as simplejpeg's strict=True. With to_end=0 the rows below the rectangle
- * are not read at all: for a file that has decoded whole before (damage below the box shows only there). Settings
- * are TurboJPEG's defaults, as
- * simplejpeg decodes: ISLOW DCT, fancy upsampling, RGB out, so the pixels match its whole decode (tested).
+ * are not read at all: for a file that has decoded whole before (damage below the box shows only there); and a file
+ * with a restart marker after every MCU (one restart_every_mcu wrote) is first cut down to the MCUs around the
+ * rectangle, so the entropy decoder reads nothing else either. Settings are TurboJPEG's defaults, as simplejpeg
+ * decodes: ISLOW DCT, fancy upsampling, RGB out, so the pixels match its whole decode (tested).
+ *
+ * restart_every_mcu(data) -> bytes or None
+ *
+ * The same DCT coefficients, quantization tables and colour space (so the same pixels from any decoder), written
+ * as a baseline JPEG with optimized Huffman tables and a restart interval of one MCU, without the APPn and COM
+ * markers stoker never reads; None for a file it does not apply to (not YCbCr or greyscale, not 8-bit, not
+ * Huffman-coded). A damaged file is a ValueError, as in decode.
  *
  * No Python object is touched while libjpeg runs, and the GIL is released there.
  */
@@ -17,6 +26,7 @@
 #include <Python.h>
 #include <setjmp.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <jpeglib.h>
 
@@ -37,6 +47,174 @@ static void warn_as_error(j_common_ptr info, int level) {
         fail(info);
 }
 
+/* Where a JPEG's MCUs lie, for one that restart_every_mcu wrote: a baseline frame of 8-bit samples, a restart
+ * interval of one MCU and a single scan holding every component. */
+struct layout {
+    unsigned width, height;          /* the image's, in pixels */
+    unsigned mcu_width, mcu_height;  /* an MCU's, in pixels at full scale */
+    size_t frame;                    /* the SOF marker's offset: the cut patches its size */
+    size_t scan;                     /* the scan's first entropy-coded byte: everything before is copied */
+};
+
+static unsigned big_endian(const unsigned char *p) { return (unsigned)p[0] << 8 | p[1]; }
+
+static int read_layout(const unsigned char *d, size_t n, struct layout *out) {
+    size_t i = 2;
+    unsigned restart = 0, components = 0;
+    if (n < 4 || d[0] != 0xFF || d[1] != 0xD8)
+        return 0;
+    while (i + 4 <= n) {
+        if (d[i] != 0xFF)
+            return 0;
+        unsigned marker = d[i + 1];
+        if (marker == 0xFF) { /* a fill byte */
+            i++;
+            continue;
+        }
+        size_t length = big_endian(d + i + 2);
+        if (length < 2 || i + 2 + length > n)
+            return 0;
+        const unsigned char *p = d + i + 4;
+        if (marker == 0xC0 || marker == 0xC1) {
+            components = length >= 8 ? p[5] : 0;
+            if (p[0] != 8 || (components != 1 && components != 3) || length != 8 + 3 * components)
+                return 0;
+            unsigned max_h = 1, max_v = 1;
+            for (unsigned k = 0; k < components; k++) {
+                unsigned h = p[7 + 3 * k] >> 4, v = p[7 + 3 * k] & 15;
+                if (h < 1 || h > 4 || v < 1 || v > 4 || (components == 1 && (h != 1 || v != 1)))
+                    return 0;
+                max_h = h > max_h ? h : max_h;
+                max_v = v > max_v ? v : max_v;
+            }
+            out->height = big_endian(p + 1);
+            out->width = big_endian(p + 3);
+            out->mcu_width = 8 * max_h;
+            out->mcu_height = 8 * max_v;
+            out->frame = i;
+        } else if (marker >= 0xC2 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC) {
+            return 0; /* progressive, lossless or arithmetic-coded */
+        } else if (marker == 0xDD) {
+            restart = length == 4 ? big_endian(p) : 0;
+        } else if (marker == 0xDA) {
+            if (!components || restart != 1 || p[0] != components || !out->width || !out->height)
+                return 0;
+            out->scan = i + 2 + length;
+            return 1;
+        }
+        i += 2 + length;
+    }
+    return 0;
+}
+
+/* Each MCU's entropy-coded bytes, [starts[k], ends[k]): 0 unless the scan is exactly `count` of them, one between
+ * each two restart markers, ending at the EOI marker. */
+static int find_mcus(const unsigned char *d, size_t n, size_t i, size_t *starts, size_t *ends, size_t count) {
+    size_t k = 0;
+    starts[k] = i;
+    while (i + 1 < n) {
+        const unsigned char *found = memchr(d + i, 0xFF, n - i - 1);
+        if (!found)
+            return 0;
+        i = (size_t)(found - d);
+        unsigned next = d[i + 1];
+        if (next == 0x00) { /* a stuffed 0xFF byte of data */
+            i += 2;
+        } else if (next == 0xFF) { /* fill */
+            i++;
+        } else if (next >= 0xD0 && next <= 0xD7) {
+            ends[k++] = i;
+            if (k == count)
+                return 0;
+            starts[k] = i += 2;
+        } else {
+            ends[k] = i;
+            return next == 0xD9 && k + 1 == count;
+        }
+    }
+    return 0;
+}
+
+/* A JPEG of the image's MCU rows first_row..end_row and columns first_column..end_column, its restart markers
+ * numbered anew: malloc'd, or NULL. Each MCU is coded on its own (a restart resets the DC predictions), so this
+ * decodes to exactly those pixels of the whole image, but for the outermost row and column of pixels on a side that
+ * is not the image's own, where the chroma upsampling sees a neighbour no longer there. */
+static unsigned char *cut_mcus(const unsigned char *d, const struct layout *layout, const size_t *starts,
+                               const size_t *ends, unsigned per_row, unsigned first_row, unsigned end_row,
+                               unsigned first_column, unsigned end_column, size_t *length) {
+    size_t size = layout->scan + 2;
+    for (unsigned row = first_row; row < end_row; row++)
+        for (unsigned column = first_column; column < end_column; column++) {
+            size_t k = (size_t)row * per_row + column;
+            size += ends[k] - starts[k] + 2;
+        }
+    unsigned char *cut = malloc(size);
+    if (!cut)
+        return NULL;
+    unsigned height = layout->height < end_row * layout->mcu_height ? layout->height : end_row * layout->mcu_height;
+    unsigned width = layout->width < end_column * layout->mcu_width ? layout->width : end_column * layout->mcu_width;
+    height -= first_row * layout->mcu_height;
+    width -= first_column * layout->mcu_width;
+    memcpy(cut, d, layout->scan);
+    unsigned char *frame = cut + layout->frame + 5;
+    frame[0] = (unsigned char)(height >> 8), frame[1] = (unsigned char)height;
+    frame[2] = (unsigned char)(width >> 8), frame[3] = (unsigned char)width;
+    size_t at = layout->scan, written = 0;
+    for (unsigned row = first_row; row < end_row; row++)
+        for (unsigned column = first_column; column < end_column; column++, written++) {
+            size_t k = (size_t)row * per_row + column;
+            if (written) {
+                cut[at++] = 0xFF;
+                cut[at++] = (unsigned char)(0xD0 + ((written - 1) & 7));
+            }
+            memcpy(cut + at, d + starts[k], ends[k] - starts[k]);
+            at += ends[k] - starts[k];
+        }
+    cut[at++] = 0xFF;
+    cut[at++] = 0xD9;
+    *length = at;
+    return cut;
+}
+
+/* The cut of a restart_every_mcu JPEG that holds the scaled rectangle, with one pixel more on each side for the
+ * upsampling (malloc'd), and where the cut begins in the scaled image; NULL for any other file, which is then
+ * decoded as it is. */
+#ifndef CUT_MARGIN
+#define CUT_MARGIN 4
+#endif
+
+static unsigned char *cut_around(const unsigned char *d, size_t n, int eighths, int top, int left, int height,
+                                 int width, size_t *length, unsigned *row_offset, unsigned *column_offset) {
+    struct layout layout = {0};
+    if (!read_layout(d, n, &layout))
+        return NULL;
+    unsigned scaled_height = (layout.height * eighths + 7) / 8, scaled_width = (layout.width * eighths + 7) / 8;
+    if ((unsigned)top + (unsigned)height > scaled_height || (unsigned)left + (unsigned)width > scaled_width)
+        return NULL; /* the whole decode says what is wrong */
+    unsigned per_row = (layout.width + layout.mcu_width - 1) / layout.mcu_width;
+    unsigned rows = (layout.height + layout.mcu_height - 1) / layout.mcu_height;
+    size_t count = (size_t)per_row * rows;
+    size_t *starts = malloc(2 * count * sizeof *starts);
+    if (!starts)
+        return NULL;
+    unsigned char *cut = NULL;
+    if (find_mcus(d, n, layout.scan, starts, starts + count, count)) {
+        unsigned mcu_height = layout.mcu_height * eighths / 8, mcu_width = layout.mcu_width * eighths / 8;
+        unsigned first_row = top > CUT_MARGIN ? (unsigned)(top - CUT_MARGIN) / mcu_height : 0;
+        unsigned first_column = left > CUT_MARGIN ? (unsigned)(left - CUT_MARGIN) / mcu_width : 0;
+        unsigned end_row = ((unsigned)(top + height) + CUT_MARGIN - 1) / mcu_height + 1;
+        unsigned end_column = ((unsigned)(left + width) + CUT_MARGIN - 1) / mcu_width + 1;
+        end_row = end_row < rows ? end_row : rows;
+        end_column = end_column < per_row ? end_column : per_row;
+        cut = cut_mcus(d, &layout, starts, starts + count, per_row, first_row, end_row, first_column, end_column,
+                       length);
+        *row_offset = first_row * mcu_height;
+        *column_offset = first_column * mcu_width;
+    }
+    free(starts);
+    return cut;
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
     int scale_num, top, left, height, width, to_end = 1;
@@ -46,6 +224,19 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, "scale must be 1-8 eighths and the rectangle non-empty");
         return NULL;
+    }
+    const unsigned char *source = data.buf;
+    size_t source_length = (size_t)data.len;
+    unsigned row_offset = 0, column_offset = 0;
+    unsigned char *volatile cut = NULL;
+    if (!to_end) {
+        cut = cut_around(source, source_length, scale_num, top, left, height, width, &source_length, &row_offset,
+                         &column_offset);
+        if (cut) {
+            source = cut;
+            top -= (int)row_offset;
+            left -= (int)column_offset;
+        }
     }
     struct jpeg_decompress_struct info;
     struct failure failure;
@@ -59,13 +250,14 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (setjmp(failure.jump)) {
         jpeg_destroy_decompress(&info);
         if (state) PyEval_RestoreThread(state);
+        free(cut);
         PyBuffer_Release(&data);
         Py_XDECREF(pixels);
         PyErr_SetString(PyExc_ValueError, failure.message);
         return NULL;
     }
     jpeg_create_decompress(&info);
-    jpeg_mem_src(&info, (const unsigned char *)data.buf, (unsigned long)data.len);
+    jpeg_mem_src(&info, source, (unsigned long)source_length);
     jpeg_read_header(&info, TRUE);
     info.scale_num = (unsigned int)scale_num;
     info.scale_denom = 8;
@@ -78,6 +270,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         snprintf(failure.message, sizeof failure.message, "rectangle outside the %ux%u scaled image",
                  info.output_width, info.output_height);
         jpeg_destroy_decompress(&info);
+        free(cut);
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, failure.message);
         return NULL;
@@ -88,6 +281,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     pixels = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)height * width_decoded * 3);
     if (!pixels) {
         jpeg_destroy_decompress(&info);
+        free(cut);
         PyBuffer_Release(&data);
         return NULL;
     }
@@ -130,15 +324,74 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyEval_RestoreThread(state);
     state = NULL;
     jpeg_destroy_decompress(&info);
+    free(cut);
     PyBuffer_Release(&data);
-    PyObject *result = Py_BuildValue("(Oii)", pixels, (int)left_decoded, (int)width_decoded);
+    PyObject *result = Py_BuildValue("(Oii)", pixels, (int)(left_decoded + column_offset), (int)width_decoded);
     Py_DECREF(pixels);
+    return result;
+}
+
+static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data))
+        return NULL;
+    struct jpeg_decompress_struct in;
+    struct jpeg_compress_struct out;
+    struct failure failure;
+    unsigned char *volatile written = NULL;
+    unsigned long size = 0;
+    volatile int writing = 0;
+    PyThreadState *volatile state = NULL;
+    memset(&in, 0, sizeof in);
+    memset(&out, 0, sizeof out);
+    in.err = out.err = jpeg_std_error(&failure.manager);
+    failure.manager.error_exit = fail;
+    failure.manager.emit_message = warn_as_error;
+    failure.message[0] = 0;
+    if (setjmp(failure.jump)) {
+        if (writing) jpeg_destroy_compress(&out);
+        jpeg_destroy_decompress(&in);
+        if (state) PyEval_RestoreThread(state);
+        free(written);
+        PyBuffer_Release(&data);
+        PyErr_SetString(PyExc_ValueError, failure.message);
+        return NULL;
+    }
+    jpeg_create_decompress(&in);
+    jpeg_mem_src(&in, (const unsigned char *)data.buf, (unsigned long)data.len);
+    jpeg_read_header(&in, TRUE);
+    if ((in.jpeg_color_space != JCS_YCbCr || in.num_components != 3) &&
+        (in.jpeg_color_space != JCS_GRAYSCALE || in.num_components != 1)) {
+        jpeg_destroy_decompress(&in);
+        PyBuffer_Release(&data);
+        Py_RETURN_NONE;
+    }
+    state = PyEval_SaveThread();
+    jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&in);
+    jpeg_create_compress(&out);
+    writing = 1;
+    jpeg_mem_dest(&out, (unsigned char **)&written, &size);
+    jpeg_copy_critical_parameters(&in, &out);
+    out.optimize_coding = TRUE;
+    out.restart_interval = 1;
+    jpeg_write_coefficients(&out, coefficients);
+    jpeg_finish_compress(&out);
+    jpeg_finish_decompress(&in);
+    PyEval_RestoreThread(state);
+    state = NULL;
+    PyObject *result = PyBytes_FromStringAndSize((const char *)written, (Py_ssize_t)size);
+    jpeg_destroy_compress(&out);
+    jpeg_destroy_decompress(&in);
+    free(written);
+    PyBuffer_Release(&data);
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(data, scale_num, top, left, height, width, to_end=1) -> (rgb bytes, left_decoded, width_decoded)"},
+    {"restart_every_mcu", restart_every_mcu, METH_VARARGS,
+     "restart_every_mcu(data) -> the same coefficients as a JPEG with a restart marker after each MCU, or None"},
     {NULL, NULL, 0, NULL},
 };
 

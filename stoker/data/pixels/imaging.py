@@ -283,6 +283,20 @@ def encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
                                               colorsubsampling="420"))
 
 
+def with_restart_markers(data: bytes) -> bytes:
+    """A JPEG rewritten losslessly with a restart marker after every MCU (the same coefficients, so the same pixels
+    from any decoder), which a crop-aware decode cuts down to the MCUs around its box once the file has loaded
+    whole before; `data` as it is where the rewrite does not apply (not a YCbCr or greyscale JPEG, the decoder not
+    built) or fails (a file the check before refused)."""
+    if _jpegcrop is None or data[:2] != JPEG_MAGIC:
+        return data
+    try:
+        rewritten = _jpegcrop.restart_every_mcu(data)
+    except ValueError:
+        return data
+    return data if rewritten is None else rewritten
+
+
 def stored_size(data: bytes) -> tuple[int, int] | None:
     """(height, width) from the header, or None where there is no readable header."""
     try:
