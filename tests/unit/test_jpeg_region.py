@@ -268,3 +268,26 @@ def test_rewriting_passes_over_other_colour_spaces_and_refuses_damage():
         with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
             _jpegcrop.restart_every_mcu(damaged)
         assert imaging.with_restart_markers(damaged) == damaged
+
+
+def test_crafted_files_through_the_cut_raise_or_decode_never_crash():
+    """Bytes flipped in the header (sizes, sampling, the restart interval, the scan's components) and in the scan
+    of a file with a restart marker after every MCU: each decode returns pixels or raises ValueError (a read past
+    the file would crash this process or, under valgrind, show)."""
+    data = jpeg((333, 257), "rewritten-420")
+    scan = scan_data_start(data)
+    rng = np.random.default_rng(3)
+    outcomes = set()
+    for trial in range(600):
+        crafted = bytearray(data)
+        for _ in range(int(rng.integers(1, 4))):
+            where = int(rng.integers(2, scan)) if trial % 2 else int(rng.integers(scan, len(data)))
+            crafted[where] = int(rng.integers(0, 256))
+        if trial % 5 == 0:
+            crafted = crafted[:int(rng.integers(scan - 20, len(crafted)))]
+        try:
+            pixels, left, width = _jpegcrop.decode(bytes(crafted), 8, 100, 50, 60, 80, False)
+            outcomes.add("decoded")
+        except ValueError:
+            outcomes.add("refused")
+    assert outcomes == {"decoded", "refused"}

@@ -76,7 +76,9 @@ static int read_layout(const unsigned char *d, size_t n, struct layout *out) {
             return 0;
         const unsigned char *p = d + i + 4;
         if (marker == 0xC0 || marker == 0xC1) {
-            components = length >= 8 ? p[5] : 0;
+            if (length < 8)
+                return 0;
+            components = p[5];
             if (p[0] != 8 || (components != 1 && components != 3) || length != 8 + 3 * components)
                 return 0;
             unsigned max_h = 1, max_v = 1;
@@ -97,7 +99,7 @@ static int read_layout(const unsigned char *d, size_t n, struct layout *out) {
         } else if (marker == 0xDD) {
             restart = length == 4 ? big_endian(p) : 0;
         } else if (marker == 0xDA) {
-            if (!components || restart != 1 || p[0] != components || !out->width || !out->height)
+            if (length < 3 || !components || restart != 1 || p[0] != components || !out->width || !out->height)
                 return 0;
             out->scan = i + 2 + length;
             return 1;
@@ -194,6 +196,8 @@ static unsigned char *cut_around(const unsigned char *d, size_t n, int eighths, 
     unsigned per_row = (layout.width + layout.mcu_width - 1) / layout.mcu_width;
     unsigned rows = (layout.height + layout.mcu_height - 1) / layout.mcu_height;
     size_t count = (size_t)per_row * rows;
+    if (count > n / 3) /* each MCU takes a byte and its marker two: a header that claims more is not this file's */
+        return NULL;
     size_t *starts = malloc(2 * count * sizeof *starts);
     if (!starts)
         return NULL;
