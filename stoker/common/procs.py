@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -264,6 +265,25 @@ def signals_blocked_for_children(signals: set[signal.Signals]) -> Iterator[None]
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def signals_deferred(signals: set[signal.Signals]) -> Iterator[None]:
+    """`signals` recorded meanwhile and delivered again at the end, for steps no signal may split (a pack's two
+    renames). Python runs signal handlers in the main thread whichever thread the kernel picks, so the handlers are
+    swapped, not the thread's mask; off the main thread the caller owns the signals and nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    previous = {signum: signal.signal(signum, lambda number, _frame: arrived.append(number)) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
+        for number in dict.fromkeys(arrived):
+            signal.raise_signal(number)
 
 
 # The tracker's own warnings all begin so: "resource_tracker: There appear to be 1 leaked shared_memory objects to

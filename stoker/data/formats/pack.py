@@ -12,7 +12,6 @@ upload order: docs/contracts.md, the command line."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import glob
 import io
 import itertools
@@ -25,8 +24,6 @@ import signal
 import sys
 import tarfile
 import tempfile
-import threading
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +32,7 @@ import numpy as np
 
 from stoker.common import faults
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children
+from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children, signals_deferred
 from stoker.common.sizes import parse_size
 from stoker.common.urls import check_url, data_location, is_remote
 from stoker.common.waiting import waiting
@@ -162,7 +159,7 @@ def _move_into_place(partial: Path, out: Path, placed: list[Path]) -> None:
     cleanup), then act."""
     old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
-        with _signals_deferred():
+        with signals_deferred(set(WORKER_IGNORES)):
             moved_old = out.is_dir()
             if moved_old:
                 os.rename(out, old)
@@ -176,26 +173,6 @@ def _move_into_place(partial: Path, out: Path, placed: list[Path]) -> None:
     finally:
         if placed and placed[-1] == out:  # also when a signal waited: the old pack was replaced
             shutil.rmtree(old, ignore_errors=True)  # interrupted here: the next pack into `out` removes the rest
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Ctrl-C and SIGTERM recorded meanwhile and delivered again at the end. Python runs signal handlers in the main
-    thread whichever thread the kernel picks, so the handlers are swapped, not the thread's mask; off the main
-    thread the caller owns the signals and nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    arrived: list[int] = []
-    previous = {signum: signal.signal(signum, lambda number, _frame: arrived.append(number))
-                for signum in WORKER_IGNORES}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: set outside Python
-        for number in dict.fromkeys(arrived):
-            signal.raise_signal(number)
 
 
 def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance,
