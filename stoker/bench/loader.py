@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from stoker.bench.runs import stop_child
 from stoker.common.procs import descendants, stat_fields
 
 FEEDS = ("loader", "dataloader_pillow", "dataloader_stoker")
@@ -128,11 +129,10 @@ def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> t
             for process in processes:
                 if process.wait(timeout=600) != 0:
                     raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
-        finally:  # a rank that failed or timed out: its peers wait in a collective; none is left behind
+        except BaseException as error:  # a rank failed or timed out: its peers wait in a collective; none is left
             for process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait()
+                stop_child(process, group_signalled=isinstance(error, KeyboardInterrupt))
+            raise
         records = [json.loads(Path(f"{out}/{rank}.json").read_text()) for rank in range(args.ranks)]
         samples = sum(r["samples"] for r in records)
         return records[0]["samples_per_s"], 1000 * sum(r["cpu_s"] for r in records) / samples

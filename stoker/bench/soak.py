@@ -29,6 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from stoker.bench.runs import stop_child
 from stoker.common.procs import descendants, parent_of, stoker_processes
 from stoker.common.waiting import waiting
 from stoker.data.formats import builtin_data
@@ -76,10 +77,9 @@ def run(args: argparse.Namespace) -> int:
             if run_process.poll() is None:
                 run_process.send_signal(signal.SIGINT)
                 run_process.wait(timeout=120)
-        finally:
-            if run_process.poll() is None:
-                run_process.kill()
-                run_process.wait()
+        except BaseException as error:  # through the run's own cleanup, so its shared memory goes with it
+            stop_child(run_process, group_signalled=isinstance(error, KeyboardInterrupt))
+            raise
         left = _left_behind(run_process.pid)
         summary = json.loads((root / "run" / "summary.json").read_text())
         replaced = len(read_events(root / "run" / "metrics.jsonl")["producer_lost"])
