@@ -182,10 +182,10 @@ def test_a_cut_to_the_mcus_around_the_box_holds_the_whole_decodes_pixels_at_ever
     rng, margin = np.random.default_rng(1), imaging.REGION_MARGIN
     for seed, size in enumerate(SIZES):
         data = jpeg(size, encoding, seed)
-        for eighths in (1, 2, 4, 8):
+        for eighths in range(1, 9):  # the C takes every scale; imaging asks the SIMD ones
             height, width = -(-size[1] * eighths // 8), -(-size[0] * eighths // 8)
             whole = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=height, min_width=width)
-            for _ in range(12):
+            for _ in range(8):
                 rows = int(rng.integers(1, min(height, 3 if rng.random() < 0.3 else height) + 1))
                 columns = int(rng.integers(1, min(width, 3 if rng.random() < 0.3 else width) + 1))
                 top, left = int(rng.integers(0, height - rows + 1)), int(rng.integers(0, width - columns + 1))
@@ -208,17 +208,18 @@ def _mcu_segments(data: bytes) -> list[tuple[int, int]]:
 
 
 def test_a_cut_entropy_decodes_only_the_mcus_around_the_box():
-    """Every MCU of the top half zeroed: the bottom quarter's box, loaded before, decodes to the same pixels (no
-    byte of the damage is read), while a decode of the scan to its end refuses the file; a file without a marker
-    after every MCU is read from the top as before and refused too."""
+    """Every MCU of the top half zeroed, and every MCU left and right of the box below it: the bottom quarter's box,
+    loaded before, decodes to the same pixels (no byte of the damage is read), while a decode of the scan to its end
+    refuses the file; a file without a marker after every MCU is read from the top as before and refused too."""
     for encoding in ("rewritten-420", "mcu-restarts"):
         data = jpeg((500, 375), encoding)
         segments = _mcu_segments(data)
         assert len(segments) == 32 * 24  # 500x375 in 16x16 MCUs
         damaged = bytearray(data)
-        for begin, end in segments[:len(segments) // 2]:
+        box = (8, 375 * 3 // 4, 100, 375 // 4, 200)  # rows 281-374, columns 100-299: MCU rows 17-23, columns 6-18
+        outside = [k for k in range(len(segments)) if k // 32 < 16 or k % 32 < 5 or k % 32 > 19]
+        for begin, end in [segments[k] for k in outside]:  # the top half, and every MCU left and right of the box
             damaged[begin:end] = bytes(end - begin)
-        box = (8, 375 * 3 // 4, 100, 375 // 4, 200)
         assert _jpegcrop.decode(bytes(damaged), *box, False) == _jpegcrop.decode(data, *box)
         with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
             _jpegcrop.decode(bytes(damaged), *box)
@@ -258,6 +259,24 @@ def _header_markers(data: bytes) -> dict[bytes, list[bytes]]:
     return found
 
 
+def _first_scans(data: bytes, scans: int) -> bytes:
+    """A progressive JPEG ended after its first `scans` scans: valid, its later refinements never sent."""
+    starts = [marker.start() for marker in re.finditer(rb"\xff\xda", data)]
+    return data[:starts[scans]] + b"\xff\xd9"
+
+
+def test_a_progressive_file_whose_refinements_never_came_is_kept_as_it_is():
+    """libjpeg smooths the blocks of a progressive image whose coefficients' low bits were never sent; a baseline
+    rewrite of the same coefficients would not, so the file is kept (None), and the pixels are the file's."""
+    data = _first_scans(jpeg((333, 257), "progressive"), 6)
+    whole = simplejpeg.decode_jpeg(data)  # valid: decodes strictly
+    assert _jpegcrop.restart_every_mcu(data) is None
+    assert imaging.with_restart_markers(data) == data
+    complete = jpeg((333, 257), "progressive")
+    assert not np.array_equal(whole, simplejpeg.decode_jpeg(complete))  # the smoothing is there to lose
+    assert _jpegcrop.restart_every_mcu(complete) is not None
+
+
 def test_rewriting_passes_over_other_colour_spaces_and_refuses_damage():
     buffer = io.BytesIO()
     Image.open(io.BytesIO(jpeg((64, 48), "420"))).convert("CMYK").save(buffer, "JPEG")
@@ -272,8 +291,9 @@ def test_rewriting_passes_over_other_colour_spaces_and_refuses_damage():
 
 def test_crafted_files_through_the_cut_raise_or_decode_never_crash():
     """Bytes flipped in the header (sizes, sampling, the restart interval, the scan's components) and in the scan
-    of a file with a restart marker after every MCU: each decode returns pixels or raises ValueError (a read past
-    the file would crash this process or, under valgrind, show)."""
+    of a file with a restart marker after every MCU: each decode returns pixels or raises ValueError, and the
+    process lives (20,000 more such cases ran clean under AddressSanitizer by hand; a small read past the file
+    need not crash, so this alone does not prove there is none)."""
     data = jpeg((333, 257), "rewritten-420")
     scan = scan_data_start(data)
     rng = np.random.default_rng(3)

@@ -17,8 +17,9 @@
  *
  * The same DCT coefficients, quantization tables and colour space (so the same pixels from any decoder), written
  * as a baseline JPEG with optimized Huffman tables and a restart interval of one MCU, without the APPn and COM
- * markers stoker never reads; None for a file it does not apply to (not YCbCr or greyscale, not 8-bit, not
- * Huffman-coded). A damaged file is a ValueError, as in decode.
+ * markers stoker never reads; None for a file it does not apply to (not YCbCr or greyscale, or progressive with a
+ * coefficient's low bits never sent, which libjpeg decodes smoothed). An arithmetic-coded file is rewritten
+ * Huffman-coded; a damaged file, or one of 12-bit samples, is a ValueError, as in decode.
  *
  * No Python object is touched while libjpeg runs, and the GIL is released there.
  */
@@ -29,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <jpeglib.h>
+#include <jerror.h>
 
 struct failure {
     struct jpeg_error_mgr manager;
@@ -178,13 +180,13 @@ static unsigned char *cut_mcus(const unsigned char *d, const struct layout *layo
     return cut;
 }
 
-/* The cut of a restart_every_mcu JPEG that holds the scaled rectangle, with one pixel more on each side for the
- * upsampling (malloc'd), and where the cut begins in the scaled image; NULL for any other file, which is then
- * decoded as it is. */
-#ifndef CUT_MARGIN
+/* Scaled pixels kept around the rectangle in a cut: the chroma upsampling reads a neighbour up to a chroma sample
+ * away, which spans up to 4 output pixels (a sampling factor of 4); tested exhaustively on small images. */
 #define CUT_MARGIN 4
-#endif
 
+/* The cut of a restart_every_mcu JPEG that holds the scaled rectangle with CUT_MARGIN pixels more on each side
+ * (malloc'd), and where the cut begins in the scaled image; NULL for any other file, which is then decoded as it
+ * is. Called without the GIL. */
 static unsigned char *cut_around(const unsigned char *d, size_t n, int eighths, int top, int left, int height,
                                  int width, size_t *length, unsigned *row_offset, unsigned *column_offset) {
     struct layout layout = {0};
@@ -219,6 +221,53 @@ static unsigned char *cut_around(const unsigned char *d, size_t n, int eighths, 
     return cut;
 }
 
+/* Whether jpeg_crop_scanline gives the whole decode's columns: not where a component is both enlarged by the
+ * scaled inverse DCT and still upsampled horizontally (4:1:0 at a reduced scale: libjpeg-turbo 2.1.5 then sizes
+ * that component's cropped row without the enlargement and reads memory it never wrote). */
+static int crop_is_exact(const struct jpeg_decompress_struct *info) {
+    for (int k = 0; k < info->num_components; k++) {
+        const jpeg_component_info *component = &info->comp_info[k];
+        int enlarged = component->DCT_scaled_size != info->min_DCT_scaled_size;
+        int upsampled = info->max_h_samp_factor * info->min_DCT_scaled_size !=
+                        component->h_samp_factor * component->DCT_scaled_size;
+        if (enlarged && upsampled)
+            return 0;
+    }
+    return 1;
+}
+
+/* Reads `height` rows into `out` (rows of `width` RGB pixels) from the decoder's current row, then with `to_end`
+ * the rows below as entropy data only; a short file is an error through `failure`. */
+static void read_rows(struct jpeg_decompress_struct *info, struct failure *failure, unsigned char *out, int height,
+                      JDIMENSION width, int to_end) {
+    for (int row = 0; row < height;) {
+        JSAMPROW line = out + (size_t)row * width * 3;
+        JDIMENSION got = jpeg_read_scanlines(info, &line, 1);
+        if (got == 0) {
+            snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
+            longjmp(failure->jump, 1);
+        }
+        row += (int)got;
+    }
+    /* With to_end, the rows below are entropy-decoded too (no IDCT, no colour conversion), to the end marker:
+     * damage there (a zeroed stretch, a cut) refuses the file as the whole decode does, whatever the crop, and
+     * libjpeg reports a zeroed stretch only there. Without, the decode stops here (a file that decoded whole
+     * before: 0.74 -> 0.59 ms for a centred half-size box of an ImageNet-like photo). */
+    JDIMENSION rest = to_end ? info->output_height - info->output_scanline : 0;
+    if (rest > 0) {
+        /* All but the last row: skipping to the very end would mark the image done without decoding it. */
+        if (rest > 1 && jpeg_skip_scanlines(info, rest - 1) != rest - 1) {
+            snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
+            longjmp(failure->jump, 1);
+        }
+        JSAMPARRAY last = (*info->mem->alloc_sarray)((j_common_ptr)info, JPOOL_IMAGE, width * 3, 1);
+        if (jpeg_read_scanlines(info, last, 1) != 1) {
+            snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
+            longjmp(failure->jump, 1);
+        }
+    }
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
     int scale_num, top, left, height, width, to_end = 1;
@@ -229,23 +278,19 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "scale must be 1-8 eighths and the rectangle non-empty");
         return NULL;
     }
-    const unsigned char *source = data.buf;
     size_t source_length = (size_t)data.len;
     unsigned row_offset = 0, column_offset = 0;
     unsigned char *volatile cut = NULL;
-    if (!to_end) {
-        cut = cut_around(source, source_length, scale_num, top, left, height, width, &source_length, &row_offset,
+    PyThreadState *volatile state = PyEval_SaveThread();
+    if (!to_end)
+        cut = cut_around(data.buf, source_length, scale_num, top, left, height, width, &source_length, &row_offset,
                          &column_offset);
-        if (cut) {
-            source = cut;
-            top -= (int)row_offset;
-            left -= (int)column_offset;
-        }
-    }
+    const unsigned char *source = cut ? cut : data.buf;
+    top -= (int)row_offset;
+    left -= (int)column_offset;
     struct jpeg_decompress_struct info;
     struct failure failure;
     PyObject *volatile pixels = NULL;
-    PyThreadState *volatile state = NULL;
     memset(&info, 0, sizeof info);
     info.err = jpeg_std_error(&failure.manager);
     failure.manager.error_exit = fail;
@@ -273,15 +318,15 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         (unsigned long)left + (unsigned long)width > info.output_width) {
         snprintf(failure.message, sizeof failure.message, "rectangle outside the %ux%u scaled image",
                  info.output_width, info.output_height);
-        jpeg_destroy_decompress(&info);
-        free(cut);
-        PyBuffer_Release(&data);
-        PyErr_SetString(PyExc_ValueError, failure.message);
-        return NULL;
+        longjmp(failure.jump, 1);
     }
     JDIMENSION left_decoded = (JDIMENSION)left, width_decoded = (JDIMENSION)width;
-    if (width_decoded < info.output_width)
+    if (width_decoded < info.output_width && crop_is_exact(&info))
         jpeg_crop_scanline(&info, &left_decoded, &width_decoded);
+    else
+        left_decoded = 0, width_decoded = info.output_width;
+    PyEval_RestoreThread(state);
+    state = NULL;
     pixels = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)height * width_decoded * 3);
     if (!pixels) {
         jpeg_destroy_decompress(&info);
@@ -295,44 +340,59 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         snprintf(failure.message, sizeof failure.message, "Premature end of JPEG file");
         longjmp(failure.jump, 1);
     }
-    for (int row = 0; row < height;) {
-        JSAMPROW line = out + (size_t)row * width_decoded * 3;
-        JDIMENSION got = jpeg_read_scanlines(&info, &line, 1);
-        if (got == 0) {
-            snprintf(failure.message, sizeof failure.message, "Premature end of JPEG file");
-            longjmp(failure.jump, 1);
-        }
-        row += (int)got;
-    }
-    /* With to_end, the rows below are entropy-decoded too (no IDCT, no colour conversion), to the end marker:
-     * damage there (a zeroed stretch, a cut) refuses the file as the whole decode does, whatever the crop, and
-     * libjpeg reports a zeroed stretch only there. Without, the decode stops here (a file that decoded whole
-     * before: 0.74 -> 0.59 ms for a centred half-size box of an ImageNet-like photo). */
-    JDIMENSION rest = to_end ? info.output_height - info.output_scanline : 0;
-    if (rest > 0) {
-        /* All but the last row: skipping to the very end would mark the image done without decoding it. */
-        if (rest > 1 && jpeg_skip_scanlines(&info, rest - 1) != rest - 1) {
-            snprintf(failure.message, sizeof failure.message, "Premature end of JPEG file");
-            longjmp(failure.jump, 1);
-        }
-        JSAMPARRAY last = (*info.mem->alloc_sarray)((j_common_ptr)&info, JPOOL_IMAGE, width_decoded * 3, 1);
-        if (jpeg_read_scanlines(&info, last, 1) != 1) {
-            snprintf(failure.message, sizeof failure.message, "Premature end of JPEG file");
-            longjmp(failure.jump, 1);
-        }
-    }
+    read_rows(&info, &failure, out, height, width_decoded, to_end);
     if (to_end)
         jpeg_finish_decompress(&info);
     else
         jpeg_abort_decompress(&info);
-    PyEval_RestoreThread(state);
-    state = NULL;
     jpeg_destroy_decompress(&info);
     free(cut);
+    PyEval_RestoreThread(state);
+    state = NULL;
     PyBuffer_Release(&data);
     PyObject *result = Py_BuildValue("(Oii)", pixels, (int)(left_decoded + column_offset), (int)width_decoded);
     Py_DECREF(pixels);
     return result;
+}
+
+/* A destination the rewrite owns (jpeg_mem_dest frees its own buffers as it grows them and tells where the last
+ * one is only at the end, so after an error it could not be freed without freeing one twice). */
+struct growing {
+    struct jpeg_destination_mgr manager;
+    unsigned char *buffer;
+    size_t size;
+};
+
+static void start_growing(j_compress_ptr info) {
+    struct growing *growing = (struct growing *)info->dest;
+    growing->manager.next_output_byte = growing->buffer;
+    growing->manager.free_in_buffer = growing->size;
+}
+
+static boolean grow(j_compress_ptr info) {
+    struct growing *growing = (struct growing *)info->dest;
+    unsigned char *larger = realloc(growing->buffer, 2 * growing->size);
+    if (!larger)
+        ERREXIT1(info, JERR_OUT_OF_MEMORY, 0);
+    growing->buffer = larger;
+    growing->manager.next_output_byte = larger + growing->size;
+    growing->manager.free_in_buffer = growing->size;
+    growing->size *= 2;
+    return TRUE;
+}
+
+static void stop_growing(j_compress_ptr info) { (void)info; }
+
+/* Whether a progressive file's scans left any coefficient's low bits unsent: libjpeg then smooths the blocks it
+ * decodes (a baseline rewrite would not), so the rewrite would change pixels. */
+static int refinement_incomplete(const struct jpeg_decompress_struct *in) {
+    if (!in->progressive_mode)
+        return 0;
+    for (int k = 0; k < in->num_components; k++)
+        for (int coefficient = 0; coefficient < DCTSIZE2; coefficient++)
+            if (in->coef_bits[k][coefficient] != 0)
+                return 1;
+    return 0;
 }
 
 static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
@@ -342,9 +402,12 @@ static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
     struct jpeg_decompress_struct in;
     struct jpeg_compress_struct out;
     struct failure failure;
-    unsigned char *volatile written = NULL;
-    unsigned long size = 0;
-    volatile int writing = 0;
+    struct growing *growing = calloc(1, sizeof *growing); /* not a local: the error path reads what libjpeg grew */
+    volatile int writing = 0, applies = 1;
+    if (!growing) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
     PyThreadState *volatile state = NULL;
     memset(&in, 0, sizeof in);
     memset(&out, 0, sizeof out);
@@ -356,37 +419,50 @@ static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
         if (writing) jpeg_destroy_compress(&out);
         jpeg_destroy_decompress(&in);
         if (state) PyEval_RestoreThread(state);
-        free(written);
+        free(growing->buffer);
+        free(growing);
         PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, failure.message);
         return NULL;
     }
+    state = PyEval_SaveThread();
     jpeg_create_decompress(&in);
     jpeg_mem_src(&in, (const unsigned char *)data.buf, (unsigned long)data.len);
     jpeg_read_header(&in, TRUE);
-    if ((in.jpeg_color_space != JCS_YCbCr || in.num_components != 3) &&
-        (in.jpeg_color_space != JCS_GRAYSCALE || in.num_components != 1)) {
-        jpeg_destroy_decompress(&in);
-        PyBuffer_Release(&data);
-        Py_RETURN_NONE;
+    applies = (in.jpeg_color_space == JCS_YCbCr && in.num_components == 3) ||
+              (in.jpeg_color_space == JCS_GRAYSCALE && in.num_components == 1);
+    jvirt_barray_ptr *coefficients = applies ? jpeg_read_coefficients(&in) : NULL;
+    applies = applies && !refinement_incomplete(&in);
+    if (applies) {
+        growing->size = (size_t)data.len + 65536;
+        growing->buffer = malloc(growing->size);
+        if (!growing->buffer)
+            ERREXIT1(&in, JERR_OUT_OF_MEMORY, 0);
+        jpeg_create_compress(&out);
+        writing = 1;
+        growing->manager.init_destination = start_growing;
+        growing->manager.empty_output_buffer = grow;
+        growing->manager.term_destination = stop_growing;
+        out.dest = &growing->manager;
+        jpeg_copy_critical_parameters(&in, &out);
+        out.optimize_coding = TRUE;
+        out.restart_interval = 1;
+        jpeg_write_coefficients(&out, coefficients);
+        jpeg_finish_compress(&out);
+        jpeg_finish_decompress(&in);
     }
-    state = PyEval_SaveThread();
-    jvirt_barray_ptr *coefficients = jpeg_read_coefficients(&in);
-    jpeg_create_compress(&out);
-    writing = 1;
-    jpeg_mem_dest(&out, (unsigned char **)&written, &size);
-    jpeg_copy_critical_parameters(&in, &out);
-    out.optimize_coding = TRUE;
-    out.restart_interval = 1;
-    jpeg_write_coefficients(&out, coefficients);
-    jpeg_finish_compress(&out);
-    jpeg_finish_decompress(&in);
     PyEval_RestoreThread(state);
     state = NULL;
-    PyObject *result = PyBytes_FromStringAndSize((const char *)written, (Py_ssize_t)size);
-    jpeg_destroy_compress(&out);
+    PyObject *result = Py_None;
+    if (applies)
+        result = PyBytes_FromStringAndSize((const char *)growing->buffer,
+                                           (Py_ssize_t)(growing->size - growing->manager.free_in_buffer));
+    else
+        Py_INCREF(result);
+    if (writing) jpeg_destroy_compress(&out);
     jpeg_destroy_decompress(&in);
-    free(written);
+    free(growing->buffer);
+    free(growing);
     PyBuffer_Release(&data);
     return result;
 }
