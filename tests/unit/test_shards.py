@@ -13,10 +13,11 @@ import tarfile
 
 import numpy as np
 import pytest
+import simplejpeg
 
 from stoker.common.sizes import parse_size
 from stoker.data.formats.folders import scan_image_folder
-from stoker.data.formats.pack import pack
+from stoker.data.formats.pack import Shrink, pack
 from stoker.data.formats.shards import expand_braces, load_shards, shard_paths
 
 
@@ -138,17 +139,26 @@ def test_parse_size():
         parse_size("shard_size", "big")
 
 
-def test_pack_keeps_the_folder_order_labels_and_bytes_and_is_deterministic(textures, tmp_path):
+def test_pack_keeps_the_folder_order_labels_and_pixels_and_is_deterministic(textures, tmp_path):
+    """The same shards whatever the workers; each member the folder's image at its place, with its label: the same
+    pixels by default (each JPEG rewritten with restart markers), the same bytes with keep_bytes."""
     train, _ = textures
     one = pack(train, tmp_path / "one", shard_size=40_000, workers=1)
     two = pack(train, tmp_path / "two", shard_size=40_000, workers=2)
+    kept = pack(train, tmp_path / "kept", shard_size=40_000, workers=2, shrink=Shrink(keep_bytes=True))
     assert len(one) > 2
     assert [p.read_bytes() for p in one] == [p.read_bytes() for p in two]
     folder = scan_image_folder(train)
-    shards = load_shards([str(p) for p in one], cache=tmp_path / "cache")
-    assert shards.classes == folder.classes
-    assert shards.labels.tolist() == folder.labels.tolist()
-    assert all(shards.read(i) == open(folder.paths[i], "rb").read() for i in range(len(folder)))
+    for shards_written in (one, kept):
+        shards = load_shards([str(p) for p in shards_written], cache=tmp_path / "cache")
+        assert shards.classes == folder.classes
+        assert shards.labels.tolist() == folder.labels.tolist()
+    originals = [open(path, "rb").read() for path in folder.paths]
+    assert [shards.read(i) for i in range(len(folder))] == originals  # the last loaded: kept
+    rewritten = load_shards([str(p) for p in one], cache=tmp_path / "cache")
+    for i, original in enumerate(originals):
+        assert rewritten.read(i) != original
+        assert np.array_equal(simplejpeg.decode_jpeg(rewritten.read(i)), simplejpeg.decode_jpeg(original))
 
 
 def test_damaged_header_ends_the_shard_there_and_is_listed(tmp_path):
