@@ -26,8 +26,14 @@ def _stoker(args: argparse.Namespace) -> Iterator[int]:
     """stoker's producers over the folder's files, or (stoker_packed) over the pack `stoker pack` made of them."""
     from stoker.bench.pipeline import _StokerFeed
     from stoker.data.sources import load_source
+    from stoker.pipeline.producer import SampleSource, Source
 
-    source = load_source(args.pack if args.feed == "stoker_packed" else args.data)
+    source: SampleSource
+    if args.feed == "stoker_packed":  # its index cached beside the pack, in the benchmark's scratch folder
+        source = load_source(args.pack, cache=args.pack.parent / "index-cache")
+    else:
+        index = scan_image_folder(args.data)
+        source = Source(tuple(index.paths), np.asarray(index.labels))
     with _StokerFeed(source, args, transport_only=False) as feed:
         yield from feed.batches()
 

@@ -105,17 +105,17 @@ def measure(folder: Path, scratch: Path, feeds: list[str], args: argparse.Namesp
     load_before = os.getloadavg()
     skipped = {feed: why for feed in feeds if (why := unavailable(feed))}
     running = [feed for feed in feeds if feed not in skipped]
-    betons = {feed: scratch / f"{feed}.beton" for feed in running if feed.startswith("ffcv")}
-    betons.update({feed: scratch / "stoker-pack" for feed in running if feed == "stoker_packed"})
+    copies = {feed: scratch / f"{feed}.beton" for feed in running if feed.startswith("ffcv")}  # each feed's own format
+    copies.update({feed: scratch / "stoker-pack" for feed in running if feed == "stoker_packed"})
     images = _count(folder)
     limit_s = RUN_TIMEOUT_S + WARMUP_S_PER_IMAGE * args.warmup_epochs * images
-    for feed, beton in betons.items():
-        launch(folder, feed, args, beton, limit_s, write=True)
+    for feed, copy in copies.items():
+        launch(folder, feed, args, copy, limit_s, write=True)
     runs: dict[str, list[dict[str, float]]] = {feed: [] for feed in running}
     for repeat in range(args.repeats):
         shift = repeat % max(1, len(running))
         for feed in running[shift:] + running[:shift]:  # alternating: drift in the machine hits every feed alike
-            runs[feed].append(launch(folder, feed, args, betons.get(feed), limit_s))
+            runs[feed].append(launch(folder, feed, args, copies.get(feed), limit_s))
             print(f"{feed}: {runs[feed][-1]}", file=sys.stderr)
     medians = {feed: {key: round(statistics.median(r[key] for r in rows), 3) for key in rows[0]}
                for feed, rows in runs.items()}
@@ -133,17 +133,17 @@ def _count(folder: Path) -> int:
     return len(scan_image_folder(folder).paths)
 
 
-def launch(folder: Path, feed: str, args: argparse.Namespace, beton: Path | None, limit_s: float,
+def launch(folder: Path, feed: str, args: argparse.Namespace, copy: Path | None, limit_s: float,
            write: bool = False) -> dict[str, float]:
     """One run of one feed in a fresh process, stopped after `limit_s`: {img_s, cpu_ms_per_image}; with write,
-    the feed's own copy of the folder is written at `beton`: FFCV's .beton, or stoker's pack."""
+    the feed's own copy of the folder is written at `copy`: FFCV's .beton, or stoker's pack."""
     with tempfile.TemporaryDirectory(prefix="stoker-anchor-run-") as out:
         result = Path(out) / "result.json"
         command = [sys.executable, "-m", "stoker", "bench", "anchors", "--feed", feed, "--data", str(folder),
                    "--workers", str(args.workers), "--batch-size", str(args.batch_size), "--image-size",
                    str(args.image_size), "--images-per-run", str(args.images_per_run), "--result", str(result),
                    "--warmup-epochs", str(args.warmup_epochs),
-                   *([_copy_flag(feed), str(beton)] if beton else []), *(["--images", "0"] if write else [])]
+                   *([_copy_flag(feed), str(copy)] if copy else []), *(["--images", "0"] if write else [])]
         completed = run_child(command, timeout_s=limit_s)
         if completed.returncode != 0:
             raise RuntimeError(f"bench anchors: {feed} exited {completed.returncode}: {completed.stderr[-3000:]}")
@@ -195,11 +195,12 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['load_average_after'][0]:.2f} after")
     medians = result["medians"]
     own = best_stoker(medians)
-    print(f"  {'feed':18s} {'img/s':>8s} {'CPU ms/img':>11s} {'stoker / this, img/s':>21s} {'this / stoker, CPU':>19s}")
+    print(f"  {'feed':18s} {'img/s':>8s} {'CPU ms/img':>11s} {'best stoker / this, img/s':>26s} "
+          f"{'this / best stoker, CPU':>24s}")
     for feed, row in medians.items():
         rate = f"{own['img_s'] / row['img_s']:.2f}" if own else "-"
         cpu = f"{row['cpu_ms_per_image'] / own['cpu_ms_per_image']:.2f}" if own else "-"
-        print(f"  {feed:18s} {row['img_s']:8.1f} {row['cpu_ms_per_image']:11.2f} {rate:>21s} {cpu:>19s}")
+        print(f"  {feed:18s} {row['img_s']:8.1f} {row['cpu_ms_per_image']:11.2f} {rate:>26s} {cpu:>24s}")
     for feed, why in result["unavailable"].items():
         print(f"  {feed:18s} not run: {why}")
 

@@ -190,12 +190,12 @@ def _rollup(pid: int) -> dict[str, float]:
 def measure_throughput(scratch: Path, sources: list[Path], args: argparse.Namespace) -> dict[str, Any]:
     """Producers decoding the same images from files and from shards, interleaved runs, medians."""
     from stoker.bench.pipeline import time_stoker
-    from stoker.data.formats.pack import pack
+    from stoker.data.formats.pack import Shrink, pack
     from stoker.data.formats.shards import load_shards
 
     root = scratch / "throughput"
     build_folder(root, sources, args.throughput_files)
-    shards = pack(root, scratch / "shards", shard_size=64 * 10**6)
+    shards = pack(root, scratch / "shards", shard_size=64 * 10**6, shrink=Shrink(keep_bytes=True))  # the format alone
     files = load_image_folder(root, cache=scratch / "cache")
     packed = load_shards([str(p) for p in shards], cache=scratch / "cache")
     feed = argparse.Namespace(workers=args.producers, batch_size=64, image_size=224,

@@ -73,11 +73,47 @@ def test_a_region_holds_the_whole_decodes_pixels_at_every_scale(encoding):
                 np.testing.assert_array_equal(got, whole[top:top + rows, left:left + columns])
 
 
-def test_a_narrow_box_decodes_only_the_columns_around_it():
-    data = jpeg((500, 375), "420")
-    pixels, decoded_left, decoded_width = _jpegcrop.decode(data, 8, 100, 200, 50, 40)
-    assert len(pixels) == 50 * decoded_width * 3
-    assert decoded_left <= 200 and decoded_left + decoded_width >= 240 and decoded_width <= 40 + 2 * 16
+@pytest.mark.parametrize("encoding", ["444", "422", "420", "grey", "rewritten-420"])
+@pytest.mark.parametrize("eighths", [1, 2, 4, 8])
+def test_a_narrow_box_decodes_only_the_columns_around_it(encoding, eighths):
+    """Columns narrowed to the iMCU grid around the box (at most an iMCU of 32 scaled pixels more each side), on a
+    first load and through a cut: the common layouts keep the saving at every scale used."""
+    data = jpeg((500, 375), encoding)
+    top, left, rows, columns = (value * eighths // 8 for value in (100, 200, 50, 40))
+    for to_end in (True, False):
+        pixels, decoded_left, decoded_width = _jpegcrop.decode(data, eighths, top, left, rows, columns, to_end)
+        assert len(pixels) == rows * decoded_width * 3
+        assert decoded_left <= left and decoded_left + decoded_width >= left + columns
+        assert decoded_width <= columns + 2 * 4 * eighths < -(-500 * eighths // 8)
+
+
+def _flat_jpeg(width: int, height: int, luma_sampling: int) -> bytes:
+    """A baseline YCbCr JPEG, every coefficient zero (a flat grey 128), written byte by byte: its luma sampling
+    factors as given (0x42: 4:1:0, which no Python encoder here writes), Huffman tables of one code each."""
+    def segment(marker: int, payload: bytes) -> bytes:
+        return bytes([0xFF, marker]) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+    h, v = luma_sampling >> 4, luma_sampling & 15
+    mcus = -(-width // (8 * h)) * -(-height // (8 * v))
+    bits = "00" * (h * v + 2) * mcus  # per block: DC category 0 ("0"), then end of block ("0")
+    bits += "1" * (-len(bits) % 8)
+    scan = int(bits, 2).to_bytes(len(bits) // 8, "big")
+    frame = bytes([8]) + height.to_bytes(2, "big") + width.to_bytes(2, "big") + bytes(
+        [3, 1, luma_sampling, 0, 2, 0x11, 0, 3, 0x11, 0])
+    one_code = bytes([1] + [0] * 15 + [0])  # one symbol (0) of one bit
+    return (b"\xff\xd8" + segment(0xDB, bytes([0]) + bytes([1] * 64)) + segment(0xC0, frame)
+            + segment(0xC4, bytes([0x00]) + one_code) + segment(0xC4, bytes([0x10]) + one_code)
+            + segment(0xDA, bytes([3, 1, 0, 2, 0, 3, 0, 0, 63, 0])) + scan + b"\xff\xd9")
+
+
+def test_a_layout_whose_columns_crop_would_read_unwritten_memory_decodes_whole_rows():
+    """4:1:0 at 1/2 scale: libjpeg-turbo 2.1.5 enlarges the chroma by its inverse DCT and still upsamples it
+    across, and jpeg_crop_scanline then sizes its rows without the enlargement (reading memory it never wrote);
+    such rows are decoded whole, to the flat grey the file holds. 4:2:0 at the same scale is still narrowed."""
+    data = _flat_jpeg(128, 64, 0x42)
+    pixels, decoded_left, decoded_width = _jpegcrop.decode(data, 4, 4, 40, 8, 6)
+    assert (decoded_left, decoded_width) == (0, 64) and set(pixels) == {128}
+    assert _jpegcrop.decode(_flat_jpeg(128, 64, 0x22), 4, 4, 40, 8, 6)[2] < 64
 
 
 def test_the_scale_is_the_smallest_simd_one_that_keeps_the_size_asked_and_simplejpeg_decodes_at_it():
@@ -309,3 +345,23 @@ def test_crafted_files_through_the_cut_raise_or_decode_never_crash():
         except ValueError:
             outcomes.add("refused")
     assert outcomes == {"decoded", "refused"}
+
+
+def test_a_greyscale_file_that_declares_2x2_sampling_is_rewritten_1x1_and_cut():
+    """One component's sampling factors mean nothing; written 1x1, its MCU is one block, so the rewrite can be
+    cut (a 2x2 one would be rewritten and never cut); the pixels are the file's."""
+    data = bytearray(jpeg((496, 368), "grey"))
+    frame = data.index(b"\xff\xc0")
+    assert data[frame + 9] == 1 and data[frame + 11] == 0x11
+    data[frame + 11] = 0x22
+    rewritten = _jpegcrop.restart_every_mcu(bytes(data))
+    assert rewritten[rewritten.index(b"\xff\xc0") + 11] == 0x11
+    np.testing.assert_array_equal(simplejpeg.decode_jpeg(rewritten, colorspace="GRAY"),
+                                  simplejpeg.decode_jpeg(bytes(data), colorspace="GRAY"))
+    segments = _mcu_segments(rewritten)
+    assert len(segments) == 62 * 46  # one per 8x8 block
+    damaged = bytearray(rewritten)
+    for begin, end in segments[:len(segments) // 2]:
+        damaged[begin:end] = bytes(end - begin)
+    box = (8, 300, 100, 60, 200)  # below the damaged half
+    assert _jpegcrop.decode(bytes(damaged), *box, False) == _jpegcrop.decode(rewritten, *box)

@@ -62,7 +62,7 @@ class Shrink:
     `--raw-max-side`: those whose longer side, after `max_side`, is `raw_max_side` or less as their RGB pixels
     (a .npy member: no decode in training, FFCV's trick, for 3 bytes a pixel). The others are kept as they are,
     a JPEG rewritten losslessly with a restart marker after every MCU (the same pixels; a crop then entropy-decodes
-    only its own MCUs) unless `keep_bytes` (`--keep-bytes`)."""
+    only its own MCUs) unless `keep_bytes` (`--keep-bytes`); a shrunk JPEG always has the markers."""
 
     max_side: int | None = None
     quality: int = DEFAULT_QUALITY
@@ -98,6 +98,7 @@ def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: 
     gets (file, reason) of each file packed that cannot be decoded (each is logged); `placed` gets `out` once the
     pack is in place there, which a Ctrl-C or SIGTERM cannot split from the move itself."""
     _check_out_folder(out, overwrite)
+    _say_when_kept_as_they_are(shrink)
     listing = list_image_folder(source, classes)
     log_refused(tuple(listing.skipped))
     members = [(listing.base + name, sample_key(name), label) for name, label in zip(listing.names, listing.labels)]
@@ -287,11 +288,18 @@ def _stored_form(data: bytes, shrink: Shrink | None, probe: np.ndarray) -> tuple
         return data, None, str(error)
     if shrink.stores_raw(size):
         return imaging.encode_raw(pixels), imaging.RAW_EXTENSION, None
-    return _with_restarts(imaging.encode_jpeg(pixels, shrink.quality), shrink), ".jpg", None
+    return imaging.with_restart_markers(imaging.encode_jpeg(pixels, shrink.quality)), ".jpg", None  # no bytes to keep
 
 
 def _with_restarts(data: bytes, shrink: Shrink | None) -> bytes:
     return data if shrink is not None and shrink.keep_bytes else imaging.with_restart_markers(data)
+
+
+def _say_when_kept_as_they_are(shrink: Shrink | None) -> None:
+    if imaging._jpegcrop is None and not (shrink is not None and shrink.keep_bytes):
+        log.warning("the crop-aware JPEG decoder (_jpegcrop) is not built here: JPEGs are stored as they are, without "
+                    "the restart markers that let a crop decode only its own part (pip install -e . with "
+                    "libjpeg-turbo's headers, Debian's libjpeg62-turbo-dev, builds it)")
 
 
 def _add(archive: tarfile.TarFile, name: str, data: bytes) -> None:

@@ -268,6 +268,29 @@ static void read_rows(struct jpeg_decompress_struct *info, struct failure *failu
     }
 }
 
+/* The decode set up as simplejpeg's (TurboJPEG's defaults: ISLOW DCT, fancy upsampling, RGB out) at `eighths`/8. */
+static void start_scaled(struct jpeg_decompress_struct *info, const unsigned char *source, size_t length,
+                         int eighths) {
+    jpeg_mem_src(info, source, (unsigned long)length);
+    jpeg_read_header(info, TRUE);
+    info->scale_num = (unsigned int)eighths;
+    info->scale_denom = 8;
+    info->out_color_space = JCS_RGB;
+    info->dct_method = JDCT_ISLOW;
+    info->do_fancy_upsampling = TRUE;
+    jpeg_start_decompress(info);
+}
+
+/* The columns decoded: narrowed to the iMCU grid around *left..*left + *width where that is exact, else all. */
+static void narrow_columns(struct jpeg_decompress_struct *info, JDIMENSION *left, JDIMENSION *width) {
+    if (*width < info->output_width && crop_is_exact(info)) {
+        jpeg_crop_scanline(info, left, width);
+    } else {
+        *left = 0;
+        *width = info->output_width;
+    }
+}
+
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer data;
     int scale_num, top, left, height, width, to_end = 1;
@@ -306,14 +329,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         return NULL;
     }
     jpeg_create_decompress(&info);
-    jpeg_mem_src(&info, source, (unsigned long)source_length);
-    jpeg_read_header(&info, TRUE);
-    info.scale_num = (unsigned int)scale_num;
-    info.scale_denom = 8;
-    info.out_color_space = JCS_RGB;
-    info.dct_method = JDCT_ISLOW;
-    info.do_fancy_upsampling = TRUE;
-    jpeg_start_decompress(&info);
+    start_scaled(&info, source, source_length, scale_num);
     if ((unsigned long)top + (unsigned long)height > info.output_height ||
         (unsigned long)left + (unsigned long)width > info.output_width) {
         snprintf(failure.message, sizeof failure.message, "rectangle outside the %ux%u scaled image",
@@ -321,10 +337,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         longjmp(failure.jump, 1);
     }
     JDIMENSION left_decoded = (JDIMENSION)left, width_decoded = (JDIMENSION)width;
-    if (width_decoded < info.output_width && crop_is_exact(&info))
-        jpeg_crop_scanline(&info, &left_decoded, &width_decoded);
-    else
-        left_decoded = 0, width_decoded = info.output_width;
+    narrow_columns(&info, &left_decoded, &width_decoded);
     PyEval_RestoreThread(state);
     state = NULL;
     pixels = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)height * width_decoded * 3);
@@ -395,6 +408,24 @@ static int refinement_incomplete(const struct jpeg_decompress_struct *in) {
     return 0;
 }
 
+/* `coefficients` written into `growing` with a restart marker after every MCU, as baseline with optimized tables. A
+ * single component's sampling factors, which mean nothing for it, are written 1x1, so its MCU is one block (a
+ * greyscale file that declared 2x2 would be rewritten but never cut). */
+static void write_with_restarts(struct jpeg_decompress_struct *in, struct jpeg_compress_struct *out,
+                                jvirt_barray_ptr *coefficients, struct growing *growing) {
+    growing->manager.init_destination = start_growing;
+    growing->manager.empty_output_buffer = grow;
+    growing->manager.term_destination = stop_growing;
+    out->dest = &growing->manager;
+    jpeg_copy_critical_parameters(in, out);
+    if (out->num_components == 1)
+        out->comp_info[0].h_samp_factor = out->comp_info[0].v_samp_factor = 1;
+    out->optimize_coding = TRUE;
+    out->restart_interval = 1;
+    jpeg_write_coefficients(out, coefficients);
+    jpeg_finish_compress(out);
+}
+
 static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
     Py_buffer data;
     if (!PyArg_ParseTuple(args, "y*", &data))
@@ -440,15 +471,7 @@ static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
             ERREXIT1(&in, JERR_OUT_OF_MEMORY, 0);
         jpeg_create_compress(&out);
         writing = 1;
-        growing->manager.init_destination = start_growing;
-        growing->manager.empty_output_buffer = grow;
-        growing->manager.term_destination = stop_growing;
-        out.dest = &growing->manager;
-        jpeg_copy_critical_parameters(&in, &out);
-        out.optimize_coding = TRUE;
-        out.restart_interval = 1;
-        jpeg_write_coefficients(&out, coefficients);
-        jpeg_finish_compress(&out);
+        write_with_restarts(&in, &out, coefficients, growing);
         jpeg_finish_decompress(&in);
     }
     PyEval_RestoreThread(state);
