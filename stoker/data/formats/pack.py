@@ -296,7 +296,7 @@ def _with_restarts(data: bytes, shrink: Shrink | None) -> bytes:
 
 
 def _say_when_kept_as_they_are(shrink: Shrink | None) -> None:
-    if imaging._jpegcrop is None and not (shrink is not None and shrink.keep_bytes):
+    if not imaging.can_rewrite_jpegs() and not (shrink is not None and shrink.keep_bytes):
         log.warning("the crop-aware JPEG decoder (_jpegcrop) is not built here: JPEGs are stored as they are, without "
                     "the restart markers that let a crop decode only its own part (pip install -e . with "
                     "libjpeg-turbo's headers, Debian's libjpeg62-turbo-dev, builds it)")

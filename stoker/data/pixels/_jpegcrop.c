@@ -15,9 +15,10 @@
  *
  * restart_every_mcu(data) -> bytes or None
  *
- * The same DCT coefficients, quantization tables and colour space (so the same pixels from any decoder), written
- * as a baseline JPEG with optimized Huffman tables and a restart interval of one MCU, without the APPn and COM
- * markers stoker never reads; None for a file it does not apply to (not YCbCr or greyscale, or progressive with a
+ * The same DCT coefficients, quantization tables and colour space (so the same pixels from any decoder that, as
+ * stoker, applies no EXIF orientation or ICC profile), written as a baseline JPEG with optimized Huffman tables and
+ * a restart interval of one MCU (a single component's MCU one block), without the APPn and COM markers stoker never
+ * reads; None for a file it does not apply to (not YCbCr or greyscale, or progressive with a
  * coefficient's low bits never sent, which libjpeg decodes smoothed). An arithmetic-coded file is rewritten
  * Huffman-coded; a damaged file, or one of 12-bit samples, is a ValueError, as in decode.
  *

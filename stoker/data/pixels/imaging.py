@@ -283,12 +283,19 @@ def encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
                                               colorsubsampling="420"))
 
 
+def can_rewrite_jpegs() -> bool:
+    """Whether this machine rewrites JPEGs with restart markers: the extension _jpegcrop is built and decodes as
+    simplejpeg does."""
+    return _jpegcrop is not None
+
+
 def with_restart_markers(data: bytes) -> bytes:
     """A JPEG rewritten losslessly with a restart marker after every MCU (the same coefficients, so the same pixels
-    from any decoder), which a crop-aware decode cuts down to the MCUs around its box once the file has loaded
-    whole before; `data` as it is where the rewrite does not apply (not a YCbCr or greyscale JPEG, the decoder not
-    built) or fails (a file the check before refused)."""
-    if _jpegcrop is None or data[:2] != JPEG_MAGIC:
+    from any decoder that, as stoker, applies no EXIF orientation or ICC profile), which a crop-aware decode cuts
+    down to the MCUs around its box once the file has loaded whole before; `data` as it is where the rewrite does
+    not apply (not a YCbCr or greyscale JPEG, a progressive one never fully refined, the extension not built) or
+    fails (a file the check before refused)."""
+    if not can_rewrite_jpegs() or data[:2] != JPEG_MAGIC:
         return data
     try:
         rewritten = _jpegcrop.restart_every_mcu(data)
