@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from stoker.bench.runs import completed_run
 from stoker.common.devices import available_cores
+from stoker.common.procs import executor_processes
 
 WARMUP_STEPS = 5  # cuDNN's algorithm search and the allocator settle in these
 KINDS = ("ceiling", "stoker", "dataloader_pillow", "dataloader_stoker_decoder")
@@ -113,7 +114,7 @@ def _in_own_process(kind: str, folder: Path, model: str, args: argparse.Namespac
     try:
         return pool.submit(run_one, kind, folder, model, vars(args)).result()
     except BaseException:  # interrupted: the run's process never saw the signal, and shutdown would wait for it
-        for process in list(getattr(pool, "_processes", {}).values()):  # no public way to reach them
+        for process in executor_processes(pool):
             process.terminate()  # its stoker.train stops at the prepared steps, as on SIGTERM
         raise
     finally:

@@ -303,6 +303,12 @@ def start_resource_tracker() -> None:
         sys.warnoptions.remove(_TRACKER_QUIET)
 
 
+def executor_processes(pool: Any) -> list[BaseProcess]:
+    """A ProcessPoolExecutor's worker processes, for stopping them when its work is abandoned: the executor has no
+    public way to reach them, and its shutdown waits for the work they hold."""
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
 def stop_processes(processes: list[BaseProcess], timeout_s: float, kill_loses_nothing: bool = False) -> None:
     """Join with a shared deadline, then kill (children do not take SIGTERM): no child outlives this call.
     `kill_loses_nothing`: processes whose work is rebuilt from the plan (producers), whose kill is no news to a

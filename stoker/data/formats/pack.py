@@ -32,7 +32,13 @@ import numpy as np
 
 from stoker.common import faults
 from stoker.common.devices import available_cores
-from stoker.common.procs import CONTEXT, exit_with_parent, signals_blocked_for_children, signals_deferred
+from stoker.common.procs import (
+    CONTEXT,
+    executor_processes,
+    exit_with_parent,
+    signals_blocked_for_children,
+    signals_deferred,
+)
 from stoker.common.sizes import parse_size
 from stoker.common.urls import check_url, data_location, is_remote
 from stoker.common.waiting import waiting
@@ -216,7 +222,7 @@ def _worker_start() -> None:
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """Done: the workers exit. Interrupted: they are killed (SIGKILL: they ignore SIGTERM), not left to write the
     shard each holds."""
-    processes = list(getattr(pool, "_processes", {}).values())  # the executor has no public way to stop them
+    processes = executor_processes(pool)
     pool.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         if process.is_alive():
