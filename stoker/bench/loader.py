@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import resource
-import signal
 import socket
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from stoker.bench.runs import stop_child
+from stoker.bench.runs import stop_children
 from stoker.common.procs import descendants, stat_fields
 
 FEEDS = ("loader", "dataloader_pillow", "dataloader_stoker")
@@ -110,22 +109,6 @@ def _count_images(folder: Path) -> int:
     return len(scan_image_folder(folder).paths)
 
 
-def _stop_ranks(processes: list[subprocess.Popen], group_signalled: bool) -> None:
-    """Every rank stopped at once (each SIGTERMed before any is waited for), then as stop_child waits; whatever
-    interrupts that wait, none is left running."""
-    try:
-        for process in processes:
-            if process.poll() is None and not group_signalled:
-                process.send_signal(signal.SIGTERM)
-        for process in processes:
-            stop_child(process, group_signalled=True)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
 def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> tuple[float, float]:
     """One run: `ranks` processes as torchrun starts them; (samples per second over all ranks on rank 0's clock,
     CPU milliseconds per sample of every process of the run over the timed steps or the whole run)."""
@@ -147,7 +130,7 @@ def launch(folder: Path, feed: str, workers: int, args: argparse.Namespace) -> t
                 if process.wait(timeout=600) != 0:
                     raise RuntimeError(f"bench loader: a rank of {feed} exited {process.returncode}")
         except BaseException as error:  # a rank failed or timed out: its peers wait in a collective; none is left
-            _stop_ranks(processes, group_signalled=isinstance(error, KeyboardInterrupt))
+            stop_children(processes, group_signalled=isinstance(error, KeyboardInterrupt))
             raise
         records = [json.loads(Path(f"{out}/{rank}.json").read_text()) for rank in range(args.ranks)]
         samples = sum(r["samples"] for r in records)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,21 +31,44 @@ def stop_child(process: subprocess.Popen, group_signalled: bool = True) -> None:
     background job's children inherit it), killed where it has not ended by STOP_STEPS' last; killed at once if
     this process is told to stop meanwhile. `group_signalled`: the benchmark is being stopped, so the child may
     have had the same signal and gets STOP_STEPS' first moment to end on it; otherwise its SIGTERM comes at once."""
+    stop_children([process], group_signalled)
+
+
+def stop_children(processes: Sequence[subprocess.Popen], group_signalled: bool = True) -> None:
+    """stop_child for several at once (the ranks of one run): each step's signal goes to every one still running
+    before any is waited for, so a rank blocked in a collective with the others ends with them, within STOP_STEPS'
+    15 s for all together."""
     steps = STOP_STEPS if group_signalled else STOP_STEPS[1:]
     try:
         if not group_signalled:
-            process.send_signal(signal.SIGTERM)
+            _signal_running(processes, signal.SIGTERM)
         for wait_s, then in steps:
-            try:
-                process.wait(timeout=wait_s)
+            if _all_ended_within(processes, wait_s):
                 return
-            except subprocess.TimeoutExpired:
-                process.send_signal(then)
-        process.wait()
-    finally:
-        if process.poll() is None:
-            process.kill()
+            _signal_running(processes, then)
+        for process in processes:
             process.wait()
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _signal_running(processes: Sequence[subprocess.Popen], number: signal.Signals) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(number)
+
+
+def _all_ended_within(processes: Sequence[subprocess.Popen], within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return False
+    return True
 
 
 def run_child(command: Sequence[str], timeout_s: float | None = None,

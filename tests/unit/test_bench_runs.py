@@ -44,6 +44,14 @@ def test_a_child_that_ignores_sigterm_is_killed_at_the_last_step(monkeypatch):
     assert child.returncode == -signal.SIGKILL
 
 
+def test_children_stopped_together_each_end_their_own_way(monkeypatch):
+    """A run's ranks: the one that ends on SIGTERM does, the one that ignores it is killed, none is left."""
+    monkeypatch.setattr(runs, "STOP_STEPS", ((30.0, signal.SIGKILL), (0.2, signal.SIGTERM), (0.2, signal.SIGKILL)))
+    ignoring, ending = _started(IGNORES_SIGTERM), _started(ENDS_ON_SIGTERM)
+    runs.stop_children([ignoring, ending], group_signalled=False)
+    assert (ignoring.returncode, ending.returncode) == (-signal.SIGKILL, -signal.SIGTERM)
+
+
 def test_a_run_that_did_not_complete_stops_or_fails_the_benchmark():
     assert runs.completed_run({"status": "completed"}, "m") == {"status": "completed"}
     with pytest.raises(KeyboardInterrupt):
