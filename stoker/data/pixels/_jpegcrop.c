@@ -45,6 +45,12 @@ static void fail(j_common_ptr info) {
     longjmp(failure->jump, 1);
 }
 
+/* A decode that got fewer rows than the image has: libjpeg's own words for a file cut short. */
+static void end_too_soon(struct failure *failure) {
+    snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
+    longjmp(failure->jump, 1);
+}
+
 static void warn_as_error(j_common_ptr info, int level) {
     if (level < 0) /* a warning: damaged data libjpeg would otherwise fill in and pass */
         fail(info);
@@ -244,10 +250,8 @@ static void read_rows(struct jpeg_decompress_struct *info, struct failure *failu
     for (int row = 0; row < height;) {
         JSAMPROW line = out + (size_t)row * width * 3;
         JDIMENSION got = jpeg_read_scanlines(info, &line, 1);
-        if (got == 0) {
-            snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
-            longjmp(failure->jump, 1);
-        }
+        if (got == 0)
+            end_too_soon(failure);
         row += (int)got;
     }
     /* With to_end, the rows below are entropy-decoded too (no IDCT, no colour conversion), to the end marker:
@@ -257,15 +261,11 @@ static void read_rows(struct jpeg_decompress_struct *info, struct failure *failu
     JDIMENSION rest = to_end ? info->output_height - info->output_scanline : 0;
     if (rest > 0) {
         /* All but the last row: skipping to the very end would mark the image done without decoding it. */
-        if (rest > 1 && jpeg_skip_scanlines(info, rest - 1) != rest - 1) {
-            snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
-            longjmp(failure->jump, 1);
-        }
+        if (rest > 1 && jpeg_skip_scanlines(info, rest - 1) != rest - 1)
+            end_too_soon(failure);
         JSAMPARRAY last = (*info->mem->alloc_sarray)((j_common_ptr)info, JPOOL_IMAGE, width * 3, 1);
-        if (jpeg_read_scanlines(info, last, 1) != 1) {
-            snprintf(failure->message, sizeof failure->message, "Premature end of JPEG file");
-            longjmp(failure->jump, 1);
-        }
+        if (jpeg_read_scanlines(info, last, 1) != 1)
+            end_too_soon(failure);
     }
 }
 
@@ -350,10 +350,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     }
     unsigned char *out = (unsigned char *)PyBytes_AS_STRING(pixels);
     state = PyEval_SaveThread();
-    if (top > 0 && jpeg_skip_scanlines(&info, (JDIMENSION)top) != (JDIMENSION)top) {
-        snprintf(failure.message, sizeof failure.message, "Premature end of JPEG file");
-        longjmp(failure.jump, 1);
-    }
+    if (top > 0 && jpeg_skip_scanlines(&info, (JDIMENSION)top) != (JDIMENSION)top)
+        end_too_soon(&failure);
     read_rows(&info, &failure, out, height, width_decoded, to_end);
     if (to_end)
         jpeg_finish_decompress(&info);
