@@ -76,7 +76,7 @@ def test_a_pack_that_shrinks_an_image_decodes_it_once(tmp_path, monkeypatch):
         files.append(tmp_path / f"{index}.jpg")
         files[-1].write_bytes(photograph_jpeg(index, False))  # 640x427
     members = [(str(path), path.stem, 0) for path in files]
-    for shrink in (Shrink(96), Shrink(96, raw_max_side=96), Shrink(None, raw_max_side=100), None):
+    for shrink in (Shrink(96), Shrink(96, raw_max_side=96), Shrink(None, raw_max_side=100), Shrink()):
         decodes.clear()
         assert write_shard(tmp_path / "shard.tar", members, shrink) == []
         assert len(decodes) == 2, shrink

@@ -93,9 +93,17 @@ class Shrink:
         """Whether an image of header size `size` is stored other than as its file."""
         return (self.max_side is not None and max(size) > self.max_side) or self.stores_raw(size)
 
+    @property
+    def resizes(self) -> bool:
+        """Whether any image may be stored at another size or as pixels (its header size is then asked)."""
+        return self.max_side is not None or self.raw_max_side is not None
+
+
+AS_THEY_ARE = Shrink()  # every image at its own size: the defaults of `stoker pack`
+
 
 def pack(source: Path, out: Path, shard_size: int, workers: int = 0, overwrite: bool = False,
-         classes: tuple[str, ...] | None = None, shrink: Shrink | None = None,
+         classes: tuple[str, ...] | None = None, shrink: Shrink = AS_THEY_ARE,
          undecodable: list[tuple[str, str]] | None = None, placed: list[Path] | None = None) -> list[Path]:
     """Write the shards and classes.json; returns the shards' paths in order. Raises ValueError, before anything
     is written, for an OUT_DIR that holds files (unless `overwrite`). `classes`: label by these (a validation set
@@ -183,7 +191,7 @@ def _move_into_place(partial: Path, out: Path, placed: list[Path]) -> None:
 
 
 def _write_shards(targets: list[Path], plan: list[list[Member]], workers: int, advance,
-                  shrink: Shrink | None = None) -> list[tuple[str, str]]:
+                  shrink: Shrink = AS_THEY_ARE) -> list[tuple[str, str]]:
     """Every shard written; the files that cannot be decoded, with why, in order."""
     bad: list[tuple[str, str]] = []
     if workers <= 1:
@@ -259,7 +267,7 @@ def split_into_shards(members: list[Member], sizes: list[int], shard_size: int) 
     return shards
 
 
-def write_shard(target: Path, members: list[Member], shrink: Shrink | None = None) -> list[tuple[str, str]]:
+def write_shard(target: Path, members: list[Member], shrink: Shrink = AS_THEY_ARE) -> list[tuple[str, str]]:
     """The shard written; returns (file, reason) of each member that cannot be decoded."""
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     imaging.make_decode_warnings_errors()
@@ -279,14 +287,14 @@ def write_shard(target: Path, members: list[Member], shrink: Shrink | None = Non
     return bad
 
 
-def _stored_form(data: bytes, shrink: Shrink | None, probe: np.ndarray) -> tuple[bytes, str | None, str | None]:
+def _stored_form(data: bytes, shrink: Shrink, probe: np.ndarray) -> tuple[bytes, str | None, str | None]:
     """(what the member holds, its extension where not the file's own, why the file cannot be decoded or None).
     Each file is decoded once, as a producer decodes it: into `probe` where it is kept as it is, else whole for
     `shrink` (that decode is the check). A file training skips is stored as it is: never made into a clean image
     by another decoder's rules."""
-    size = imaging.stored_size(data) if shrink is not None else None
+    size = imaging.stored_size(data) if shrink.resizes else None
     try:
-        if shrink is None or size is None or not shrink.rewrites(size):
+        if size is None or not shrink.rewrites(size):
             imaging.load_into(data, probe, "none", None)
             return _with_restarts(data, shrink), None, None
         pixels = imaging.shrunk_pixels(data, size, shrink.max_side)
@@ -297,12 +305,12 @@ def _stored_form(data: bytes, shrink: Shrink | None, probe: np.ndarray) -> tuple
     return imaging.with_restart_markers(imaging.encode_jpeg(pixels, shrink.quality)), ".jpg", None  # no bytes to keep
 
 
-def _with_restarts(data: bytes, shrink: Shrink | None) -> bytes:
-    return data if shrink is not None and shrink.keep_bytes else imaging.with_restart_markers(data)
+def _with_restarts(data: bytes, shrink: Shrink) -> bytes:
+    return data if shrink.keep_bytes else imaging.with_restart_markers(data)
 
 
-def _say_when_kept_as_they_are(shrink: Shrink | None) -> None:
-    if not imaging.can_rewrite_jpegs() and not (shrink is not None and shrink.keep_bytes):
+def _say_when_kept_as_they_are(shrink: Shrink) -> None:
+    if not imaging.can_rewrite_jpegs() and not shrink.keep_bytes:
         log.warning("the crop-aware JPEG decoder (_jpegcrop) is not built here: JPEGs are stored as they are, without "
                     "the restart markers that let a crop decode only its own part (pip install -e . with "
                     "libjpeg-turbo's headers, Debian's libjpeg62-turbo-dev, builds it)")
