@@ -56,6 +56,15 @@ static void warn_as_error(j_common_ptr info, int level) {
         fail(info);
 }
 
+/* libjpeg's errors and warnings made a longjmp to failure->jump, with the message in failure->message. */
+static struct jpeg_error_mgr *errors_to(struct failure *failure) {
+    jpeg_std_error(&failure->manager);
+    failure->manager.error_exit = fail;
+    failure->manager.emit_message = warn_as_error;
+    failure->message[0] = 0;
+    return &failure->manager;
+}
+
 /* Where a JPEG's MCUs lie, for one that restart_every_mcu wrote: a baseline frame of 8-bit samples, a restart
  * interval of one MCU and a single scan holding every component. */
 struct layout {
@@ -66,6 +75,30 @@ struct layout {
 };
 
 static unsigned big_endian(const unsigned char *p) { return (unsigned)p[0] << 8 | p[1]; }
+
+/* A baseline frame header (its marker at offset `at`, `length` its length field, `p` what follows) into `out`: 8-bit
+ * samples, 1 or 3 components with sampling factors 1-4 (1x1 for a single one); 0 for any other. */
+static int read_frame(const unsigned char *p, size_t length, size_t at, struct layout *out, unsigned *components) {
+    if (length < 8)
+        return 0;
+    *components = p[5];
+    if (p[0] != 8 || (*components != 1 && *components != 3) || length != 8 + 3 * *components)
+        return 0;
+    unsigned max_h = 1, max_v = 1;
+    for (unsigned k = 0; k < *components; k++) {
+        unsigned h = p[7 + 3 * k] >> 4, v = p[7 + 3 * k] & 15;
+        if (h < 1 || h > 4 || v < 1 || v > 4 || (*components == 1 && (h != 1 || v != 1)))
+            return 0;
+        max_h = h > max_h ? h : max_h;
+        max_v = v > max_v ? v : max_v;
+    }
+    out->height = big_endian(p + 1);
+    out->width = big_endian(p + 3);
+    out->mcu_width = 8 * max_h;
+    out->mcu_height = 8 * max_v;
+    out->frame = at;
+    return 1;
+}
 
 static int read_layout(const unsigned char *d, size_t n, struct layout *out) {
     size_t i = 2;
@@ -85,24 +118,8 @@ static int read_layout(const unsigned char *d, size_t n, struct layout *out) {
             return 0;
         const unsigned char *p = d + i + 4;
         if (marker == 0xC0 || marker == 0xC1) {
-            if (length < 8)
+            if (!read_frame(p, length, i, out, &components))
                 return 0;
-            components = p[5];
-            if (p[0] != 8 || (components != 1 && components != 3) || length != 8 + 3 * components)
-                return 0;
-            unsigned max_h = 1, max_v = 1;
-            for (unsigned k = 0; k < components; k++) {
-                unsigned h = p[7 + 3 * k] >> 4, v = p[7 + 3 * k] & 15;
-                if (h < 1 || h > 4 || v < 1 || v > 4 || (components == 1 && (h != 1 || v != 1)))
-                    return 0;
-                max_h = h > max_h ? h : max_h;
-                max_v = v > max_v ? v : max_v;
-            }
-            out->height = big_endian(p + 1);
-            out->width = big_endian(p + 3);
-            out->mcu_width = 8 * max_h;
-            out->mcu_height = 8 * max_v;
-            out->frame = i;
         } else if (marker >= 0xC2 && marker <= 0xCF && marker != 0xC4 && marker != 0xC8 && marker != 0xCC) {
             return 0; /* progressive, lossless or arithmetic-coded */
         } else if (marker == 0xDD) {
@@ -292,78 +309,92 @@ static void narrow_columns(struct jpeg_decompress_struct *info, JDIMENSION *left
     }
 }
 
-static PyObject *decode(PyObject *self, PyObject *args) {
-    Py_buffer data;
-    int scale_num, top, left, height, width, to_end = 1;
-    if (!PyArg_ParseTuple(args, "y*iiiii|p", &data, &scale_num, &top, &left, &height, &width, &to_end))
-        return NULL;
-    if (scale_num < 1 || scale_num > 8 || top < 0 || left < 0 || height < 1 || width < 1) {
-        PyBuffer_Release(&data);
-        PyErr_SetString(PyExc_ValueError, "scale must be 1-8 eighths and the rectangle non-empty");
-        return NULL;
+/* The rectangle asked of decode, in the image scaled by eighths/8. */
+struct rectangle {
+    int eighths, top, left, height, width, to_end;
+};
+
+static void check_inside(const struct jpeg_decompress_struct *info, struct failure *failure,
+                         const struct rectangle *r) {
+    if ((unsigned long)r->top + (unsigned long)r->height > info->output_height ||
+        (unsigned long)r->left + (unsigned long)r->width > info->output_width) {
+        snprintf(failure->message, sizeof failure->message, "rectangle outside the %ux%u scaled image",
+                 info->output_width, info->output_height);
+        longjmp(failure->jump, 1);
     }
-    size_t source_length = (size_t)data.len;
+}
+
+/* The rectangle's rows into `out` (rows of `width` RGB pixels), the rows above skipped; then the decode ended. */
+static void read_rectangle(struct jpeg_decompress_struct *info, struct failure *failure, unsigned char *out,
+                           const struct rectangle *r, JDIMENSION width) {
+    if (r->top > 0 && jpeg_skip_scanlines(info, (JDIMENSION)r->top) != (JDIMENSION)r->top)
+        end_too_soon(failure);
+    read_rows(info, failure, out, r->height, width, r->to_end);
+    if (r->to_end)
+        jpeg_finish_decompress(info);
+    else
+        jpeg_abort_decompress(info);
+}
+
+/* decode's result for a checked rectangle of `data`: (pixels, left_decoded, width_decoded), or NULL with an
+ * exception set. The GIL is released but to make the pixels' bytes object. */
+static PyObject *decode_rectangle(const unsigned char *data, size_t length, struct rectangle r) {
     unsigned row_offset = 0, column_offset = 0;
     unsigned char *volatile cut = NULL;
     PyThreadState *volatile state = PyEval_SaveThread();
-    if (!to_end)
-        cut = cut_around(data.buf, source_length, scale_num, top, left, height, width, &source_length, &row_offset,
+    if (!r.to_end)
+        cut = cut_around(data, length, r.eighths, r.top, r.left, r.height, r.width, &length, &row_offset,
                          &column_offset);
-    const unsigned char *source = cut ? cut : data.buf;
-    top -= (int)row_offset;
-    left -= (int)column_offset;
+    r.top -= (int)row_offset;
+    r.left -= (int)column_offset;
     struct jpeg_decompress_struct info;
     struct failure failure;
     PyObject *volatile pixels = NULL;
     memset(&info, 0, sizeof info);
-    info.err = jpeg_std_error(&failure.manager);
-    failure.manager.error_exit = fail;
-    failure.manager.emit_message = warn_as_error;
-    failure.message[0] = 0;
+    info.err = errors_to(&failure);
     if (setjmp(failure.jump)) {
         jpeg_destroy_decompress(&info);
         if (state) PyEval_RestoreThread(state);
         free(cut);
-        PyBuffer_Release(&data);
         Py_XDECREF(pixels);
         PyErr_SetString(PyExc_ValueError, failure.message);
         return NULL;
     }
     jpeg_create_decompress(&info);
-    start_scaled(&info, source, source_length, scale_num);
-    if ((unsigned long)top + (unsigned long)height > info.output_height ||
-        (unsigned long)left + (unsigned long)width > info.output_width) {
-        snprintf(failure.message, sizeof failure.message, "rectangle outside the %ux%u scaled image",
-                 info.output_width, info.output_height);
-        longjmp(failure.jump, 1);
-    }
-    JDIMENSION left_decoded = (JDIMENSION)left, width_decoded = (JDIMENSION)width;
+    start_scaled(&info, cut ? cut : data, length, r.eighths);
+    check_inside(&info, &failure, &r);
+    JDIMENSION left_decoded = (JDIMENSION)r.left, width_decoded = (JDIMENSION)r.width;
     narrow_columns(&info, &left_decoded, &width_decoded);
     PyEval_RestoreThread(state);
     state = NULL;
-    pixels = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)height * width_decoded * 3);
+    pixels = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)r.height * width_decoded * 3);
     if (!pixels) {
         jpeg_destroy_decompress(&info);
         free(cut);
-        PyBuffer_Release(&data);
         return NULL;
     }
-    unsigned char *out = (unsigned char *)PyBytes_AS_STRING(pixels);
     state = PyEval_SaveThread();
-    if (top > 0 && jpeg_skip_scanlines(&info, (JDIMENSION)top) != (JDIMENSION)top)
-        end_too_soon(&failure);
-    read_rows(&info, &failure, out, height, width_decoded, to_end);
-    if (to_end)
-        jpeg_finish_decompress(&info);
-    else
-        jpeg_abort_decompress(&info);
+    read_rectangle(&info, &failure, (unsigned char *)PyBytes_AS_STRING(pixels), &r, width_decoded);
     jpeg_destroy_decompress(&info);
     free(cut);
     PyEval_RestoreThread(state);
     state = NULL;
-    PyBuffer_Release(&data);
     PyObject *result = Py_BuildValue("(Oii)", pixels, (int)(left_decoded + column_offset), (int)width_decoded);
     Py_DECREF(pixels);
+    return result;
+}
+
+static PyObject *decode(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    struct rectangle r = {.to_end = 1};
+    if (!PyArg_ParseTuple(args, "y*iiiii|p", &data, &r.eighths, &r.top, &r.left, &r.height, &r.width, &r.to_end))
+        return NULL;
+    PyObject *result = NULL;
+    if (r.eighths < 1 || r.eighths > 8 || r.top < 0 || r.left < 0 || r.height < 1 || r.width < 1)
+        PyErr_SetString(PyExc_ValueError, "scale must be 1-8 eighths and the rectangle non-empty");
+    else
+        result = decode_rectangle(data.buf, (size_t)data.len, r);
+    PyBuffer_Release(&data);
     return result;
 }
 
@@ -425,46 +456,47 @@ static void write_with_restarts(struct jpeg_decompress_struct *in, struct jpeg_c
     jpeg_finish_compress(out);
 }
 
-static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
-    Py_buffer data;
-    if (!PyArg_ParseTuple(args, "y*", &data))
-        return NULL;
+/* Whether restart_every_mcu rewrites a file of this colour space: YCbCr or greyscale (CMYK and YCCK are kept). */
+static int rewrite_applies(const struct jpeg_decompress_struct *in) {
+    return (in->jpeg_color_space == JCS_YCbCr && in->num_components == 3) ||
+           (in->jpeg_color_space == JCS_GRAYSCALE && in->num_components == 1);
+}
+
+/* What `growing` holds as bytes (the rewrite) where it applied, else None; NULL with an exception set. */
+static PyObject *written_or_none(const struct growing *growing, int applies) {
+    if (applies)
+        return PyBytes_FromStringAndSize((const char *)growing->buffer,
+                                         (Py_ssize_t)(growing->size - growing->manager.free_in_buffer));
+    Py_RETURN_NONE;
+}
+
+/* restart_every_mcu's result for `data`; `growing` (calloc'd) is freed here. The GIL is released throughout. */
+static PyObject *rewrite(const unsigned char *data, size_t length, struct growing *growing) {
     struct jpeg_decompress_struct in;
     struct jpeg_compress_struct out;
     struct failure failure;
-    struct growing *growing = calloc(1, sizeof *growing); /* not a local: the error path reads what libjpeg grew */
-    volatile int writing = 0, applies = 1;
-    if (!growing) {
-        PyBuffer_Release(&data);
-        return PyErr_NoMemory();
-    }
-    PyThreadState *volatile state = NULL;
+    volatile int writing = 0;
     memset(&in, 0, sizeof in);
     memset(&out, 0, sizeof out);
-    in.err = out.err = jpeg_std_error(&failure.manager);
-    failure.manager.error_exit = fail;
-    failure.manager.emit_message = warn_as_error;
-    failure.message[0] = 0;
+    in.err = out.err = errors_to(&failure);
+    PyThreadState *volatile state = PyEval_SaveThread();
     if (setjmp(failure.jump)) {
         if (writing) jpeg_destroy_compress(&out);
         jpeg_destroy_decompress(&in);
-        if (state) PyEval_RestoreThread(state);
+        PyEval_RestoreThread(state);
         free(growing->buffer);
         free(growing);
-        PyBuffer_Release(&data);
         PyErr_SetString(PyExc_ValueError, failure.message);
         return NULL;
     }
-    state = PyEval_SaveThread();
     jpeg_create_decompress(&in);
-    jpeg_mem_src(&in, (const unsigned char *)data.buf, (unsigned long)data.len);
+    jpeg_mem_src(&in, data, (unsigned long)length);
     jpeg_read_header(&in, TRUE);
-    applies = (in.jpeg_color_space == JCS_YCbCr && in.num_components == 3) ||
-              (in.jpeg_color_space == JCS_GRAYSCALE && in.num_components == 1);
+    int applies = rewrite_applies(&in);
     jvirt_barray_ptr *coefficients = applies ? jpeg_read_coefficients(&in) : NULL;
     applies = applies && !refinement_incomplete(&in);
     if (applies) {
-        growing->size = (size_t)data.len + 65536;
+        growing->size = length + 65536;
         growing->buffer = malloc(growing->size);
         if (!growing->buffer)
             ERREXIT1(&in, JERR_OUT_OF_MEMORY, 0);
@@ -474,17 +506,20 @@ static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
         jpeg_finish_decompress(&in);
     }
     PyEval_RestoreThread(state);
-    state = NULL;
-    PyObject *result = Py_None;
-    if (applies)
-        result = PyBytes_FromStringAndSize((const char *)growing->buffer,
-                                           (Py_ssize_t)(growing->size - growing->manager.free_in_buffer));
-    else
-        Py_INCREF(result);
+    PyObject *result = written_or_none(growing, applies);
     if (writing) jpeg_destroy_compress(&out);
     jpeg_destroy_decompress(&in);
     free(growing->buffer);
     free(growing);
+    return result;
+}
+
+static PyObject *restart_every_mcu(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*", &data))
+        return NULL;
+    struct growing *growing = calloc(1, sizeof *growing); /* not a local: the error path reads what libjpeg grew */
+    PyObject *result = growing ? rewrite(data.buf, (size_t)data.len, growing) : PyErr_NoMemory();
     PyBuffer_Release(&data);
     return result;
 }
