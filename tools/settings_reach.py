@@ -1,0 +1,123 @@
+"""How far the settings given to `stoker train` travel before they are used, traced in a real run.
+
+    .venv/bin/python tools/settings_reach.py [stoker train's flags]      # default: --epochs 1 on the built-in set
+
+Runs `stoker train` with a profile hook in every process it starts (controller, consumers, producers). A call into
+stoker's code is recorded when one of its arguments is a setting: a settings object (`TrainConfig` or a section), an
+object with one in its dataclass fields, or a loose value under a setting's own name and equal to the run's value
+(`producer_timeout_s=20.0`). From the calls (caller's file -> callee's file) it prints:
+
+- relays: the files a setting arrives in and is handed on from, the way from the flag to its uses;
+- climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one;
+- reached: every file a setting arrives in, its uses included.
+
+A renamed value is not followed (the name is the thread), nor is one that leaves stoker's code and comes back.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["common", "data", "pipeline", "training", "observe", "run", "use"]  # lowest first; cli.py above all
+RECORDS = "STOKER_SETTINGS_REACH"  # the folder each process appends its records to
+SCALARS = (int, float, str, bool)
+
+
+def _stoker_file(path: str) -> str | None:
+    head, sep, tail = path.partition("/stoker/")
+    return tail if sep else None
+
+
+def _setting_in(value: Any, sections: tuple[type, ...]) -> str | None:
+    if isinstance(value, sections):
+        return type(value).__name__
+    for name in getattr(type(value), "__dataclass_fields__", ()):
+        if not isinstance(value, type) and isinstance(getattr(value, name, None), sections):
+            return f"{type(value).__name__}.{name}"
+    return None
+
+
+def _loose_setting(name: str, value: Any, values: dict[str, Any]) -> bool:
+    expected = values.get(name)
+    return (expected is not None and isinstance(expected, SCALARS) and isinstance(value, SCALARS)
+            and (value == expected or value == str(expected)))
+
+
+def _make_hook(folder: str, values: dict[str, Any]) -> Callable[[FrameType, str, Any], None]:
+    seen: set[tuple[str, str, str]] = set()
+
+    def hook(frame: FrameType, event: str, arg: Any) -> None:
+        callee = _stoker_file(frame.f_code.co_filename) if event == "call" else None
+        config = sys.modules.get("stoker.common.config")
+        if callee is None or callee == "common/config.py" or config is None:
+            return
+        back = frame.f_back
+        caller = (_stoker_file(back.f_code.co_filename) if back else None) or "<outside>"
+        key = (caller, callee, frame.f_code.co_qualname)
+        if key in seen:
+            return
+        code, local = frame.f_code, frame.f_locals
+        for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
+            held = _setting_in(local.get(name), config.SECTIONS)
+            if held or _loose_setting(name, local.get(name), values):
+                seen.add(key)
+                with open(os.path.join(folder, f"{os.getpid()}.tsv"), "a") as out:
+                    out.write(f"{caller}\t{callee}\t{code.co_qualname}\t{name}\t{held or 'loose'}\n")
+                return
+
+    return hook
+
+
+def install() -> None:
+    """The profile hook, in a process started with RECORDS set (from the sitecustomize this tool writes)."""
+    import threading
+
+    folder = os.environ.get(RECORDS)
+    if folder:
+        hook = _make_hook(folder, json.loads(Path(folder, "values.json").read_text()))
+        sys.setprofile(hook)
+        threading.setprofile(hook)
+
+
+def _layer(path: str) -> int:
+    top = path.split("/")[0]
+    return LAYERS.index(top) if top in LAYERS else len(LAYERS)
+
+
+def report(rows: list[list[str]]) -> dict[str, Any]:
+    edges = {(caller, callee) for caller, callee, *_ in rows if caller != callee}
+    received = {callee for _, callee in edges}
+    handed_on = {caller for caller, _ in edges if caller != "<outside>"}
+    return {"relays": sorted(received & handed_on),
+            "climbs": sorted(f"{a} -> {b}" for a, b in edges if a != "<outside>" and _layer(b) > _layer(a)),
+            "reached": sorted(received)}
+
+
+def main(flags: list[str]) -> None:
+    with tempfile.TemporaryDirectory(prefix="settings-reach-") as scratch:
+        hook = f"import sys\nsys.path.insert(0, {str(ROOT / 'tools')!r})\nimport settings_reach\n"
+        Path(scratch, "sitecustomize.py").write_text(hook + "settings_reach.install()\n")
+        flags = flags or ["--epochs", "1"]
+        run = [sys.executable, "-m", "stoker", "train", *flags, "--quiet", "--out", f"{scratch}/run"]
+        values = subprocess.run([sys.executable, "-c", "import json, sys; from stoker import cli; print(json.dumps("
+                                 "cli.config_from_args(cli.build_parser().parse_args(sys.argv[1:])).as_json()))",
+                                 *run[3:]], check=True, capture_output=True, text=True, cwd=ROOT).stdout
+        Path(scratch, "values.json").write_text(values)
+        env = {**os.environ, RECORDS: scratch, "PYTHONPATH": os.pathsep.join([scratch, str(ROOT)])}
+        subprocess.run(run, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+        rows = [line.split("\t") for path in Path(scratch).glob("*.tsv") for line in path.read_text().splitlines()]
+    found = report(rows)
+    for name, files in found.items():
+        print(f"{name}: {len(files)}")
+        print("".join(f"  {f}\n" for f in files), end="")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
