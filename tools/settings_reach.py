@@ -3,9 +3,10 @@
     .venv/bin/python tools/settings_reach.py [stoker train's flags]      # default: --epochs 1 on the built-in set
 
 Runs `stoker train` with a profile hook in every process it starts (controller, consumers, producers). A call into
-stoker's code is recorded when one of its arguments is a setting: a settings object (`TrainConfig` or a section), an
-object with one in its dataclass fields, or a loose value under a setting's own name and equal to the run's value
-(`producer_timeout_s=20.0`). From the calls (caller's file -> callee's file) it prints:
+stoker's code is recorded when one of its arguments holds a setting: a settings object (`TrainConfig` or a section),
+a value under a setting's own name and equal to the run's (`producer_timeout_s=20.0`), or either of those in a
+dataclass's fields, two levels down (`EngineSpec.build.producer_timeout_s`). From the calls (caller's file ->
+callee's file) it prints:
 
 - relays: the files a setting arrives in and is handed on from, the way from the flag to its uses;
 - climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one;
@@ -35,12 +36,17 @@ def _stoker_file(path: str) -> str | None:
     return tail if sep else None
 
 
-def _setting_in(value: Any, sections: tuple[type, ...]) -> str | None:
+def _setting_in(value: Any, sections: tuple[type, ...], values: dict[str, Any], depth: int = 2) -> str | None:
+    """What of `value` is a setting: itself (a section), or a field of it (a dataclass), `depth` levels down."""
     if isinstance(value, sections):
         return type(value).__name__
+    if isinstance(value, type) or depth == 0:
+        return None
     for name in getattr(type(value), "__dataclass_fields__", ()):
-        if not isinstance(value, type) and isinstance(getattr(value, name, None), sections):
-            return f"{type(value).__name__}.{name}"
+        inner = getattr(value, name, None)
+        held = "" if _loose_setting(name, inner, values) else _setting_in(inner, sections, values, depth - 1)
+        if held is not None:
+            return f"{type(value).__name__}.{name}{'.' + held if held else ''}"
     return None
 
 
@@ -65,7 +71,7 @@ def _make_hook(folder: str, values: dict[str, Any]) -> Callable[[FrameType, str,
             return
         code, local = frame.f_code, frame.f_locals
         for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
-            held = _setting_in(local.get(name), config.SECTIONS)
+            held = _setting_in(local.get(name), config.SECTIONS, values)
             if held or _loose_setting(name, local.get(name), values):
                 seen.add(key)
                 with open(os.path.join(folder, f"{os.getpid()}.tsv"), "a") as out:
