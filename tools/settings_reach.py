@@ -12,9 +12,12 @@ callee's file) it prints:
 - climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one;
 - reached: every file a setting arrives in, its uses included.
 
-A renamed value is not followed (the name is the thread), nor is one that leaves stoker's code and comes back.
+A renamed value is not followed (the name is the thread); a parameter whose own default equals the run's value counts
+as a setting handed to it; a call from outside stoker's code (a process's entry, a thread, functools) has the caller
+`<outside>`.
 """
 
+import inspect
 import json
 import os
 import subprocess
@@ -26,14 +29,15 @@ from types import FrameType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ["common", "data", "pipeline", "training", "observe", "run", "use"]  # lowest first; cli.py above all
+PACKAGE = f"{ROOT / 'stoker'}/"
+# tests/unit/test_layout.py's order, lowest first: run and use are siblings; cli.py and stoker/__init__.py above all
+LAYER = {"common": 0, "data": 1, "pipeline": 2, "training": 3, "observe": 4, "run": 5, "use": 5}
 RECORDS = "STOKER_SETTINGS_REACH"  # the folder each process appends its records to
-SCALARS = (int, float, str, bool)
+VARIABLE_ARGUMENTS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
 
 def _stoker_file(path: str) -> str | None:
-    head, sep, tail = path.partition("/stoker/")
-    return tail if sep else None
+    return path[len(PACKAGE):] if path.startswith(PACKAGE) else None
 
 
 def _setting_in(value: Any, sections: tuple[type, ...], values: dict[str, Any], depth: int = 2) -> str | None:
@@ -50,10 +54,33 @@ def _setting_in(value: Any, sections: tuple[type, ...], values: dict[str, Any], 
     return None
 
 
+def _kind(value: Any) -> str | None:
+    if isinstance(value, bool):
+        return "bool"
+    return "number" if isinstance(value, int | float) else "str" if isinstance(value, str) else None
+
+
 def _loose_setting(name: str, value: Any, values: dict[str, Any]) -> bool:
+    """Whether `value`, under the setting's own name, is the run's value of it (a path or a choice as a string)."""
     expected = values.get(name)
-    return (expected is not None and isinstance(expected, SCALARS) and isinstance(value, SCALARS)
-            and (value == expected or value == str(expected)))
+    if expected is None or _kind(expected) is None:
+        return False
+    return (_kind(value) == _kind(expected) and value == expected) or (_kind(value) == "str" and value == str(expected))
+
+
+def _arguments(frame: FrameType) -> list[tuple[str, Any]]:
+    """(name, value) of each argument of the call, those in *args and **kwargs included."""
+    code, local = frame.f_code, frame.f_locals
+    named = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+    found = [(name, local.get(name)) for name in named]
+    rest = code.co_varnames[len(named):len(named) + bin(code.co_flags & VARIABLE_ARGUMENTS).count("1")]
+    for name in rest:
+        value = local.get(name)
+        if isinstance(value, tuple):
+            found += [(name, item) for item in value]
+        elif isinstance(value, dict):
+            found += list(value.items())
+    return found
 
 
 def _make_hook(folder: str, values: dict[str, Any]) -> Callable[[FrameType, str, Any], None]:
@@ -61,21 +88,21 @@ def _make_hook(folder: str, values: dict[str, Any]) -> Callable[[FrameType, str,
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
         callee = _stoker_file(frame.f_code.co_filename) if event == "call" else None
-        config = sys.modules.get("stoker.common.config")
-        if callee is None or callee == "common/config.py" or config is None:
+        if callee is None or callee == "common/config.py":
             return
+        config = sys.modules.get("stoker.common.config")  # a producer never imports it: its values still count
+        sections = getattr(config, "SECTIONS", ())
         back = frame.f_back
         caller = (_stoker_file(back.f_code.co_filename) if back else None) or "<outside>"
         key = (caller, callee, frame.f_code.co_qualname)
         if key in seen:
             return
-        code, local = frame.f_code, frame.f_locals
-        for name in code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]:
-            held = _setting_in(local.get(name), config.SECTIONS, values)
-            if held or _loose_setting(name, local.get(name), values):
+        for name, value in _arguments(frame):
+            held = _setting_in(value, sections, values)
+            if held or _loose_setting(name, value, values):
                 seen.add(key)
                 with open(os.path.join(folder, f"{os.getpid()}.tsv"), "a") as out:
-                    out.write(f"{caller}\t{callee}\t{code.co_qualname}\t{name}\t{held or 'loose'}\n")
+                    out.write(f"{caller}\t{callee}\t{frame.f_code.co_qualname}\t{name}\t{held or 'loose'}\n")
                 return
 
     return hook
@@ -93,8 +120,7 @@ def install() -> None:
 
 
 def _layer(path: str) -> int:
-    top = path.split("/")[0]
-    return LAYERS.index(top) if top in LAYERS else len(LAYERS)
+    return LAYER.get(path.split("/")[0], max(LAYER.values()) + 1)
 
 
 def report(rows: list[list[str]]) -> dict[str, Any]:

@@ -470,7 +470,8 @@ static PyObject *written_or_none(const struct growing *growing, int applies) {
     Py_RETURN_NONE;
 }
 
-/* restart_every_mcu's result for `data`; `growing` (calloc'd) is freed here. The GIL is released throughout. */
+/* restart_every_mcu's result for `data`; `growing` (calloc'd) is freed here. The GIL is released but to make
+ * the result. */
 static PyObject *rewrite(const unsigned char *data, size_t length, struct growing *growing) {
     struct jpeg_decompress_struct in;
     struct jpeg_compress_struct out;
@@ -505,10 +506,10 @@ static PyObject *rewrite(const unsigned char *data, size_t length, struct growin
         write_with_restarts(&in, &out, coefficients, growing);
         jpeg_finish_decompress(&in);
     }
-    PyEval_RestoreThread(state);
-    PyObject *result = written_or_none(growing, applies);
     if (writing) jpeg_destroy_compress(&out);
     jpeg_destroy_decompress(&in);
+    PyEval_RestoreThread(state);
+    PyObject *result = written_or_none(growing, applies);
     free(growing->buffer);
     free(growing);
     return result;
