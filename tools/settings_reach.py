@@ -57,7 +57,7 @@ def _setting_in(value: Any, sections: tuple[type, ...], values: dict[str, Any], 
 def _kind(value: Any) -> str | None:
     if isinstance(value, bool):
         return "bool"
-    return "number" if isinstance(value, int | float) else "str" if isinstance(value, str) else None
+    return "number" if isinstance(value, int | float) else "str" if isinstance(value, str | os.PathLike) else None
 
 
 def _loose_setting(name: str, value: Any, values: dict[str, Any]) -> bool:
@@ -65,7 +65,9 @@ def _loose_setting(name: str, value: Any, values: dict[str, Any]) -> bool:
     expected = values.get(name)
     if expected is None or _kind(expected) is None:
         return False
-    return (_kind(value) == _kind(expected) and value == expected) or (_kind(value) == "str" and value == str(expected))
+    if _kind(value) == "str":
+        return os.fspath(value) == str(expected)
+    return _kind(value) == _kind(expected) and value == expected
 
 
 def _arguments(frame: FrameType) -> list[tuple[str, Any]]:
