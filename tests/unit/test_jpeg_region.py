@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -263,6 +264,29 @@ def test_a_cut_entropy_decodes_only_the_mcus_around_the_box():
     start, third = scan_data_start(rows), len(rows) // 3
     with pytest.raises(ValueError, match="[Cc]orrupt|[Pp]remature"):
         _jpegcrop.decode(rows[:start] + bytes(third) + rows[start + third:], 8, 300, 0, 50, 500, False)
+
+
+def test_a_sealed_file_is_cut_to_the_box_from_its_first_load_and_a_broken_seal_reads_it_whole():
+    """`stoker pack` seals each JPEG it rewrote (the rewrite read every coefficient strictly) with the CRC-32 of its
+    bytes: a first load that finds the seal intact is cut to the box's MCUs as a later load is; bytes changed since
+    break the seal, and the first load reads the whole scan as for any file, so damage outside the crop refuses it.
+    A seal made over damaged bytes (pack never writes one) shows what an intact seal trades."""
+    data = jpeg((500, 375), "rewritten-420")
+    end = 4 + int.from_bytes(data[4:6], "big")
+    as_rewritten = data[:2] + data[end:]
+    assert data[2:4] == b"\xff\xfe" and data[6:end] == imaging.SEAL + b"%08x" % zlib.crc32(as_rewritten)
+    damaged = bytearray(as_rewritten)
+    for k, (begin, stop) in enumerate(_mcu_segments(as_rewritten)):
+        if k % 32 < 2 or k % 32 > 28:  # MCU columns left and right of the centre crop (columns 62-436)
+            damaged[begin:stop] = bytes(stop - begin)
+    expected, got = np.zeros((224, 224, 3), np.uint8), np.zeros((224, 224, 3), np.uint8)
+    load_into(data, expected, "none", None)
+    load_into(imaging.sealed(bytes(damaged)), got, "none", None)
+    np.testing.assert_array_equal(got, expected)
+    broken = data[:end] + bytes(damaged[2:])  # the seal over bytes changed since
+    for file in (bytes(damaged), broken):
+        with pytest.raises(UnusableImage, match="^(corrupt JPEG|truncated)"):
+            load_into(file, np.zeros((224, 224, 3), np.uint8), "none", None)
 
 
 @pytest.mark.parametrize("encoding", ["420", "422", "444", "progressive", "restarts", "grey"])

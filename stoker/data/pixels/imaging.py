@@ -160,7 +160,8 @@ def load_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Gen
     """Decode `data`, crop and resize into `out` (H, W, 3 uint8), then TrivialAugment or RandAugment where asked.
     Raises UnusableImage for bad files. With `clock`, the CPU time of each stage is added to it. `checked_before`:
     these bytes have loaded before, so a crop-aware JPEG decode may stop at the box's last row (the same pixels;
-    damage below the box is seen only by reading the scan to its end, and a first load does)."""
+    damage below the box is seen only by reading the scan to its end, and a first load does, but for a JPEG whose
+    pack-time seal is intact: `seal_intact`)."""
     started, resized = time.thread_time(), clock.resize if clock else 0.0
     try:
         _crop_into(data, out, augment, rng, clock, checked_before)
@@ -225,7 +226,8 @@ def _jpeg_into(data: bytes, out: np.ndarray, augment: Augment, rng: np.random.Ge
     try:
         eighths = scale_eighths(height, width, min_h, min_w)
         if _jpegcrop is not None:
-            image, scaled = _decode_region(data, box, height, width, eighths, to_end=not checked_before)
+            first_load = not (checked_before or seal_intact(data))
+            image, scaled = _decode_region(data, box, height, width, eighths, to_end=first_load)
         else:
             image = _decode_at(data, height, width, eighths)
             scaled = _scaled_box(box, image.shape[0] / height, image.shape[1] / width)
@@ -292,16 +294,42 @@ def can_rewrite_jpegs() -> bool:
 def with_restart_markers(data: bytes) -> bytes:
     """A JPEG rewritten losslessly with a restart marker after every MCU (the same coefficients, so the same pixels
     from any decoder that, as stoker, applies no EXIF orientation or ICC profile), which a crop-aware decode cuts
-    down to the MCUs around its box once the file has loaded whole before; `data` as it is where the rewrite does
-    not apply (not a YCbCr or greyscale JPEG, a progressive one never fully refined, the extension not built) or
-    fails (a file the check before refused)."""
+    down to the MCUs around its box, and sealed (`sealed`): from its first load on. `data` as it is where the
+    rewrite does not apply (not a YCbCr or greyscale JPEG, a progressive one never fully refined, the extension not
+    built) or fails (a file the check before refused)."""
     if not can_rewrite_jpegs() or data[:2] != JPEG_MAGIC:
         return data
     try:
         rewritten = _jpegcrop.restart_every_mcu(data)
     except ValueError:
         return data
-    return data if rewritten is None else rewritten
+    return data if rewritten is None else sealed(rewritten)
+
+
+# A JPEG that restart_every_mcu wrote read every coefficient of its source strictly (a warning is an error), so it
+# holds no damage; sealed, it carries the CRC-32 of its bytes in a comment right after its start marker. A first
+# load that finds the seal intact needs no whole read to see damage and is cut down to the box as a later load is;
+# a byte changed since (a disk's, a copy's) breaks the seal, and the file is read whole as any other.
+SEAL = b"stoker: checked whole, crc32 "
+_COMMENT = b"\xff\xfe"
+
+
+def sealed(jpeg: bytes) -> bytes:
+    """`jpeg` with a comment segment after its start marker holding SEAL and the CRC-32 of `jpeg`, in hex."""
+    text = SEAL + b"%08x" % zlib.crc32(jpeg)
+    return jpeg[:2] + _COMMENT + struct.pack(">H", len(text) + 2) + text + jpeg[2:]
+
+
+def seal_intact(data: bytes) -> bool:
+    """Whether `data` is a sealed JPEG whose bytes, the seal's segment left out, still have the CRC-32 it holds."""
+    if data[2:4] != _COMMENT or len(data) < 6:
+        return False
+    end = 4 + int.from_bytes(data[4:6], "big")
+    text = data[6:end]
+    if len(text) != len(SEAL) + 8 or not text.startswith(SEAL):
+        return False
+    view = memoryview(data)
+    return b"%08x" % zlib.crc32(view[end:], zlib.crc32(view[:2])) == text[len(SEAL):]
 
 
 def stored_size(data: bytes) -> tuple[int, int] | None:
