@@ -1,6 +1,6 @@
 """`stoker bench decode`: CPU milliseconds per image of decode + RandomResizedCrop + flip into a preallocated slot,
 the producer's own work, crop-aware against whole-image decoding, on a folder's JPEGs as they are, packed by
-`stoker pack` (each JPEG with a restart marker after every MCU: a load after the first decodes only the box's MCUs)
+`stoker pack` (each JPEG with a restart marker after every MCU and sealed: every load decodes only the box's MCUs)
 and packed with `--max-side` (and `--raw-max-side`: small images as raw pixels), beside the bytes each set's shards
 take, at one or several training sides (`--image-size 160 192 224`: what a lower side, or `--image-size-ramp`, saves
 the feed). "crop-aware, loaded before" is a file's load from its second on (the ring's `loaded_of` mark: the scan

@@ -2,12 +2,12 @@
 
 Samples go in the folder's index order, so sample i of the shards is sample i of the folder (the same training run
 either way), with headers that carry no time or owner (the same bytes whatever `--workers`); each JPEG is rewritten
-losslessly with a restart marker after every MCU (the same pixels; a crop then decodes only its own MCUs) unless
-`--keep-bytes`; `--max-side` stores the larger images smaller, `--raw-max-side` the small ones as raw pixels. A pack is
-written whole or not at all: into a hidden folder renamed to OUT_DIR at the end (an `s3://` prefix: uploaded, the index
-last), so an interrupted pack never trains as if complete. Each file is decoded once as it is packed: one that cannot be
-is packed all the same (training skips and lists it), logged and counted in what pack prints. Keys, `index.json` and the
-upload order: docs/contracts.md, the command line."""
+losslessly with a restart marker after every MCU and sealed (the same pixels; a crop then decodes only its own MCUs,
+from the file's first load on) unless `--keep-bytes`; `--max-side` stores the larger images smaller, `--raw-max-side`
+the small ones as raw pixels. A pack is written whole or not at all: into a hidden folder renamed to OUT_DIR at the end
+(an `s3://` prefix: uploaded, the index last), so an interrupted pack never trains as if complete. Each file is decoded
+once as it is packed: one that cannot be is packed all the same (training skips and lists it), logged and counted in
+what pack prints. Keys, `index.json` and the upload order: docs/contracts.md, the command line."""
 
 from __future__ import annotations
 
