@@ -272,18 +272,20 @@ def test_a_sealed_file_is_cut_to_the_box_from_its_first_load_and_a_broken_seal_r
     break the seal, and the first load reads the whole scan as for any file, so damage outside the crop refuses it.
     A seal made over damaged bytes (pack never writes one) shows what an intact seal trades."""
     data = jpeg((500, 375), "rewritten-420")
-    end = 4 + int.from_bytes(data[4:6], "big")
-    as_rewritten = data[:2] + data[end:]
-    assert data[2:4] == b"\xff\xfe" and data[6:end] == imaging.SEAL + b"%08x" % zlib.crc32(as_rewritten)
+    at = data.index(imaging.SEAL) - 4  # the comment segment: marker, length, SEAL, 8 hex digits
+    end = at + 4 + len(imaging.SEAL) + 8
+    as_rewritten = data[:at] + data[end:]
+    assert _header_markers(data)[b"\xff\xfe"] == [imaging.SEAL + b"%08x" % zlib.crc32(as_rewritten)]
+    assert data[2:4] == b"\xff\xe0"  # JFIF's APP0 still first, as readers expect
     damaged = bytearray(as_rewritten)
     for k, (begin, stop) in enumerate(_mcu_segments(as_rewritten)):
-        if k % 32 < 2 or k % 32 > 28:  # MCU columns left and right of the centre crop (columns 62-436)
+        if k % 32 < 2 or k % 32 > 28:  # MCU columns left and right of the centre crop (columns 86-413)
             damaged[begin:stop] = bytes(stop - begin)
     expected, got = np.zeros((224, 224, 3), np.uint8), np.zeros((224, 224, 3), np.uint8)
     load_into(data, expected, "none", None)
     load_into(imaging.sealed(bytes(damaged)), got, "none", None)
     np.testing.assert_array_equal(got, expected)
-    broken = data[:end] + bytes(damaged[2:])  # the seal over bytes changed since
+    broken = data[:end] + bytes(damaged[at:])  # the seal over bytes changed since
     for file in (bytes(damaged), broken):
         with pytest.raises(UnusableImage, match="^(corrupt JPEG|truncated)"):
             load_into(file, np.zeros((224, 224, 3), np.uint8), "none", None)

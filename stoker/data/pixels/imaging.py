@@ -307,29 +307,39 @@ def with_restart_markers(data: bytes) -> bytes:
 
 
 # A JPEG that restart_every_mcu wrote read every coefficient of its source strictly (a warning is an error), so it
-# holds no damage; sealed, it carries the CRC-32 of its bytes in a comment right after its start marker. A first
-# load that finds the seal intact needs no whole read to see damage and is cut down to the box as a later load is;
-# a byte changed since (a disk's, a copy's) breaks the seal, and the file is read whole as any other.
+# holds no damage; sealed, it carries the CRC-32 of its bytes in a comment segment after its start marker (and after
+# JFIF's APP0, which readers expect first). A first load that finds the seal intact needs no whole read to see
+# damage and is cut down to the box as a later load is; a byte changed since (a disk's, a copy's) breaks the seal,
+# and the file is read whole as any other.
 SEAL = b"stoker: checked whole, crc32 "
-_COMMENT = b"\xff\xfe"
+_COMMENT, _JFIF = b"\xff\xfe", b"\xff\xe0"
+_SEAL_LENGTH = 2 + len(SEAL) + 8  # the segment's length field: itself, SEAL and 8 lowercase hex digits
+
+
+def _seal_at(data: bytes) -> int:
+    """Where the seal's segment goes (or is): after SOI, and after a JFIF APP0 segment right behind it."""
+    if data[2:4] == _JFIF and len(data) >= 6:
+        return 4 + int.from_bytes(data[4:6], "big")
+    return 2
 
 
 def sealed(jpeg: bytes) -> bytes:
-    """`jpeg` with a comment segment after its start marker holding SEAL and the CRC-32 of `jpeg`, in hex."""
-    text = SEAL + b"%08x" % zlib.crc32(jpeg)
-    return jpeg[:2] + _COMMENT + struct.pack(">H", len(text) + 2) + text + jpeg[2:]
+    """`jpeg` with a comment segment holding SEAL and the CRC-32 of `jpeg`, in lowercase hex (`_seal_at`)."""
+    at = _seal_at(jpeg)
+    segment = _COMMENT + struct.pack(">H", _SEAL_LENGTH) + SEAL + b"%08x" % zlib.crc32(jpeg)
+    return jpeg[:at] + segment + jpeg[at:]
 
 
 def seal_intact(data: bytes) -> bool:
     """Whether `data` is a sealed JPEG whose bytes, the seal's segment left out, still have the CRC-32 it holds."""
-    if data[2:4] != _COMMENT or len(data) < 6:
+    at = _seal_at(data)
+    end = at + 2 + _SEAL_LENGTH
+    if len(data) < end or data[at:at + 2] != _COMMENT or int.from_bytes(data[at + 2:at + 4], "big") != _SEAL_LENGTH:
         return False
-    end = 4 + int.from_bytes(data[4:6], "big")
-    text = data[6:end]
-    if len(text) != len(SEAL) + 8 or not text.startswith(SEAL):
+    if data[at + 4:end - 8] != SEAL:
         return False
     view = memoryview(data)
-    return b"%08x" % zlib.crc32(view[end:], zlib.crc32(view[:2])) == text[len(SEAL):]
+    return b"%08x" % zlib.crc32(view[end:], zlib.crc32(view[:at])) == data[end - 8:end]
 
 
 def stored_size(data: bytes) -> tuple[int, int] | None:
