@@ -92,13 +92,13 @@ def _make_hook(folder: str, values: dict[str, Any]) -> Callable[[FrameType, str,
         callee = _stoker_file(frame.f_code.co_filename) if event == "call" else None
         if callee is None or callee == "common/config.py":
             return
-        config = sys.modules.get("stoker.common.config")  # a producer never imports it: its values still count
-        sections = getattr(config, "SECTIONS", ())
         back = frame.f_back
         caller = (_stoker_file(back.f_code.co_filename) if back else None) or "<outside>"
         key = (caller, callee, frame.f_code.co_qualname)
         if key in seen:
             return
+        config = sys.modules.get("stoker.common.config")  # a producer never imports it: its values still count
+        sections = getattr(config, "SECTIONS", ())
         for name, value in _arguments(frame):
             held = _setting_in(value, sections, values)
             if held or _loose_setting(name, value, values):
@@ -134,16 +134,21 @@ def report(rows: list[list[str]]) -> dict[str, Any]:
             "reached": sorted(received)}
 
 
+def _run_values(argv: list[str]) -> dict[str, Any]:
+    """The settings `stoker train` takes from `argv`, as the run's config.json records them."""
+    sys.path.insert(0, str(ROOT))  # this checkout's stoker; here only, not in every traced process
+    from stoker import cli
+
+    return cli.config_from_args(cli.build_parser().parse_args(argv)).as_json()
+
+
 def main(flags: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="settings-reach-") as scratch:
         hook = f"import sys\nsys.path.insert(0, {str(ROOT / 'tools')!r})\nimport settings_reach\n"
         Path(scratch, "sitecustomize.py").write_text(hook + "settings_reach.install()\n")
         flags = flags or ["--epochs", "1"]
         run = [sys.executable, "-m", "stoker", "train", *flags, "--quiet", "--out", f"{scratch}/run"]
-        values = subprocess.run([sys.executable, "-c", "import json, sys; from stoker import cli; print(json.dumps("
-                                 "cli.config_from_args(cli.build_parser().parse_args(sys.argv[1:])).as_json()))",
-                                 *run[3:]], check=True, capture_output=True, text=True, cwd=ROOT).stdout
-        Path(scratch, "values.json").write_text(values)
+        Path(scratch, "values.json").write_text(json.dumps(_run_values(run[3:])))
         env = {**os.environ, RECORDS: scratch, "PYTHONPATH": os.pathsep.join([scratch, str(ROOT)])}
         subprocess.run(run, check=True, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
         rows = [line.split("\t") for path in Path(scratch).glob("*.tsv") for line in path.read_text().splitlines()]

@@ -34,6 +34,13 @@ def test_relays_are_files_that_receive_a_setting_and_hand_it_on_and_a_climb_goes
                                 "training/accel.py", "training/consumer.py"]
 
 
+def test_the_tool_ranks_the_folders_as_the_layout_test_orders_them(reach):
+    from tests.unit.test_layout import LAYERS, TOP
+
+    assert [reach.LAYER[folder] for folder in LAYERS] == list(range(len(LAYERS)))
+    assert {reach.LAYER[folder] for folder in TOP} == {len(LAYERS)} and len(reach.LAYER) == len(LAYERS) + len(TOP)
+
+
 def test_run_and_use_are_siblings_not_a_climb(reach):
     rows = [["run/controller.py", "use/loader.py", "f", "seed", "loose"],
             ["use/loader.py", "run/setups.py", "g", "seed", "loose"]]
