@@ -1,20 +1,31 @@
 """How far the settings given to `stoker train` travel before they are used, traced in a real run.
 
-    .venv/bin/python tools/settings_reach.py [stoker train's flags]      # default: --epochs 1 on the built-in set
+    .venv/bin/python tools/settings_reach.py [stoker train's flags]      # default: DEFAULT_FLAGS, the built-in set
 
-Runs `stoker train` with a profile hook in every process it starts (controller, consumers, producers). A call into
-stoker's code is recorded when one of its arguments holds a setting: a settings object (`TrainConfig` or a section),
-a value under a setting's own name and equal to the run's (`producer_timeout_s=20.0`), or either of those in a
-dataclass's fields, two levels down (`EngineSpec.build.producer_timeout_s`). From the calls (caller's file ->
-callee's file) it prints:
+Runs `stoker train` with a profile hook in every process it starts (controller, consumers, producers) and records
+each hand-off of a setting from one of stoker's files to another:
 
-- relays: the files a setting arrives in and is handed on from, the way from the flag to its uses;
-- climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one;
-- reached: every file a setting arrives in, its uses included.
+- a call whose arguments hold settings: a settings object (`TrainConfig` or a section: all its fields), a value
+  under a setting's own name and equal to the run's (`producer_timeout_s=20.0`), or either of those in a dataclass's
+  fields, two levels down (`EngineSpec.build.producer_timeout_s`); a method's own `self` is not handed over again;
+- a return of a settings object or such a dataclass to the caller (a factory's result, `EngineSpec.from_sections`);
+  a value worked out and returned is a use, not a hand-off.
 
-A renamed value is not followed (the name is the thread); a parameter whose own default equals the run's value counts
-as a setting handed to it; a call from outside stoker's code (a process's entry, a thread, functools) has the caller
-`<outside>`.
+A value is also followed under another name (`hang_timeout_s=21.5`) when it is one setting's alone and unlikely by
+chance: a float neither whole nor a half, or a string of 5 characters or more (a path, a model's name). The default
+run gives its float settings such values (`--lr 0.0537`, `--producer-timeout-s 21.5`, ...), so that a setting taken
+out of its section and handed on renamed or by position is still seen; an integer setting is followed by name only.
+
+From the hand-offs it prints, for the run's settings together:
+
+- relays: the files a setting arrives in and is handed on from (the same setting), the way from the flag to its uses;
+- climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one; imports only go down,
+  so a climb is a lower layer's result handed back to its caller, or a callback;
+- reached: every file a setting arrives in, its uses included;
+- furthest: the settings handed on from the most files, and those files.
+
+A parameter whose own default equals the run's value counts as a setting handed to it; a call from outside stoker's
+code (a process's entry, a thread, functools) has the caller `<outside>`, which is neither a relay nor reached.
 """
 
 import inspect
@@ -24,15 +35,23 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = f"{ROOT / 'stoker'}/"
 # tests/unit/test_layout.py's order, lowest first: run and use are siblings; cli.py and stoker/__init__.py above all
 LAYER = {"common": 0, "data": 1, "pipeline": 2, "training": 3, "observe": 4, "run": 5, "use": 5}
 RECORDS = "STOKER_SETTINGS_REACH"  # the folder each process appends its records to
+# one epoch of the built-in set, its numbers made telling (see above) and its behaviour otherwise the default's
+DEFAULT_FLAGS = ["--epochs", "1", "--lr", "0.0537", "--weight-decay", "0.00047",
+                 "--producer-timeout-s", "21.5", "--collective-timeout-s", "61.5", "--log-every-s", "9.5",
+                 "--outer-lr", "0.73", "--seed", "4241"]
+OUTSIDE = "<outside>"  # a process's entry, a thread, functools: a caller not in stoker's code
+OWN = ("self", "cls")  # a method given its own object: the object was handed over when it was passed, not now
+FURTHEST = 5  # the settings handed on from the most files, shown with their relays
 VARIABLE_ARGUMENTS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
 
@@ -40,18 +59,18 @@ def _stoker_file(path: str) -> str | None:
     return path[len(PACKAGE):] if path.startswith(PACKAGE) else None
 
 
-def _setting_in(value: Any, sections: tuple[type, ...], values: dict[str, Any], depth: int = 2) -> str | None:
-    """What of `value` is a setting: itself (a section), or a field of it (a dataclass), `depth` levels down."""
+def _settings_in(value: Any, sections: tuple[type, ...], run: "RunValues", depth: int = 2) -> set[str]:
+    """The settings `value` holds: a section's fields, or those in a dataclass's fields, `depth` levels down."""
     if isinstance(value, sections):
-        return type(value).__name__
+        return {each.name for each in fields(cast(Any, value))}
     if isinstance(value, type) or depth == 0:
-        return None
+        return set()
+    found: set[str] = set()
     for name in getattr(type(value), "__dataclass_fields__", ()):
         inner = getattr(value, name, None)
-        held = "" if _loose_setting(name, inner, values) else _setting_in(inner, sections, values, depth - 1)
-        if held is not None:
-            return f"{type(value).__name__}.{name}{'.' + held if held else ''}"
-    return None
+        loose = run.setting_named(name, inner)
+        found |= {loose} if loose else _settings_in(inner, sections, run, depth - 1)
+    return found
 
 
 def _kind(value: Any) -> str | None:
@@ -63,11 +82,47 @@ def _kind(value: Any) -> str | None:
 def _loose_setting(name: str, value: Any, values: dict[str, Any]) -> bool:
     """Whether `value`, under the setting's own name, is the run's value of it (a path or a choice as a string)."""
     expected = values.get(name)
-    if expected is None or _kind(expected) is None:
-        return False
+    return expected is not None and _kind(expected) is not None and _same(value, expected)
+
+
+def _same(value: Any, expected: Any) -> bool:
     if _kind(value) == "str":
         return os.fspath(value) == str(expected)
     return _kind(value) == _kind(expected) and value == expected
+
+
+def _telling(value: Any) -> bool:
+    """Whether a value is unlikely to be met by chance: a float neither whole nor a half, or a string of 5 characters
+    or more (not `auto` or `none`). An integer never is: a step counter passes through every one of them."""
+    if _kind(value) == "number":
+        return not float(value).is_integer() and value != 0.5
+    return _kind(value) == "str" and len(str(value)) >= 5
+
+
+@dataclass(frozen=True)
+class RunValues:
+    """The run's settings as config.json records them, and those of them telling enough to follow under any name."""
+
+    values: dict[str, Any]
+    distinct: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        telling = {name: value for name, value in self.values.items() if _telling(value)}
+        shared = {name for name, value in telling.items()
+                  if sum(_same(value, other) for other in self.values.values() if _kind(other)) > 1}
+        object.__setattr__(self, "distinct", {name: telling[name] for name in telling.keys() - shared})
+
+    def setting_named(self, name: str, value: Any) -> str | None:
+        """The setting `value` is: the one `name` names, at the run's value, or the one whose telling value it is."""
+        if _loose_setting(name, value, self.values):
+            return name
+        if _kind(value) is None:
+            return None
+        return next((setting for setting, expected in self.distinct.items() if _same(value, expected)), None)
+
+
+def _named(setting: str | None) -> set[str]:
+    return {setting} if setting else set()
 
 
 def _arguments(frame: FrameType) -> list[tuple[str, Any]]:
@@ -85,27 +140,30 @@ def _arguments(frame: FrameType) -> list[tuple[str, Any]]:
     return found
 
 
-def _make_hook(folder: str, values: dict[str, Any]) -> Callable[[FrameType, str, Any], None]:
-    seen: set[tuple[str, str, str]] = set()
+def _make_hook(folder: str, run: RunValues) -> Callable[[FrameType, str, Any], None]:
+    seen: set[tuple[str, str, str, str]] = set()
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
-        callee = _stoker_file(frame.f_code.co_filename) if event == "call" else None
-        if callee is None or callee == "common/config.py":
+        here = _stoker_file(frame.f_code.co_filename) if event in ("call", "return") else None
+        if here is None or here == "common/config.py":  # where the settings come from, not a hand-off
             return
         back = frame.f_back
-        caller = (_stoker_file(back.f_code.co_filename) if back else None) or "<outside>"
-        key = (caller, callee, frame.f_code.co_qualname)
+        caller = (_stoker_file(back.f_code.co_filename) if back else None) or OUTSIDE
+        sender, receiver = (caller, here) if event == "call" else (here, caller)
+        key = (sender, receiver, frame.f_code.co_qualname, event)
         if key in seen:
             return
         config = sys.modules.get("stoker.common.config")  # a producer never imports it: its values still count
         sections = getattr(config, "SECTIONS", ())
-        for name, value in _arguments(frame):
-            held = _setting_in(value, sections, values)
-            if held or _loose_setting(name, value, values):
-                seen.add(key)
-                with open(os.path.join(folder, f"{os.getpid()}.tsv"), "a") as out:
-                    out.write(f"{caller}\t{callee}\t{frame.f_code.co_qualname}\t{name}\t{held or 'loose'}\n")
-                return
+        if event == "call":
+            held = set().union(*(_settings_in(value, sections, run) | _named(run.setting_named(name, value))
+                                 for name, value in _arguments(frame) if name not in OWN))
+        else:  # a value worked out and returned is a use; a settings object returned is handed back
+            held = _settings_in(arg, sections, run)
+        if held:
+            seen.add(key)
+            with open(os.path.join(folder, f"{os.getpid()}.tsv"), "a") as out:
+                out.write(f"{sender}\t{receiver}\t{frame.f_code.co_qualname}\t{event}\t{','.join(sorted(held))}\n")
 
     return hook
 
@@ -116,7 +174,7 @@ def install() -> None:
 
     folder = os.environ.get(RECORDS)
     if folder:
-        hook = _make_hook(folder, json.loads(Path(folder, "values.json").read_text()))
+        hook = _make_hook(folder, RunValues(json.loads(Path(folder, "values.json").read_text())))
         sys.setprofile(hook)
         threading.setprofile(hook)
 
@@ -125,13 +183,21 @@ def _layer(path: str) -> int:
     return LAYER.get(path.split("/")[0], max(LAYER.values()) + 1)
 
 
-def report(rows: list[list[str]]) -> dict[str, Any]:
-    edges = {(caller, callee) for caller, callee, *_ in rows if caller != callee}
-    received = {callee for _, callee in edges}
-    handed_on = {caller for caller, _ in edges if caller != "<outside>"}
-    return {"relays": sorted(received & handed_on),
-            "climbs": sorted(f"{a} -> {b}" for a, b in edges if a != "<outside>" and _layer(b) > _layer(a)),
-            "reached": sorted(received)}
+def report(rows: list[list[str]]) -> dict[str, list[str]]:
+    """From the hand-offs recorded (sender's file, receiver's file, function, call or return, settings): the relays,
+    the climbs, the files reached, and the settings handed on from the most files."""
+    hand_offs = [(sender, receiver, set(settings.split(","))) for sender, receiver, _, _, settings in rows
+                 if sender != receiver]
+    relays_of: dict[str, set[str]] = {}
+    for setting in set().union(*(held for *_, held in hand_offs)):
+        arrived = {receiver for _, receiver, held in hand_offs if setting in held}
+        relays_of[setting] = arrived & {sender for sender, _, held in hand_offs if setting in held} - {OUTSIDE}
+    edges = {(sender, receiver) for sender, receiver, _ in hand_offs if OUTSIDE not in (sender, receiver)}
+    furthest = sorted(relays_of.items(), key=lambda item: (-len(item[1]), item[0]))[:FURTHEST]
+    return {"relays": sorted(set().union(*relays_of.values())),
+            "climbs": sorted(f"{a} -> {b}" for a, b in edges if _layer(b) > _layer(a)),
+            "reached": sorted({receiver for _, receiver, _ in hand_offs} - {OUTSIDE}),
+            "furthest": [f"{setting} ({len(files)}): {', '.join(sorted(files))}" for setting, files in furthest]}
 
 
 def _run_values(argv: list[str]) -> dict[str, Any]:
@@ -146,7 +212,7 @@ def main(flags: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="settings-reach-") as scratch:
         hook = f"import sys\nsys.path.insert(0, {str(ROOT / 'tools')!r})\nimport settings_reach\n"
         Path(scratch, "sitecustomize.py").write_text(hook + "settings_reach.install()\n")
-        flags = flags or ["--epochs", "1"]
+        flags = flags or DEFAULT_FLAGS
         run = [sys.executable, "-m", "stoker", "train", *flags, "--quiet", "--out", f"{scratch}/run"]
         Path(scratch, "values.json").write_text(json.dumps(_run_values(run[3:])))
         env = {**os.environ, RECORDS: scratch, "PYTHONPATH": os.pathsep.join([scratch, str(ROOT)])}

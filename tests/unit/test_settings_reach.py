@@ -18,20 +18,31 @@ def reach():
     return module
 
 
-def test_relays_are_files_that_receive_a_setting_and_hand_it_on_and_a_climb_goes_to_a_higher_layer(reach):
-    rows = [["cli.py", "run/controller.py", "Controller.__init__", "config", "TrainConfig"],
-            ["run/controller.py", "pipeline/engine.py", "EngineSpec.from_sections", "feed", "FeedSettings"],
-            ["pipeline/engine.py", "pipeline/pool.py", "ProducerPool.__init__", "producer_timeout_s", "loose"],
-            ["<outside>", "training/consumer.py", "consumer_main", "setup", "ConsumerSetup.ring"],
-            ["training/consumer.py", "training/accel.py", "MixedPrecision.__init__", "precision", "loose"],
-            ["training/consumer.py", "training/consumer.py", "Replica.__init__", "setup", "ConsumerSetup.ring"],
-            ["pipeline/engine.py", "observe/progress.py", "ProgressView.update", "epochs", "loose"]]
+def test_relays_are_files_a_setting_arrives_in_and_is_handed_on_from_and_a_climb_goes_to_a_higher_layer(reach):
+    rows = [["cli.py", "run/controller.py", "Controller.__init__", "call", "producer_timeout_s,seed"],
+            ["run/controller.py", "pipeline/engine.py", "EngineSpec.from_sections", "call", "producer_timeout_s"],
+            ["pipeline/engine.py", "pipeline/pool.py", "ProducerPool.__init__", "call", "producer_timeout_s"],
+            ["<outside>", "training/consumer.py", "consumer_main", "call", "precision"],
+            ["training/consumer.py", "training/accel.py", "MixedPrecision.__init__", "call", "precision"],
+            ["training/consumer.py", "training/consumer.py", "Replica.__init__", "call", "precision"],
+            ["run/controller.py", "observe/progress.py", "ProgressView.update", "call", "epochs"],
+            ["observe/progress.py", "run/controller.py", "ProgressView.update", "return", "epochs"],
+            ["pipeline/pool.py", "run/setups.py", "back_up", "call", "lr"]]
     found = reach.report(rows)
-    # cli.py hands on but receives nothing; pool.py and accel.py receive and keep; a call within a file is no hand-off
-    assert found["relays"] == ["pipeline/engine.py", "run/controller.py", "training/consumer.py"]
-    assert found["climbs"] == ["pipeline/engine.py -> observe/progress.py"]
+    # cli.py hands on but receives nothing; pool.py and accel.py receive and keep; a call within a file is no hand-off;
+    # progress.py is given epochs and gives it back: a relay of epochs; pool.py receives lr from nowhere, hands it on
+    assert found["relays"] == ["observe/progress.py", "pipeline/engine.py", "run/controller.py", "training/consumer.py"]
+    assert found["climbs"] == ["observe/progress.py -> run/controller.py", "pipeline/pool.py -> run/setups.py"]
     assert found["reached"] == ["observe/progress.py", "pipeline/engine.py", "pipeline/pool.py", "run/controller.py",
-                                "training/accel.py", "training/consumer.py"]
+                                "run/setups.py", "training/accel.py", "training/consumer.py"]
+    assert found["furthest"][:2] == ["epochs (2): observe/progress.py, run/controller.py",
+                                     "producer_timeout_s (2): pipeline/engine.py, run/controller.py"]
+
+
+def test_a_relay_is_counted_per_setting_not_for_any_two_settings_crossing_one_file(reach):
+    rows = [["run/controller.py", "pipeline/engine.py", "f", "call", "seed"],
+            ["pipeline/engine.py", "pipeline/pool.py", "g", "call", "producers"]]
+    assert reach.report(rows)["relays"] == []
 
 
 def test_the_tool_ranks_the_folders_as_the_layout_test_orders_them(reach):
@@ -71,10 +82,32 @@ def test_a_setting_is_found_in_a_dataclass_two_levels_down_not_three(reach):
     class Outer:
         spec: Spec
 
-    values = {"producer_timeout_s": 20.0}
-    assert reach._setting_in(Spec(Build(20.0)), (), values) == "Spec.build.Build.producer_timeout_s"
-    assert reach._setting_in(Outer(Spec(Build(20.0))), (), values) is None
-    assert reach._setting_in(Spec(Build(5.0)), (), values) is None
+    run = reach.RunValues({"producer_timeout_s": 20.0})
+    assert reach._settings_in(Spec(Build(20.0)), (), run) == {"producer_timeout_s"}
+    assert reach._settings_in(Outer(Spec(Build(20.0))), (), run) == set()
+    assert reach._settings_in(Spec(Build(5.0)), (), run) == set()
+
+
+def test_a_section_holds_every_one_of_its_fields(reach):
+    @dataclass(frozen=True)
+    class FeedSettings:
+        producers: str = "auto"
+        producer_timeout_s: float = 20.0
+
+    assert reach._settings_in(FeedSettings(), (FeedSettings,), reach.RunValues({})) == {"producers",
+                                                                                      "producer_timeout_s"}
+
+
+def test_a_telling_value_is_followed_under_another_name_and_a_commonplace_one_is_not(reach):
+    run = reach.RunValues({"producer_timeout_s": 21.5, "collective_timeout_s": 21.5, "lr": 0.0537, "out": "/runs/a",
+                           "batch_size": 64, "half": 0.5, "whole": 60.0, "precision": "fp32", "warmup_epochs": 0.0})
+    assert run.setting_named("hang_timeout_s", 0.0537) == "lr"
+    assert run.setting_named("run_dir", Path("/runs/a")) == "out"
+    assert run.setting_named("timeout_s", 21.5) is None  # two settings hold it: whose is unknown
+    assert run.setting_named("rows", 64) is None  # a counter passes through every integer
+    assert run.setting_named("p", 0.5) is None and run.setting_named("seconds", 60.0) is None
+    assert run.setting_named("dtype", "fp32") is None  # a short string: too likely by chance
+    assert run.setting_named("batch_size", 64) == "batch_size"  # under its own name, any value is followed
 
 
 def test_arguments_include_those_given_through_star_args_and_star_star_kwargs(reach):
@@ -84,16 +117,37 @@ def test_arguments_include_those_given_through_star_args_and_star_star_kwargs(re
     assert call(1, 2, 3, lr=0.1) == [("first", 1), ("rest", 2), ("rest", 3), ("lr", 0.1)]
 
 
-def test_the_hook_records_a_call_into_stoker_s_code_that_receives_a_setting(reach, tmp_path):
-    source = "def build(producer_timeout_s, name):\n    return name\n"
+def _traced(reach, tmp_path, source, values, calls):
     namespace: dict = {}
     exec(compile(source, reach.PACKAGE + "pipeline/fake.py", "exec"), namespace)
-    hook, before = reach._make_hook(str(tmp_path), {"producer_timeout_s": 20.0}), sys.getprofile()
+    hook, before = reach._make_hook(str(tmp_path), reach.RunValues(values)), sys.getprofile()
     sys.setprofile(hook)
     try:
-        namespace["build"](20.0, "a")
-        namespace["build"](3.0, "b")  # not the run's value: nothing more
+        calls(namespace)
     finally:
         sys.setprofile(before)
-    lines = [line.split("\t") for path in tmp_path.glob("*.tsv") for line in path.read_text().splitlines()]
-    assert lines == [["<outside>", "pipeline/fake.py", "build", "producer_timeout_s", "loose"]]
+    return [line.split("\t") for path in tmp_path.glob("*.tsv") for line in path.read_text().splitlines()]
+
+
+def test_the_hook_records_a_call_into_stoker_s_code_that_receives_a_setting(reach, tmp_path):
+    def calls(namespace):
+        namespace["build"](20.0, "a")
+        namespace["build"](3.0, "b")  # not the run's value: nothing more
+
+    lines = _traced(reach, tmp_path, "def build(producer_timeout_s, name):\n    return name\n",
+                    {"producer_timeout_s": 20.0}, calls)
+    assert lines == [["<outside>", "pipeline/fake.py", "build", "call", "producer_timeout_s"]]
+
+
+def test_the_hook_records_a_settings_object_handed_back_not_a_value_worked_out_or_a_method_s_own_object(
+        reach, tmp_path):
+    source = ("from dataclasses import dataclass\n"
+              "@dataclass\nclass Spec:\n    lr: float\n    def scaled(self):\n        return self.lr\n"
+              "def make():\n    return Spec(0.0537)\n")
+
+    def calls(namespace):
+        namespace["make"]().scaled()
+
+    lines = _traced(reach, tmp_path, source, {"lr": 0.0537}, calls)
+    assert ["pipeline/fake.py", "<outside>", "make", "return", "lr"] in lines
+    assert not [line for line in lines if line[2] == "Spec.scaled"]  # given `self`, returning a float: neither counts
