@@ -8,13 +8,14 @@ each hand-off of a setting from one of stoker's files to another:
 - a call whose arguments hold settings: a settings object (`TrainConfig` or a section: all its fields), a value
   under a setting's own name and equal to the run's (`producer_timeout_s=20.0`), or either of those in a dataclass's
   fields, two levels down (`EngineSpec.build.producer_timeout_s`); a method's own `self` is not handed over again;
-- a return of a settings object or such a dataclass to the caller (a factory's result, `EngineSpec.from_sections`);
-  a value worked out and returned is a use, not a hand-off.
+- a return of a settings object, or of a dataclass, tuple or list holding settings, to the caller (a factory's
+  result, `EngineSpec.from_sections`); a number or a string worked out and returned is a use, not a hand-off.
 
-A value is also followed under another name (`hang_timeout_s=21.5`) when it is one setting's alone and unlikely by
-chance: a float neither whole nor a half, or a string of 5 characters or more (a path, a model's name). The default
-run gives its float settings such values (`--lr 0.0537`, `--producer-timeout-s 21.5`, ...), so that a setting taken
-out of its section and handed on renamed or by position is still seen; an integer setting is followed by name only.
+A value is also followed under another name (`hang_timeout_s=21.37`) when it is one setting's alone and unlikely by
+chance: a float neither whole nor a half, or a string of 5 characters or more (a path, a model's name, a choice such
+as `cosine`). The default run gives its float settings that are not 0 or 1 (a feature off or on) values of 4
+significant digits (`--lr 0.05371`, `--producer-timeout-s 21.37`, ...), so that a setting taken out of its section
+and handed on renamed or by position is still seen; an integer setting is followed by its name only.
 
 From the hand-offs it prints, for the run's settings together:
 
@@ -24,8 +25,9 @@ From the hand-offs it prints, for the run's settings together:
 - reached: every file a setting arrives in, its uses included;
 - furthest: the settings handed on from the most files, and those files.
 
-A parameter whose own default equals the run's value counts as a setting handed to it; a call from outside stoker's
-code (a process's entry, a thread, functools) has the caller `<outside>`, which is neither a relay nor reached.
+A parameter whose own default equals the run's value counts as a setting handed to it. A call's caller is the nearest
+stoker code up the stack (a call through functools or a cached property is the code's that made it); a process's
+entry or a thread's start has none, `<outside>`, which is neither a relay nor reached.
 """
 
 import inspect
@@ -45,12 +47,14 @@ PACKAGE = f"{ROOT / 'stoker'}/"
 # tests/unit/test_layout.py's order, lowest first: run and use are siblings; cli.py and stoker/__init__.py above all
 LAYER = {"common": 0, "data": 1, "pipeline": 2, "training": 3, "observe": 4, "run": 5, "use": 5}
 RECORDS = "STOKER_SETTINGS_REACH"  # the folder each process appends its records to
-# one epoch of the built-in set, its numbers made telling (see above) and its behaviour otherwise the default's
-DEFAULT_FLAGS = ["--epochs", "1", "--lr", "0.0537", "--weight-decay", "0.00047",
-                 "--producer-timeout-s", "21.5", "--collective-timeout-s", "61.5", "--log-every-s", "9.5",
-                 "--outer-lr", "0.73", "--seed", "4241"]
+# one epoch of the built-in set, its floats given values of 4 significant digits that no ratio or gauge of the run
+# meets by chance (0.15 did: a gauge's) and its behaviour otherwise the default's
+DEFAULT_FLAGS = ["--epochs", "1", "--lr", "0.05371", "--weight-decay", "0.0004713", "--momentum", "0.8913",
+                 "--val-fraction", "0.1173", "--max-bad-fraction", "0.1371", "--producer-timeout-s", "21.37",
+                 "--collective-timeout-s", "61.73", "--log-every-s", "9.713", "--outer-lr", "0.7313", "--seed", "4241"]
 OUTSIDE = "<outside>"  # a process's entry, a thread, functools: a caller not in stoker's code
 OWN = ("self", "cls")  # a method given its own object: the object was handed over when it was passed, not now
+CONTAINER_ITEMS = 16  # the items of a tuple or a list looked into: a setup travels in a short one
 FURTHEST = 5  # the settings handed on from the most files, shown with their relays
 VARIABLE_ARGUMENTS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
@@ -60,9 +64,12 @@ def _stoker_file(path: str) -> str | None:
 
 
 def _settings_in(value: Any, sections: tuple[type, ...], run: "RunValues", depth: int = 2) -> set[str]:
-    """The settings `value` holds: a section's fields, or those in a dataclass's fields, `depth` levels down."""
+    """The settings `value` holds: a section's fields, or those in a dataclass's fields, `depth` levels down, the
+    items of a tuple or a list (the first CONTAINER_ITEMS) looked into at the same level."""
     if isinstance(value, sections):
         return {each.name for each in fields(cast(Any, value))}
+    if isinstance(value, tuple | list):
+        return set().union(*(_settings_in(item, sections, run, depth) for item in value[:CONTAINER_ITEMS]))
     if isinstance(value, type) or depth == 0:
         return set()
     found: set[str] = set()
@@ -140,28 +147,35 @@ def _arguments(frame: FrameType) -> list[tuple[str, Any]]:
     return found
 
 
+def _nearest_stoker_file(frame: FrameType | None) -> str:
+    """The stoker file of the nearest frame up the stack: a call through functools or a cached property is the
+    stoker code's that made it; a process's entry or a thread's start has none."""
+    while frame is not None:
+        if (path := _stoker_file(frame.f_code.co_filename)) is not None:
+            return path
+        frame = frame.f_back
+    return OUTSIDE
+
+
 def _make_hook(folder: str, run: RunValues) -> Callable[[FrameType, str, Any], None]:
-    seen: set[tuple[str, str, str, str]] = set()
+    recorded: dict[tuple[str, str, str, str], set[str]] = {}
 
     def hook(frame: FrameType, event: str, arg: Any) -> None:
         here = _stoker_file(frame.f_code.co_filename) if event in ("call", "return") else None
         if here is None or here == "common/config.py":  # where the settings come from, not a hand-off
             return
-        back = frame.f_back
-        caller = (_stoker_file(back.f_code.co_filename) if back else None) or OUTSIDE
+        caller = _nearest_stoker_file(frame.f_back)
         sender, receiver = (caller, here) if event == "call" else (here, caller)
-        key = (sender, receiver, frame.f_code.co_qualname, event)
-        if key in seen:
-            return
         config = sys.modules.get("stoker.common.config")  # a producer never imports it: its values still count
         sections = getattr(config, "SECTIONS", ())
         if event == "call":
             held = set().union(*(_settings_in(value, sections, run) | _named(run.setting_named(name, value))
                                  for name, value in _arguments(frame) if name not in OWN))
-        else:  # a value worked out and returned is a use; a settings object returned is handed back
+        else:  # a number or a string worked out and returned is a use; an object holding settings is handed back
             held = _settings_in(arg, sections, run)
-        if held:
-            seen.add(key)
+        known = recorded.setdefault((sender, receiver, frame.f_code.co_qualname, event), set())
+        if held - known:
+            known |= held
             with open(os.path.join(folder, f"{os.getpid()}.tsv"), "a") as out:
                 out.write(f"{sender}\t{receiver}\t{frame.f_code.co_qualname}\t{event}\t{','.join(sorted(held))}\n")
 
@@ -188,15 +202,17 @@ def report(rows: list[list[str]]) -> dict[str, list[str]]:
     the climbs, the files reached, and the settings handed on from the most files."""
     hand_offs = [(sender, receiver, set(settings.split(","))) for sender, receiver, _, _, settings in rows
                  if sender != receiver]
+    inside = [(sender, receiver, held) for sender, receiver, held in hand_offs if receiver != OUTSIDE]
     relays_of: dict[str, set[str]] = {}
-    for setting in set().union(*(held for *_, held in hand_offs)):
-        arrived = {receiver for _, receiver, held in hand_offs if setting in held}
-        relays_of[setting] = arrived & {sender for sender, _, held in hand_offs if setting in held} - {OUTSIDE}
-    edges = {(sender, receiver) for sender, receiver, _ in hand_offs if OUTSIDE not in (sender, receiver)}
-    furthest = sorted(relays_of.items(), key=lambda item: (-len(item[1]), item[0]))[:FURTHEST]
+    for setting in set().union(*(held for *_, held in inside)):
+        arrived = {receiver for _, receiver, held in inside if setting in held}
+        relays_of[setting] = arrived & {sender for sender, _, held in inside if setting in held}
+    edges = {(sender, receiver) for sender, receiver, _ in inside if sender != OUTSIDE}
+    furthest = sorted(((setting, files) for setting, files in relays_of.items() if files),
+                      key=lambda item: (-len(item[1]), item[0]))[:FURTHEST]
     return {"relays": sorted(set().union(*relays_of.values())),
             "climbs": sorted(f"{a} -> {b}" for a, b in edges if _layer(b) > _layer(a)),
-            "reached": sorted({receiver for _, receiver, _ in hand_offs} - {OUTSIDE}),
+            "reached": sorted({receiver for _, receiver, _ in inside}),
             "furthest": [f"{setting} ({len(files)}): {', '.join(sorted(files))}" for setting, files in furthest]}
 
 

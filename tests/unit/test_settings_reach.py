@@ -53,9 +53,22 @@ def test_the_tool_ranks_the_folders_as_the_layout_test_orders_them(reach):
 
 
 def test_run_and_use_are_siblings_not_a_climb(reach):
-    rows = [["run/controller.py", "use/loader.py", "f", "seed", "loose"],
-            ["use/loader.py", "run/setups.py", "g", "seed", "loose"]]
+    rows = [["run/controller.py", "use/loader.py", "f", "call", "seed"],
+            ["use/loader.py", "run/setups.py", "g", "call", "seed"]]
     assert reach.report(rows)["climbs"] == []
+
+
+def test_a_call_within_a_file_is_no_hand_off(reach):
+    rows = [["run/controller.py", "run/controller.py", "f", "call", "seed"],
+            ["run/controller.py", "run/controller.py", "g", "return", "seed"]]
+    assert reach.report(rows) == {"relays": [], "climbs": [], "reached": [], "furthest": []}
+
+
+def test_outside_stoker_s_code_is_neither_a_relay_nor_reached_nor_a_climb(reach):
+    rows = [["<outside>", "training/consumer.py", "consumer_main", "call", "seed"],  # a process's entry
+            ["training/consumer.py", "<outside>", "consumer_main", "return", "seed"],  # back to the bootstrap
+            ["common/procs.py", "<outside>", "start", "return", "seed"]]
+    assert reach.report(rows) == {"relays": [], "climbs": [], "reached": ["training/consumer.py"], "furthest": []}
 
 
 def test_a_loose_value_counts_under_the_setting_s_name_and_kind_only(reach):
@@ -88,6 +101,17 @@ def test_a_setting_is_found_in_a_dataclass_two_levels_down_not_three(reach):
     assert reach._settings_in(Spec(Build(5.0)), (), run) == set()
 
 
+def test_a_setting_is_found_in_the_items_of_a_tuple_or_a_list(reach):
+    @dataclass
+    class Setup:
+        seed: int
+
+    run = reach.RunValues({"seed": 4241, "lr": 0.05371})
+    assert reach._settings_in((print, (Setup(4241), "x")), (), run) == {"seed"}  # `start(main, (setup, ...))`
+    assert reach._settings_in([Setup(4241), Setup(4241)], (), run) == {"seed"}  # `consumer_setups`' list
+    assert reach._settings_in(["a"] * 16 + [Setup(4241)], (), run) == set()  # only the first 16 items
+
+
 def test_a_section_holds_every_one_of_its_fields(reach):
     @dataclass(frozen=True)
     class FeedSettings:
@@ -117,9 +141,9 @@ def test_arguments_include_those_given_through_star_args_and_star_star_kwargs(re
     assert call(1, 2, 3, lr=0.1) == [("first", 1), ("rest", 2), ("rest", 3), ("lr", 0.1)]
 
 
-def _traced(reach, tmp_path, source, values, calls):
+def _traced(reach, tmp_path, source, values, calls, path="pipeline/fake.py"):
     namespace: dict = {}
-    exec(compile(source, reach.PACKAGE + "pipeline/fake.py", "exec"), namespace)
+    exec(compile(source, reach.PACKAGE + path, "exec"), namespace)
     hook, before = reach._make_hook(str(tmp_path), reach.RunValues(values)), sys.getprofile()
     sys.setprofile(hook)
     try:
@@ -133,6 +157,7 @@ def test_the_hook_records_a_call_into_stoker_s_code_that_receives_a_setting(reac
     def calls(namespace):
         namespace["build"](20.0, "a")
         namespace["build"](3.0, "b")  # not the run's value: nothing more
+        namespace["build"](20.0, "c")  # the same call with the same settings: recorded once
 
     lines = _traced(reach, tmp_path, "def build(producer_timeout_s, name):\n    return name\n",
                     {"producer_timeout_s": 20.0}, calls)
@@ -151,3 +176,19 @@ def test_the_hook_records_a_settings_object_handed_back_not_a_value_worked_out_o
     lines = _traced(reach, tmp_path, source, {"lr": 0.0537}, calls)
     assert ["pipeline/fake.py", "<outside>", "make", "return", "lr"] in lines
     assert not [line for line in lines if line[2] == "Spec.scaled"]  # given `self`, returning a float: neither counts
+
+
+def test_the_caller_of_a_call_made_through_functools_is_the_stoker_code_that_made_it(reach, tmp_path):
+    source = ("import functools\n"
+              "def use(lr):\n    return lr\n"
+              "def relay(lr):\n    return functools.partial(use, lr)()\n")
+    lines = _traced(reach, tmp_path, source, {"lr": 0.05371}, lambda namespace: namespace["relay"](0.05371))
+    assert ["<outside>", "pipeline/fake.py", "relay", "call", "lr"] in lines  # this test's own code is outside
+    assert ["pipeline/fake.py", "pipeline/fake.py", "use", "call", "lr"] in lines  # not `<outside>`: functools's
+
+
+def test_the_settings_own_module_hands_nothing_over(reach, tmp_path):
+    source = "def section(lr):\n    return lr\n"
+    lines = _traced(reach, tmp_path, source, {"lr": 0.05371}, lambda namespace: namespace["section"](0.05371),
+                    path="common/config.py")
+    assert lines == []
