@@ -11,10 +11,10 @@ each hand-off of a setting from one of stoker's files to another:
 - a return of a settings object, or of a dataclass, tuple or list holding settings, to the caller (a factory's
   result, `EngineSpec.from_sections`); a number or a string worked out and returned is a use, not a hand-off.
 
-A value is also followed under another name (`hang_timeout_s=21.37`) when it is one setting's alone and unlikely by
+A value is also followed under another name (`hang_timeout_s=21.37137`) when it is one setting's alone and unlikely by
 chance: a float neither whole nor a half, or a string of 5 characters or more (a path, a model's name, a choice such
-as `cosine`). The default run gives its float settings that are not 0 or 1 (a feature off or on) values of 4
-significant digits (`--lr 0.05371`, `--producer-timeout-s 21.37`, ...), so that a setting taken out of its section
+as `cosine`). The default run gives its float settings that are not 0 or 1 (a feature off or on) values no gauge
+meets by chance (`--lr 0.0537137`, `--producer-timeout-s 21.37137`, ...), so that a setting taken out of its section
 and handed on renamed or by position is still seen; an integer setting is followed by its name only.
 
 From the hand-offs it prints, for the run's settings together:
@@ -47,11 +47,12 @@ PACKAGE = f"{ROOT / 'stoker'}/"
 # tests/unit/test_layout.py's order, lowest first: run and use are siblings; cli.py and stoker/__init__.py above all
 LAYER = {"common": 0, "data": 1, "pipeline": 2, "training": 3, "observe": 4, "run": 5, "use": 5}
 RECORDS = "STOKER_SETTINGS_REACH"  # the folder each process appends its records to
-# one epoch of the built-in set, its floats given values of 4 significant digits that no ratio or gauge of the run
-# meets by chance (0.15 did: a gauge's) and its behaviour otherwise the default's
-DEFAULT_FLAGS = ["--epochs", "1", "--lr", "0.05371", "--weight-decay", "0.0004713", "--momentum", "0.8913",
-                 "--val-fraction", "0.1173", "--max-bad-fraction", "0.1371", "--producer-timeout-s", "21.37",
-                 "--collective-timeout-s", "61.73", "--log-every-s", "9.713", "--outer-lr", "0.7313", "--seed", "4241"]
+# one epoch of the built-in set, its floats given values of 6 significant digits and 5 decimals or more, which no
+# gauge of the run (rounded to 4 decimals at most) meets by chance (0.1371 did), its behaviour otherwise the default's
+DEFAULT_FLAGS = ["--epochs", "1", "--lr", "0.0537137", "--weight-decay", "0.000471371", "--momentum", "0.891371",
+                 "--val-fraction", "0.117137", "--max-bad-fraction", "0.137137", "--producer-timeout-s", "21.37137",
+                 "--collective-timeout-s", "61.73137", "--log-every-s", "9.713713", "--outer-lr", "0.731371",
+                 "--seed", "4241"]
 OUTSIDE = "<outside>"  # a process's entry, a thread, functools: a caller not in stoker's code
 OWN = ("self", "cls")  # a method given its own object: the object was handed over when it was passed, not now
 CONTAINER_ITEMS = 16  # the items of a tuple or a list looked into: a setup travels in a short one
