@@ -19,9 +19,10 @@ and handed on renamed or by position is still seen; an integer setting is follow
 
 From the hand-offs it prints, for the run's settings together:
 
-- relays: the files a setting arrives in and is handed on from (the same setting), the way from the flag to its uses;
-- climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one; imports only go down,
-  so a climb is a lower layer's result handed back to its caller, or a callback;
+- relays: the files a setting arrives in and is handed on from (the same setting), the way from the flag to its uses,
+  each with the number of settings it hands on so;
+- climbs: hand-offs from a lower layer (`tests/unit/test_layout.py`'s order) to a higher one, with their functions;
+  imports only go down, so a climb is a lower layer's result handed back to its caller, or a callback;
 - reached: every file a setting arrives in, its uses included;
 - furthest: the settings handed on from the most files, and those files.
 
@@ -38,6 +39,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from itertools import islice
 from pathlib import Path
 from types import FrameType
 from typing import Any, cast
@@ -52,10 +54,12 @@ RECORDS = "STOKER_SETTINGS_REACH"  # the folder each process appends its records
 DEFAULT_FLAGS = ["--epochs", "1", "--lr", "0.0537137", "--weight-decay", "0.000471371", "--momentum", "0.891371",
                  "--val-fraction", "0.117137", "--max-bad-fraction", "0.137137", "--producer-timeout-s", "21.37137",
                  "--collective-timeout-s", "61.73137", "--log-every-s", "9.713713", "--outer-lr", "0.731371",
-                 "--seed", "4241"]
+                 "--outer-momentum", "0.913713", "--seed", "4241"]
 OUTSIDE = "<outside>"  # a process's entry, a thread, functools: a caller not in stoker's code
 OWN = ("self", "cls")  # a method given its own object: the object was handed over when it was passed, not now
 CONTAINER_ITEMS = 16  # the items of a tuple or a list looked into: a setup travels in a short one
+# a generator's or a coroutine's "call" is its resumption, by whoever asks for its next item, not by its maker
+SUSPENDED = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 FURTHEST = 5  # the settings handed on from the most files, shown with their relays
 VARIABLE_ARGUMENTS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
@@ -64,21 +68,29 @@ def _stoker_file(path: str) -> str | None:
     return path[len(PACKAGE):] if path.startswith(PACKAGE) else None
 
 
-def _settings_in(value: Any, sections: tuple[type, ...], run: "RunValues", depth: int = 2) -> set[str]:
-    """The settings `value` holds: a section's fields, or those in a dataclass's fields, `depth` levels down, the
-    items of a tuple or a list (the first CONTAINER_ITEMS) looked into at the same level."""
+def _settings_in(value: Any, sections: tuple[type, ...], run: "RunValues", depth: int = 2,
+                 nesting: int = 2) -> set[str]:
+    """The settings `value` holds: a section's fields; those in a dataclass's fields, `depth` levels down; those in
+    a tuple's or a list's first CONTAINER_ITEMS items, `nesting` containers deep. A dict is a record (a checkpoint's
+    meta, the summary, a metrics line) that names settings to write them down, not a way to their use."""
     if isinstance(value, sections):
         return {each.name for each in fields(cast(Any, value))}
     if isinstance(value, tuple | list):
-        return set().union(*(_settings_in(item, sections, run, depth) for item in value[:CONTAINER_ITEMS]))
+        if nesting == 0:
+            return set()
+        return set().union(*(_held("", item, sections, run, depth, nesting - 1)
+                             for item in islice(value, CONTAINER_ITEMS)))
     if isinstance(value, type) or depth == 0:
         return set()
-    found: set[str] = set()
-    for name in getattr(type(value), "__dataclass_fields__", ()):
-        inner = getattr(value, name, None)
-        loose = run.setting_named(name, inner)
-        found |= {loose} if loose else _settings_in(inner, sections, run, depth - 1)
-    return found
+    return set().union(*(_held(name, getattr(value, name, None), sections, run, depth - 1, nesting)
+                         for name in getattr(type(value), "__dataclass_fields__", ())))
+
+
+def _held(name: str, value: Any, sections: tuple[type, ...], run: "RunValues", depth: int = 2,
+          nesting: int = 2) -> set[str]:
+    """The settings `value`, found under `name` (an argument's, a field's; '' in a tuple), is or holds."""
+    setting = run.setting_named(name, value)
+    return {setting} if setting else _settings_in(value, sections, run, depth, nesting)
 
 
 def _kind(value: Any) -> str | None:
@@ -129,10 +141,6 @@ class RunValues:
         return next((setting for setting, expected in self.distinct.items() if _same(value, expected)), None)
 
 
-def _named(setting: str | None) -> set[str]:
-    return {setting} if setting else set()
-
-
 def _arguments(frame: FrameType) -> list[tuple[str, Any]]:
     """(name, value) of each argument of the call, those in *args and **kwargs included."""
     code, local = frame.f_code, frame.f_locals
@@ -170,8 +178,10 @@ def _make_hook(folder: str, run: RunValues) -> Callable[[FrameType, str, Any], N
         config = sys.modules.get("stoker.common.config")  # a producer never imports it: its values still count
         sections = getattr(config, "SECTIONS", ())
         if event == "call":
-            held = set().union(*(_settings_in(value, sections, run) | _named(run.setting_named(name, value))
-                                 for name, value in _arguments(frame) if name not in OWN))
+            if frame.f_code.co_flags & SUSPENDED:  # resumed: its arguments were handed over when it was made
+                return
+            held = set().union(*(_held(name, value, sections, run) for name, value in _arguments(frame)
+                                 if name not in OWN))
         else:  # a number or a string worked out and returned is a use; an object holding settings is handed back
             held = _settings_in(arg, sections, run)
         known = recorded.setdefault((sender, receiver, frame.f_code.co_qualname, event), set())
@@ -199,21 +209,28 @@ def _layer(path: str) -> int:
 
 
 def report(rows: list[list[str]]) -> dict[str, list[str]]:
-    """From the hand-offs recorded (sender's file, receiver's file, function, call or return, settings): the relays,
-    the climbs, the files reached, and the settings handed on from the most files."""
-    hand_offs = [(sender, receiver, set(settings.split(","))) for sender, receiver, _, _, settings in rows
-                 if sender != receiver]
-    inside = [(sender, receiver, held) for sender, receiver, held in hand_offs if receiver != OUTSIDE]
+    """From the hand-offs recorded (sender's file, receiver's file, function, call or return, settings): the relays
+    (each with how many settings it hands on), the climbs (each with its functions), the files reached, and the
+    settings handed on from the most files."""
+    hand_offs = [(sender, receiver, function, set(settings.split(",")))
+                 for sender, receiver, function, _, settings in rows if sender != receiver and receiver != OUTSIDE]
     relays_of: dict[str, set[str]] = {}
-    for setting in set().union(*(held for *_, held in inside)):
-        arrived = {receiver for _, receiver, held in inside if setting in held}
-        relays_of[setting] = arrived & {sender for sender, _, held in inside if setting in held}
-    edges = {(sender, receiver) for sender, receiver, _ in inside if sender != OUTSIDE}
+    for setting in set().union(*(held for *_, held in hand_offs)):
+        arrived = {receiver for _, receiver, _, held in hand_offs if setting in held}
+        relays_of[setting] = arrived & {sender for sender, _, _, held in hand_offs if setting in held}
+    relayed: dict[str, int] = {}
+    for files in relays_of.values():
+        for path in files:
+            relayed[path] = relayed.get(path, 0) + 1
+    climbs: dict[str, set[str]] = {}
+    for sender, receiver, function, _ in hand_offs:
+        if sender != OUTSIDE and _layer(receiver) > _layer(sender):
+            climbs.setdefault(f"{sender} -> {receiver}", set()).add(function)
     furthest = sorted(((setting, files) for setting, files in relays_of.items() if files),
                       key=lambda item: (-len(item[1]), item[0]))[:FURTHEST]
-    return {"relays": sorted(set().union(*relays_of.values())),
-            "climbs": sorted(f"{a} -> {b}" for a, b in edges if _layer(b) > _layer(a)),
-            "reached": sorted({receiver for _, receiver, _ in inside}),
+    return {"relays": [f"{path} ({count})" for path, count in sorted(relayed.items())],
+            "climbs": [f"{edge}: {', '.join(sorted(functions))}" for edge, functions in sorted(climbs.items())],
+            "reached": sorted({receiver for _, receiver, _, _ in hand_offs}),
             "furthest": [f"{setting} ({len(files)}): {', '.join(sorted(files))}" for setting, files in furthest]}
 
 

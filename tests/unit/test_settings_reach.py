@@ -31,8 +31,10 @@ def test_relays_are_files_a_setting_arrives_in_and_is_handed_on_from_and_a_climb
     found = reach.report(rows)
     # cli.py hands on but receives nothing; pool.py and accel.py receive and keep; a call within a file is no hand-off;
     # progress.py is given epochs and gives it back: a relay of epochs; pool.py receives lr from nowhere, hands it on
-    assert found["relays"] == ["observe/progress.py", "pipeline/engine.py", "run/controller.py", "training/consumer.py"]
-    assert found["climbs"] == ["observe/progress.py -> run/controller.py", "pipeline/pool.py -> run/setups.py"]
+    assert found["relays"] == ["observe/progress.py (1)", "pipeline/engine.py (1)", "run/controller.py (2)",
+                               "training/consumer.py (1)"]  # the controller hands on producer_timeout_s and epochs
+    assert found["climbs"] == ["observe/progress.py -> run/controller.py: ProgressView.update",
+                               "pipeline/pool.py -> run/setups.py: back_up"]
     assert found["reached"] == ["observe/progress.py", "pipeline/engine.py", "pipeline/pool.py", "run/controller.py",
                                 "run/setups.py", "training/accel.py", "training/consumer.py"]
     assert found["furthest"][:2] == ["epochs (2): observe/progress.py, run/controller.py",
@@ -101,15 +103,21 @@ def test_a_setting_is_found_in_a_dataclass_two_levels_down_not_three(reach):
     assert reach._settings_in(Spec(Build(5.0)), (), run) == set()
 
 
-def test_a_setting_is_found_in_the_items_of_a_tuple_or_a_list(reach):
+def test_a_setting_is_found_in_the_items_of_a_tuple_or_a_list_not_a_dict(reach):
     @dataclass
     class Setup:
         seed: int
 
-    run = reach.RunValues({"seed": 4241, "lr": 0.05371})
+    run = reach.RunValues({"seed": 4241, "lr": 0.05371, "batch_size": 64})
     assert reach._settings_in((print, (Setup(4241), "x")), (), run) == {"seed"}  # `start(main, (setup, ...))`
     assert reach._settings_in([Setup(4241), Setup(4241)], (), run) == {"seed"}  # `consumer_setups`' list
+    assert reach._settings_in((print, (0.05371,)), (), run) == {"lr"}  # a telling value, nameless in a tuple
+    assert reach._settings_in({"batch_size": 64, "rate": 0.05371}, (), run) == set()  # a record, not a way
     assert reach._settings_in(["a"] * 16 + [Setup(4241)], (), run) == set()  # only the first 16 items
+    assert reach._settings_in([[[Setup(4241)]]], (), run) == set()  # two containers deep, not three
+    itself: list = [0.5]
+    itself.append(itself)
+    assert reach._settings_in(itself, (), run) == set()  # a list holding itself ends
 
 
 def test_a_section_holds_every_one_of_its_fields(reach):
@@ -178,13 +186,36 @@ def test_the_hook_records_a_settings_object_handed_back_not_a_value_worked_out_o
     assert not [line for line in lines if line[2] == "Spec.scaled"]  # given `self`, returning a float: neither counts
 
 
-def test_the_caller_of_a_call_made_through_functools_is_the_stoker_code_that_made_it(reach, tmp_path):
-    source = ("import functools\n"
-              "def use(lr):\n    return lr\n"
-              "def relay(lr):\n    return functools.partial(use, lr)()\n")
-    lines = _traced(reach, tmp_path, source, {"lr": 0.05371}, lambda namespace: namespace["relay"](0.05371))
-    assert ["<outside>", "pipeline/fake.py", "relay", "call", "lr"] in lines  # this test's own code is outside
-    assert ["pipeline/fake.py", "pipeline/fake.py", "use", "call", "lr"] in lines  # not `<outside>`: functools's
+def test_the_caller_of_a_call_made_through_python_code_outside_stoker_is_the_stoker_code_that_made_it(
+        reach, tmp_path):
+    source = ("import functools\nfrom dataclasses import dataclass\n"
+              "@dataclass\nclass Spec:\n    lr: float\n"
+              "class Plan:\n    @functools.cached_property\n    def spec(self):\n        return Spec(0.05371)\n"
+              "def read():\n    return Plan().spec\n")
+    lines = _traced(reach, tmp_path, source, {"lr": 0.05371}, lambda namespace: namespace["read"](),
+                    path="pipeline/plan.py")
+    # cached_property's __get__ (Python code of functools) stands between the property and `read`
+    assert ["pipeline/plan.py", "pipeline/plan.py", "Plan.spec", "return", "lr"] in lines
+    assert not [line for line in lines if "<outside>" in line[:2] and line[2] == "Plan.spec"]
+
+
+def test_a_call_seen_again_is_recorded_again_only_with_settings_not_yet_seen(reach, tmp_path):
+    def calls(namespace):
+        for value in (0.05371, 0.05371, 21.37137, 0.05371):
+            namespace["build"](value)
+
+    lines = _traced(reach, tmp_path, "def build(value):\n    return None\n",
+                    {"lr": 0.05371, "producer_timeout_s": 21.37137}, calls)
+    assert [line[4] for line in lines] == ["lr", "producer_timeout_s"]
+
+
+def test_a_generator_s_arguments_are_not_handed_over_by_whoever_resumes_it(reach, tmp_path):
+    source = "def rows(lr):\n    yield 1\n    yield 2\n"
+
+    def calls(namespace):
+        list(namespace["rows"](0.05371))
+
+    assert _traced(reach, tmp_path, source, {"lr": 0.05371}, calls) == []
 
 
 def test_the_settings_own_module_hands_nothing_over(reach, tmp_path):

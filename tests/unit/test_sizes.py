@@ -1,7 +1,8 @@
 """Sizes a reader can hold in their head: no class over 400 lines, no function over 50 (the C extension's included),
-and the controller, the loop that conducts a run, importing from at most 20 modules."""
+and the controller, the loop that conducts a run, importing from at most 20 of stoker's modules."""
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -11,9 +12,10 @@ PACKAGE = Path(stoker.__file__).parent
 CLASS_LINES = 400
 FUNCTION_LINES = 50
 CONTROLLER_MODULES = 20
-# a C function's head starts a line with its type (not a comment, a directive or a `struct` block) and has a `(`; its
-# body ends at the first `}` that starts a line
-C_HEAD = re.compile(r"^(?:static\s+)?[A-Za-z_][\w\s\*]*\b\w+\s*\(")
+# what C's braces cannot be counted through: comments, strings, character constants, preprocessor lines (and their
+# continuations)
+C_NOT_CODE = re.compile(r'//[^\n]*|/\*.*?\*/|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|^[ \t]*#(?:[^\n]*\\\n)*[^\n]*',
+                        re.DOTALL | re.MULTILINE)
 
 
 def python_sizes(source: str) -> list[tuple[str, str, int]]:
@@ -23,22 +25,30 @@ def python_sizes(source: str) -> list[tuple[str, str, int]]:
         if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             kind = "class" if isinstance(node, ast.ClassDef) else "function"
             first = min([node.lineno] + [decorator.lineno for decorator in node.decorator_list])
-            found.append((kind, node.name, node.end_lineno - first + 1))
+            found.append((kind, node.name, (node.end_lineno or node.lineno) - first + 1))
     return found
 
 
 def c_function_sizes(source: str) -> list[tuple[str, int]]:
-    """(name, lines) of every function defined in a C file, its head to its closing brace."""
-    lines, found = source.splitlines(), []
-    for index, line in enumerate(lines):
-        if not C_HEAD.match(line):
-            continue
-        opened = next(at for at in range(index, len(lines)) if "{" in lines[at] or lines[at].rstrip().endswith(";"))
-        if "{" not in lines[opened]:  # a declaration
-            continue
-        one_line = lines[opened].rstrip().endswith("}")
-        close = opened if one_line else next(at for at in range(opened + 1, len(lines)) if lines[at].startswith("}"))
-        found.append((re.findall(r"(\w+)\s*\(", line)[0], close - index + 1))
+    """(name, lines) of every function defined in a C file: a brace block at file level whose head (the code since
+    the last `;` or `}` there) has a `(` and no `=` (an initializer), from the head's first line to the closing
+    brace, braces counted outside comments, strings and preprocessor lines."""
+    code = C_NOT_CODE.sub(lambda match: re.sub(r"[^\n]", " ", match.group()), source)
+    found, depth, head_at, opened = [], 0, 0, None
+    for at, char in enumerate(code):
+        if char == "{":
+            head = code[head_at:at]
+            if depth == 0 and "(" in head and "=" not in head:
+                opened = (head_at + len(head) - len(head.lstrip()), re.findall(r"(\w+)\s*\(", head)[0])
+            depth += 1
+        elif char == "}":
+            depth -= 1
+            if depth == 0:
+                if opened is not None:
+                    found.append((opened[1], code.count("\n", opened[0], at) + 1))
+                opened, head_at = None, at + 1
+        elif char == ";" and depth == 0:
+            head_at = at + 1
     return found
 
 
@@ -59,10 +69,28 @@ def test_no_c_function_over_50_lines():
     assert too_long == []
 
 
-def test_the_controller_imports_from_at_most_20_modules():
-    tree = ast.parse((PACKAGE / "run" / "controller.py").read_text())
-    modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+def stoker_modules_imported(source: str) -> set[str]:
+    """The stoker modules `source` imports from: `from stoker.run import outcome` is stoker.run.outcome."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stoker"):
+            for alias in node.names:
+                module = f"{node.module}.{alias.name}"
+                found.add(module if _is_module(module) else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("stoker")}
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a name inside a module, not a submodule
+        return False
+
+
+def test_the_controller_imports_from_at_most_20_of_stoker_s_modules():
+    modules = stoker_modules_imported((PACKAGE / "run" / "controller.py").read_text())
     assert len(modules) <= CONTROLLER_MODULES, sorted(modules)
 
 
@@ -70,8 +98,18 @@ def test_the_size_readers_count_what_they_should():
     python = ("@decorated\ndef long():\n" + "    x = 1\n" * 50 + "\nclass Small:\n    def method(self):\n"
               "        return 1\n")
     assert python_sizes(python) == [("function", "long", 52), ("class", "Small", 3), ("function", "method", 2)]
-    c = ("/* a comment (with parentheses) */\n#include <x.h>\nstruct point {\n    int x;\n};\n"
+    c = ("/* a comment { with a brace } and (parentheses) */\n#include <x.h>\n"
+         "#define BLOCK(x) { \\\n    (x); }\n"
+         "struct point {\n    int x;\n};\nstatic const int table[] = {1, 2};\n"
          "static int one(int a) { return a; }\n"
-         "static void *split(int a,\n                   int b) {\n    call(a);\n    if (b) {\n        call(b);\n"
-         "    }\n}\n\nint declared(int a);\n")
-    assert c_function_sizes(c) == [("one", 1), ("split", 7)]
+         "static int\nsplit(int a,\n      int b)\n{\n    call(\"}\", '{');\n    if (b) {\n        call(b);\n"
+         "}\n    return 0;\n}\n\nint declared(int a);\n"
+         "PyMODINIT_FUNC PyInit_x(void) { return make(&module); }\n")
+    assert c_function_sizes(c) == [("one", 1), ("split", 10), ("PyInit_x", 1)]
+
+
+def test_the_import_reader_counts_modules_not_import_lines():
+    source = ("from stoker.run import outcome, prestart\nfrom stoker.common.config import TrainConfig, ConfigError\n"
+              "import stoker.pipeline.driver\nimport logging\n")
+    assert stoker_modules_imported(source) == {"stoker.run.outcome", "stoker.run.prestart", "stoker.common.config",
+                                               "stoker.pipeline.driver"}
