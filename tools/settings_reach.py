@@ -7,7 +7,8 @@ each hand-off of a setting from one of stoker's files to another:
 
 - a call whose arguments hold settings: a settings object (`TrainConfig` or a section: all its fields), a value
   under a setting's own name and equal to the run's (`producer_timeout_s=20.0`), or either of those in a dataclass's
-  fields, two levels down (`EngineSpec.build.producer_timeout_s`); a method's own `self` is not handed over again;
+  fields, two levels down (`EngineSpec.build.producer_timeout_s`), or in a tuple's or a list's items (a process's
+  arguments); not a method's own `self`, nor a generator's arguments when it is resumed; a dict is a record;
 - a return of a settings object, or of a dataclass, tuple or list holding settings, to the caller (a factory's
   result, `EngineSpec.from_sections`); a number or a string worked out and returned is a use, not a hand-off.
 
