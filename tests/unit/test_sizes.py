@@ -2,13 +2,10 @@
 and the controller, the loop that conducts a run, importing from at most 20 of stoker's modules."""
 
 import ast
-import importlib.util
 import re
-from pathlib import Path
 
-import stoker
+from tests.unit.test_layout import PACKAGE, _imports_graph
 
-PACKAGE = Path(stoker.__file__).parent
 CLASS_LINES = 400
 FUNCTION_LINES = 50
 CONTROLLER_MODULES = 20
@@ -69,28 +66,9 @@ def test_no_c_function_over_50_lines():
     assert too_long == []
 
 
-def stoker_modules_imported(source: str) -> set[str]:
-    """The stoker modules `source` imports from: `from stoker.run import outcome` is stoker.run.outcome."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stoker"):
-            for alias in node.names:
-                module = f"{node.module}.{alias.name}"
-                found.add(module if _is_module(module) else node.module)
-        elif isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names if alias.name.startswith("stoker")}
-    return found
-
-
-def _is_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a name inside a module, not a submodule
-        return False
-
-
 def test_the_controller_imports_from_at_most_20_of_stoker_s_modules():
-    modules = stoker_modules_imported((PACKAGE / "run" / "controller.py").read_text())
+    """Counted as the layout test's import graph counts them: `from stoker.run import outcome, prestart` is two."""
+    modules = _imports_graph(PACKAGE, module_level_only=False)["stoker.run.controller"]
     assert len(modules) <= CONTROLLER_MODULES, sorted(modules)
 
 
@@ -106,10 +84,3 @@ def test_the_size_readers_count_what_they_should():
          "}\n    return 0;\n}\n\nint declared(int a);\n"
          "PyMODINIT_FUNC PyInit_x(void) { return make(&module); }\n")
     assert c_function_sizes(c) == [("one", 1), ("split", 10), ("PyInit_x", 1)]
-
-
-def test_the_import_reader_counts_modules_not_import_lines():
-    source = ("from stoker.run import outcome, prestart\nfrom stoker.common.config import TrainConfig, ConfigError\n"
-              "import stoker.pipeline.driver\nimport logging\n")
-    assert stoker_modules_imported(source) == {"stoker.run.outcome", "stoker.run.prestart", "stoker.common.config",
-                                               "stoker.pipeline.driver"}
