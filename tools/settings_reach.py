@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from itertools import islice
@@ -219,10 +220,7 @@ def report(rows: list[list[str]]) -> dict[str, list[str]]:
     for setting in set().union(*(held for *_, held in hand_offs)):
         arrived = {receiver for _, receiver, _, held in hand_offs if setting in held}
         relays_of[setting] = arrived & {sender for sender, _, _, held in hand_offs if setting in held}
-    relayed: dict[str, int] = {}
-    for files in relays_of.values():
-        for path in files:
-            relayed[path] = relayed.get(path, 0) + 1
+    relayed = Counter(path for files in relays_of.values() for path in files)
     climbs: dict[str, set[str]] = {}
     for sender, receiver, function, _ in hand_offs:
         if sender != OUTSIDE and _layer(receiver) > _layer(sender):
